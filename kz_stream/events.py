@@ -1,0 +1,340 @@
+"""Event envelope, typed payloads, versioning and serialization.
+
+One envelope serves Kafka and the store alike. On the wire an event is one compact JSON
+object (orjson, UTF-8, no whitespace)::
+
+    {"event_id": "<uuid>", "type": "KernelVerified", "schema_version": 2,
+     "stream_id": "kernel-<uuid>", "stream_version": 1,
+     "occurred_at": "2026-11-29T16:49:29.123456Z", "producer": "verifier@host",
+     "correlation_id": "run-1", "causation_id": "<uuid>|null", "payload": {...}}
+
+Payloads are pydantic models registered by ``type``. Each payload class carries the
+schema version it writes; older stored versions are upcast on read by functions in
+``UPCASTERS`` keyed by ``(type, from_version)``. Stored rows are never rewritten.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, ClassVar, Literal, TypeVar
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "EVENT_TYPES",
+    "UPCASTERS",
+    "Completion",
+    "Event",
+    "EventDecodeError",
+    "FrontierUpdated",
+    "KernelGenerated",
+    "KernelVerified",
+    "ModuleProposed",
+    "ModuleValidation",
+    "Payload",
+    "PolicyVersionLoaded",
+    "PolicyVersionPublished",
+    "TrainingStepCompleted",
+    "VerdictStatus",
+    "decode_event",
+    "encode_event",
+    "new_event",
+]
+
+
+class EventDecodeError(ValueError):
+    """An event could not be decoded; the message names the offending field."""
+
+
+class Payload(BaseModel):
+    """Base of every typed payload: frozen, strict about unknown fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    event_type: ClassVar[str]
+    schema_version: ClassVar[int] = 1
+
+
+P = TypeVar("P", bound=Payload)
+
+
+class Completion(BaseModel):
+    """One sampled completion with what off-policy correction needs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    text: str
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ModuleValidation(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    valid: bool
+    reason: str | None = None  # e.g. "wrong_apis", "crash", "timeout", "degenerate"
+    detail: str | None = None
+    apis_called: list[str] = Field(default_factory=list)
+
+
+class ModuleProposed(Payload):
+    event_type: ClassVar[str] = "ModuleProposed"
+
+    module_id: str
+    api_set: list[str]
+    source: str
+    prompt: str = ""
+    completion: Completion | None = None
+    policy_version: int = 0
+    normalized_hash: str = ""
+    validation: ModuleValidation
+
+
+class KernelGenerated(Payload):
+    """A Coder sample. v1 named the backend ``language``; v2 calls it ``backend``."""
+
+    event_type: ClassVar[str] = "KernelGenerated"
+    schema_version: ClassVar[int] = 2
+
+    kernel_id: str
+    module_id: str
+    group_id: str
+    backend: Literal["cuda", "triton"]
+    source: str
+    prompt: str = ""
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    policy_version: int = 0
+    completion: Completion | None = None
+
+
+class VerdictStatus(StrEnum):
+    CORRECT = "correct"
+    INCORRECT = "incorrect"
+    COMPILE_ERROR = "compile_error"
+    RUNTIME_ERROR = "runtime_error"
+    TIMEOUT = "timeout"
+    OUT_OF_MEMORY = "out_of_memory"
+    HACK = "hack"
+    UNCHECKED = "unchecked"  # the verifier could not run this check here (e.g. no GPU)
+
+
+class KernelVerified(Payload):
+    event_type: ClassVar[str] = "KernelVerified"
+
+    kernel_id: str
+    module_id: str
+    group_id: str
+    status: VerdictStatus
+    reason: str | None = None
+    check: str | None = None
+    input_index: int | None = None
+    max_rel_error: float | None = None
+    speedup: float | None = None
+    speedup_ci: tuple[float, float] | None = None
+    verifier_version: str = ""
+    hardware: dict[str, Any] = Field(default_factory=dict)
+    policy_version: int = 0
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class FrontierUpdated(Payload):
+    event_type: ClassVar[str] = "FrontierUpdated"
+
+    frontier_version: int
+    weak_apis: dict[str, float] = Field(default_factory=dict)
+    weak_pairs: dict[str, float] = Field(default_factory=dict)
+    slow_apis: dict[str, float] = Field(default_factory=dict)
+    module_correctness: dict[str, float] = Field(default_factory=dict)
+    based_on_position: int = 0
+
+
+class TrainingStepCompleted(Payload):
+    event_type: ClassVar[str] = "TrainingStepCompleted"
+
+    role: Literal["coder", "proposer"]
+    step: int
+    policy_version: int
+    kernel_ids: list[str] = Field(default_factory=list)
+    module_ids: list[str] = Field(default_factory=list)
+    group_ids: list[str] = Field(default_factory=list)
+    losses: dict[str, float] = Field(default_factory=dict)
+    mean_reward: float = 0.0
+    staleness: dict[str, float] = Field(default_factory=dict)
+    dropped_stale: int = 0
+    store_position: int = 0
+
+
+class PolicyVersionPublished(Payload):
+    event_type: ClassVar[str] = "PolicyVersionPublished"
+
+    role: Literal["coder", "proposer"]
+    version: int
+    uri: str
+    sha256: str
+    base_model: str = ""
+    kind: Literal["lora", "full"] = "lora"
+
+
+class PolicyVersionLoaded(Payload):
+    event_type: ClassVar[str] = "PolicyVersionLoaded"
+
+    role: Literal["coder", "proposer"]
+    replica: str
+    version: int
+
+
+EVENT_TYPES: dict[str, type[Payload]] = {
+    cls.event_type: cls
+    for cls in (
+        ModuleProposed,
+        KernelGenerated,
+        KernelVerified,
+        FrontierUpdated,
+        TrainingStepCompleted,
+        PolicyVersionPublished,
+        PolicyVersionLoaded,
+    )
+}
+
+
+def _kernel_generated_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    upcast = dict(payload)
+    upcast["backend"] = upcast.pop("language")
+    return upcast
+
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+
+# (type, from_version) -> function returning the payload at from_version + 1.
+UPCASTERS: dict[tuple[str, int], Upcaster] = {
+    ("KernelGenerated", 1): _kernel_generated_v1_to_v2,
+}
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Event(BaseModel):
+    """The envelope. ``payload`` is the raw JSON object at ``schema_version``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    event_id: uuid.UUID
+    type: str
+    schema_version: int = Field(ge=1)
+    stream_id: str = Field(min_length=1, max_length=200)
+    stream_version: int = Field(ge=0)
+    occurred_at: datetime
+    producer: str = ""
+    correlation_id: str | None = None
+    causation_id: uuid.UUID | None = None
+    payload: dict[str, Any]
+
+    def decode(self, expected: type[P] | None = None) -> P | Payload:
+        """Returns the typed payload, upcast to the current schema version."""
+        cls = EVENT_TYPES.get(self.type)
+        if cls is None:
+            raise EventDecodeError(f"type: unknown event type {self.type!r}")
+        if expected is not None and cls is not expected:
+            raise EventDecodeError(f"type: expected {expected.event_type}, got {self.type}")
+        data, version = self.payload, self.schema_version
+        if version > cls.schema_version:
+            raise EventDecodeError(
+                f"schema_version: {self.type} v{version} is newer than this code "
+                f"(v{cls.schema_version})"
+            )
+        while version < cls.schema_version:
+            upcast = UPCASTERS.get((self.type, version))
+            if upcast is None:
+                raise EventDecodeError(
+                    f"schema_version: no upcaster for {self.type} v{version}"
+                )
+            try:
+                data = upcast(data)
+            except KeyError as e:
+                raise EventDecodeError(f"payload.{e.args[0]}: missing in {self.type} v{version}") from e
+            version += 1
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise EventDecodeError(_first_error(e, prefix="payload")) from e
+
+
+def new_event(
+    payload: Payload,
+    *,
+    stream_id: str,
+    stream_version: int,
+    producer: str = "",
+    correlation_id: str | None = None,
+    causation_id: uuid.UUID | None = None,
+    event_id: uuid.UUID | None = None,
+    occurred_at: datetime | None = None,
+) -> Event:
+    """Wraps a typed payload in a fresh envelope."""
+    return Event(
+        event_id=event_id or uuid.uuid4(),
+        type=payload.event_type,
+        schema_version=payload.schema_version,
+        stream_id=stream_id,
+        stream_version=stream_version,
+        occurred_at=occurred_at or _now(),
+        producer=producer,
+        correlation_id=correlation_id,
+        causation_id=causation_id,
+        payload=payload.model_dump(mode="json"),
+    )
+
+
+def _first_error(e: ValidationError, prefix: str = "") -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    field = f"{prefix}.{loc}" if prefix and loc else (loc or prefix or "event")
+    return f"{field}: {err['msg']}"
+
+
+def encode_event(event: Event) -> bytes:
+    """Serializes an envelope to compact JSON bytes."""
+    return orjson.dumps(
+        {
+            "event_id": str(event.event_id),
+            "type": event.type,
+            "schema_version": event.schema_version,
+            "stream_id": event.stream_id,
+            "stream_version": event.stream_version,
+            "occurred_at": event.occurred_at.isoformat(),
+            "producer": event.producer,
+            "correlation_id": event.correlation_id,
+            "causation_id": str(event.causation_id) if event.causation_id else None,
+            "payload": event.payload,
+        }
+    )
+
+
+def decode_event(data: bytes | str | Mapping[str, Any]) -> Event:
+    """Parses and validates an envelope; unknown types and bad fields raise EventDecodeError.
+
+    The payload is validated against its type (after upcasting) so that a malformed event
+    is rejected here, at the edge, with the field named.
+    """
+    if isinstance(data, bytes | str):
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise EventDecodeError(f"event: not valid JSON ({e})") from e
+    else:
+        obj = data
+    if not isinstance(obj, dict):
+        raise EventDecodeError("event: expected a JSON object")
+    try:
+        event = Event.model_validate(obj)
+    except ValidationError as e:
+        raise EventDecodeError(_first_error(e)) from e
+    event.decode()  # validates the payload; raises EventDecodeError naming the field
+    return event

@@ -1,0 +1,82 @@
+"""What every event store adapter provides. Contract tests in tests/contract pin it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+from kz_stream.events import Event
+
+
+class ConcurrencyError(Exception):
+    """(stream_id, stream_version) is already taken by a different event."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedEvent:
+    """An event as stored: the envelope plus its commit-ordered global position."""
+
+    global_position: int
+    recorded_at: datetime
+    event: Event
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    appended: int  # new rows written
+    duplicates: int  # events whose event_id was already stored (idempotent no-ops)
+    last_position: int  # highest global position after the append
+
+
+class StoreTransaction(Protocol):
+    """One database transaction: appends, tracking positions and projection writes commit
+    together or not at all."""
+
+    async def append(self, events: Sequence[Event]) -> AppendResult: ...
+
+    async def set_tracking(self, name: str, positions: Mapping[str, int]) -> None: ...
+
+    async def get_tracking(self, name: str) -> dict[str, int]: ...
+
+    async def execute(self, statement: Any, parameters: Any = None) -> Any:
+        """Runs a SQLAlchemy statement (projection writes) in this transaction."""
+        ...
+
+
+class EventStore(Protocol):
+    url: str
+
+    async def start(self) -> None:
+        """Connects; creates the schema when ``create_schema`` was asked for."""
+
+    async def close(self) -> None: ...
+
+    async def append(
+        self, events: Sequence[Event], *, tracking: Mapping[str, Mapping[str, int]] | None = None
+    ) -> AppendResult:
+        """Appends a batch atomically, skipping events whose event_id is stored already.
+
+        Raises ConcurrencyError when (stream_id, stream_version) holds another event.
+        ``tracking`` maps a tracking name to {key: position}, written in the same transaction.
+        """
+
+    def transaction(self) -> AbstractAsyncContextManager[StoreTransaction]: ...
+
+    async def read_stream(self, stream_id: str) -> list[RecordedEvent]: ...
+
+    def read_all(
+        self, from_position: int = 0, *, batch_size: int = 1000, types: Sequence[str] | None = None
+    ) -> AsyncIterator[list[RecordedEvent]]:
+        """Batches of events with global_position > from_position, in order, to the current end."""
+
+    def tail(
+        self, from_position: int = 0, *, batch_size: int = 1000, poll_interval: float = 0.5
+    ) -> AsyncIterator[list[RecordedEvent]]:
+        """Like read_all, then waits for new commits forever (LISTEN/NOTIFY or polling)."""
+
+    async def last_position(self) -> int: ...
+
+    async def get_tracking(self, name: str) -> dict[str, int]: ...
