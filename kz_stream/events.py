@@ -43,6 +43,7 @@ __all__ = [
     "decode_event",
     "encode_event",
     "new_event",
+    "payload_as",
 ]
 
 
@@ -236,13 +237,11 @@ class Event(BaseModel):
     causation_id: uuid.UUID | None = None
     payload: dict[str, Any]
 
-    def decode(self, expected: type[P] | None = None) -> P | Payload:
+    def decode(self) -> Payload:
         """Returns the typed payload, upcast to the current schema version."""
         cls = EVENT_TYPES.get(self.type)
         if cls is None:
             raise EventDecodeError(f"type: unknown event type {self.type!r}")
-        if expected is not None and cls is not expected:
-            raise EventDecodeError(f"type: expected {expected.event_type}, got {self.type}")
         data, version = self.payload, self.schema_version
         if version > cls.schema_version:
             raise EventDecodeError(
@@ -258,12 +257,22 @@ class Event(BaseModel):
             try:
                 data = upcast(data)
             except KeyError as e:
-                raise EventDecodeError(f"payload.{e.args[0]}: missing in {self.type} v{version}") from e
+                raise EventDecodeError(
+                    f"payload.{e.args[0]}: missing in {self.type} v{version}"
+                ) from e
             version += 1
         try:
             return cls.model_validate(data)
         except ValidationError as e:
             raise EventDecodeError(_first_error(e, prefix="payload")) from e
+
+
+def payload_as(event: Event, cls: type[P]) -> P:
+    """Decodes ``event`` and checks that it is a ``cls``."""
+    payload = event.decode()
+    if not isinstance(payload, cls):
+        raise EventDecodeError(f"type: expected {cls.event_type}, got {event.type}")
+    return payload
 
 
 def new_event(

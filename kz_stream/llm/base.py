@@ -1,0 +1,152 @@
+"""The one interface every LLM backend implements, and the values it trades in."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
+
+from kz_stream.events import Completion
+
+__all__ = [
+    "LOGPROB_DEFINITION",
+    "BackendError",
+    "ChatMessage",
+    "LLMBackend",
+    "Prompt",
+    "Sample",
+    "SamplingParams",
+]
+
+# What every backend stores in ``Sample.logprobs``; the learner must recompute the same thing.
+LOGPROB_DEFINITION = (
+    "log p(token) under softmax(logits / temperature) of the behaviour policy, i.e. after "
+    "temperature scaling and before top-k / top-p truncation (with top_k=0 and top_p=1.0, "
+    "the defaults, this is exactly the distribution that was sampled); temperature 0 "
+    "(greedy) stores log_softmax(logits)."
+)
+
+
+class ChatMessage(TypedDict):
+    """One chat turn in the OpenAI shape."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+# A prompt is either a chat (rendered with the model's chat template) or raw text.
+Prompt = Sequence[ChatMessage] | str
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample; the same fields mean the same thing in every backend.
+
+    ``top_k=0`` and ``top_p=1.0`` switch those filters off. ``seed`` makes one request
+    reproducible where the backend supports it (transformers: always; vLLM: per request).
+    """
+
+    max_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Returns a JSON-ready dict (what ``KernelGenerated.sampling`` stores)."""
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": list(self.stop),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One sampled completion and what off-policy correction needs.
+
+    ``logprobs[i]`` belongs to ``token_ids[i]``; see ``LOGPROB_DEFINITION``.
+    ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``.
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    policy_version: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    def to_completion(self) -> Completion:
+        """Returns the event-payload form (``kz_stream.events.Completion``)."""
+        return Completion(
+            text=self.text,
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            finish_reason=self.finish_reason,
+        )
+
+
+class BackendError(RuntimeError):
+    """The engine failed to serve a request (not a property of the generated text)."""
+
+
+class LLMBackend(abc.ABC):
+    """Batched sampling of ``n`` completions per prompt from a hot-swappable policy.
+
+    Implementations are safe to call concurrently from one event loop: many ``generate``
+    calls may be in flight while ``load_policy`` swaps the policy; requests already started
+    finish under the version they started with and report that version.
+    """
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int:
+        """The version new requests are served with."""
+
+    @abc.abstractmethod
+    async def generate(
+        self, prompts: Sequence[Prompt], *, n: int = 1, sampling: SamplingParams
+    ) -> list[list[Sample]]:
+        """Returns ``n`` samples for each prompt, in prompt order."""
+
+    @abc.abstractmethod
+    async def load_policy(self, version: int, uri: str, *, kind: str = "lora") -> None:
+        """Makes ``version`` (a LoRA adapter dir, or full weights for ``kind="full"``) current.
+
+        ``uri`` is a local path or ``file://`` URI. Loading the base model again is
+        ``uri=""`` with ``kind="lora"``.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Releases the engine or connection; idempotent."""
+
+    async def __aenter__(self) -> LLMBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def uri_to_path(uri: str) -> str:
+    """Turns a ``file://`` URI or plain path into a filesystem path."""
+    if uri.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        return unquote(urlparse(uri).path)
+    return uri

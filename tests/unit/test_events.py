@@ -1,0 +1,121 @@
+"""The event envelope: compact round trips, upcasting on read, clear rejections."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+import pytest
+
+from kz_stream.events import (
+    Completion,
+    EventDecodeError,
+    KernelGenerated,
+    KernelVerified,
+    VerdictStatus,
+    decode_event,
+    encode_event,
+    new_event,
+    payload_as,
+)
+
+
+def kernel_generated() -> KernelGenerated:
+    return KernelGenerated(
+        kernel_id="k1",
+        module_id="m1",
+        group_id="g1",
+        backend="triton",
+        source="@triton.jit\ndef k(): pass",
+        prompt="write a kernel",
+        sampling={"temperature": 1.0},
+        policy_version=3,
+        completion=Completion(text="x", token_ids=[1, 2], logprobs=[-0.5, -1.25]),
+    )
+
+
+def test_an_event_round_trips_through_its_wire_form_unchanged() -> None:
+    event = new_event(kernel_generated(), stream_id="kernel-k1", stream_version=0, producer="t")
+    wire = encode_event(event)
+    assert decode_event(wire) == event
+    assert payload_as(decode_event(wire), KernelGenerated) == kernel_generated()
+
+
+def test_the_wire_form_is_compact_json_with_the_envelope_fields() -> None:
+    event = new_event(kernel_generated(), stream_id="kernel-k1", stream_version=0)
+    wire = encode_event(event)
+    obj = orjson.loads(wire)
+    assert wire == orjson.dumps(obj)  # no whitespace between tokens
+    assert set(obj) == {
+        "event_id", "type", "schema_version", "stream_id", "stream_version", "occurred_at",
+        "producer", "correlation_id", "causation_id", "payload",
+    }
+    assert obj["type"] == "KernelGenerated" and obj["schema_version"] == 2
+
+
+def test_a_v1_kernel_generated_is_upcast_to_v2_on_read() -> None:
+    event = new_event(kernel_generated(), stream_id="kernel-k1", stream_version=0)
+    obj = orjson.loads(encode_event(event))
+    obj["schema_version"] = 1
+    obj["payload"]["language"] = obj["payload"].pop("backend")
+    stored_v1 = decode_event(orjson.dumps(obj))
+    assert stored_v1.schema_version == 1  # the stored form is kept as it was
+    assert payload_as(stored_v1, KernelGenerated).backend == "triton"
+
+
+def test_an_unknown_event_type_is_rejected_naming_the_type() -> None:
+    event = new_event(kernel_generated(), stream_id="s", stream_version=0)
+    obj = orjson.loads(encode_event(event))
+    obj["type"] = "KernelTeleported"
+    with pytest.raises(EventDecodeError, match=r"^type: unknown event type 'KernelTeleported'"):
+        decode_event(orjson.dumps(obj))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda o: o.pop("event_id"), "event_id"),
+        (lambda o: o.update(stream_version=-1), "stream_version"),
+        (lambda o: o.update(event_id="not-a-uuid"), "event_id"),
+        (lambda o: o["payload"].update(backend="opencl"), "payload.backend"),
+        (lambda o: o["payload"].pop("kernel_id"), "payload.kernel_id"),
+        (lambda o: o["payload"].update(surprise=1), "payload.surprise"),
+    ],
+)
+def test_a_malformed_event_is_rejected_with_the_field_named(mutate: Any, field: str) -> None:
+    event = new_event(kernel_generated(), stream_id="s", stream_version=0)
+    obj = orjson.loads(encode_event(event))
+    mutate(obj)
+    with pytest.raises(EventDecodeError) as info:
+        decode_event(orjson.dumps(obj))
+    assert str(info.value).startswith(f"{field}:")
+
+
+def test_bytes_that_are_not_json_are_rejected() -> None:
+    with pytest.raises(EventDecodeError, match="not valid JSON"):
+        decode_event(b"\x00\xffgarbage")
+
+
+def test_a_newer_schema_version_than_the_code_knows_is_rejected() -> None:
+    event = new_event(kernel_generated(), stream_id="s", stream_version=0)
+    obj = orjson.loads(encode_event(event))
+    obj["schema_version"] = 9
+    with pytest.raises(EventDecodeError, match="newer than this code"):
+        decode_event(orjson.dumps(obj))
+
+
+def test_payload_as_refuses_the_wrong_type() -> None:
+    event = new_event(kernel_generated(), stream_id="s", stream_version=0)
+    with pytest.raises(EventDecodeError, match="expected KernelVerified"):
+        payload_as(event, KernelVerified)
+
+
+def test_verdict_payload_keeps_its_enum_and_interval() -> None:
+    verdict = KernelVerified(
+        kernel_id="k", module_id="m", group_id="g", status=VerdictStatus.CORRECT,
+        speedup=1.5, speedup_ci=(1.4, 1.6),
+    )
+    event = new_event(verdict, stream_id="kernel-k", stream_version=1, causation_id=uuid.uuid4())
+    back = payload_as(decode_event(encode_event(event)), KernelVerified)
+    assert back.status is VerdictStatus.CORRECT and back.speedup_ci == (1.4, 1.6)
