@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv and installs kz_stream with everything its tests and the embedded run need.
+# Idempotent: a second run only installs what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# CPU torch first, from this machine's wheel cache when it has one: a bare "torch" from the
+# index would pull a multi-GB CUDA build.
+if ! python -c "import torch" 2>/dev/null; then
+  if ls /opt/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
+    python -m pip install -q --find-links /opt/wheels "torch==2.13.0+cpu"
+  else
+    python -m pip install -q "torch>=2.11,<2.15"
+  fi
+fi
+python -m pip install -q -e ".[dev,verify,llm,train]"
+echo "setup: $(python -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"

@@ -1,0 +1,301 @@
+"""The ``kz`` command line. Errors print one clear line and exit non-zero."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kz_stream.config import Settings, load_settings
+
+app = typer.Typer(
+    name="kz", help="kz_stream: train LLMs to write fast, correct GPU kernels.",
+    no_args_is_help=True, pretty_exceptions_enable=False,
+)
+infra_app = typer.Typer(help="Start and stop local PostgreSQL and the Kafka-protocol broker.")
+db_app = typer.Typer(help="Event store schema.")
+app.add_typer(infra_app, name="infra")
+app.add_typer(db_app, name="db")
+
+console = Console()
+err_console = Console(stderr=True)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="TOML config file (env vars override it).")
+]
+
+
+def _one_line_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turns any exception into one red line on stderr and exit code 1."""
+
+    @wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as e:  # the CLI's edge: report, never dump a traceback
+            if os.environ.get("KZ_DEBUG"):
+                raise
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            err_console.print(f"[red]error:[/red] {type(e).__name__}: {msg}", highlight=False)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _settings(config: Path | None) -> Settings:
+    return load_settings(config)
+
+
+def _run(coro: Awaitable[R]) -> R:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------- infra
+
+def _infra_dir() -> Path:
+    return Path(os.environ.get("KZ_INFRA_DIR", ".kz/infra")).resolve()
+
+
+def _infra_state() -> dict[str, Any]:
+    path = _infra_dir() / "state.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@infra_app.command("up")
+@_one_line_errors
+def infra_up() -> None:
+    """Starts a private PostgreSQL cluster and the tansu broker; prints the env to use them."""
+    from kz_stream.infra import LocalBroker, LocalPostgres
+
+    root = _infra_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    state = _infra_state()
+    pg = LocalPostgres(root / "postgres", port=state.get("postgres_port", 0))
+    if not (state and pg.running()):
+        pg.start()
+    broker = LocalBroker(port=state.get("broker_port", 0), pid=state.get("broker_pid", 0))
+    if not broker.running():
+        broker = LocalBroker().start(log_path=root / "broker.log")
+    state = {"postgres_port": pg.port, "broker_port": broker.port, "broker_pid": broker.pid,
+             "database_url": pg.url, "bus_url": f"kafka://{broker.bootstrap}"}
+    (root / "state.json").write_text(json.dumps(state, indent=2))
+    console.print(f"export KZ_DATABASE_URL={pg.url}", highlight=False)
+    console.print(f"export KZ_BUS_URL=kafka://{broker.bootstrap}", highlight=False)
+
+
+@infra_app.command("down")
+@_one_line_errors
+def infra_down() -> None:
+    """Stops the local PostgreSQL cluster and broker started by ``kz infra up``."""
+    from kz_stream.infra import LocalBroker, LocalPostgres
+
+    root = _infra_dir()
+    state = _infra_state()
+    if not state:
+        console.print("nothing is running")
+        return
+    LocalPostgres(root / "postgres", port=state["postgres_port"]).stop()
+    LocalBroker(port=state["broker_port"], pid=state["broker_pid"]).stop()
+    (root / "state.json").unlink()
+    console.print("stopped postgres and broker")
+
+
+@infra_app.command("status")
+@_one_line_errors
+def infra_status() -> None:
+    """Shows whether the local services are up."""
+    from kz_stream.infra import LocalBroker, LocalPostgres
+
+    state = _infra_state()
+    table = Table("service", "address", "up")
+    if state:
+        pg = LocalPostgres(_infra_dir() / "postgres", port=state["postgres_port"])
+        broker = LocalBroker(port=state["broker_port"], pid=state["broker_pid"])
+        table.add_row("postgres", state["database_url"], str(pg.running()))
+        table.add_row("broker", state["bus_url"], str(broker.running()))
+    console.print(table)
+    if not state:
+        raise typer.Exit(1)
+
+
+# ------------------------------------------------------------------------------------ db
+
+@db_app.command("upgrade")
+@_one_line_errors
+def db_upgrade(config: ConfigOption = None, revision: str = "head") -> None:
+    """Migrates the event store schema (Alembic) to ``revision``."""
+    from kz_stream.app import ensure_sqlite_dir
+    from kz_stream.store._migrate import upgrade
+
+    settings = _settings(config)
+    ensure_sqlite_dir(settings.database_url)
+    upgrade(settings.database_url, revision)
+    console.print(f"database at {revision}: {_redact(settings.database_url)}", highlight=False)
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+# -------------------------------------------------------------------------------- serve
+
+SERVICES = ("recorder", "verifier", "proposer", "coder", "learner")
+
+
+@app.command()
+@_one_line_errors
+def serve(
+    service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVICES)}.")],
+    config: ConfigOption = None,
+) -> None:
+    """Runs one long-lived service until SIGTERM/SIGINT."""
+    from kz_stream.app import run_named_services
+
+    if service not in SERVICES:
+        raise typer.BadParameter(f"unknown service {service!r}; choose from {', '.join(SERVICES)}")
+    _run(run_named_services(_settings(config), [service]))
+
+
+# ------------------------------------------------------------------------ replay/audit/tail
+
+@app.command()
+@_one_line_errors
+def replay(
+    projection: Annotated[str, typer.Option(help="Projection to rebuild.")] = "kernels",
+    config: ConfigOption = None,
+) -> None:
+    """Rebuilds a projection from position 0 and reports events/s."""
+    from kz_stream.app import projection_by_name
+    from kz_stream.projections import rebuild
+    from kz_stream.store import open_store
+
+    settings = _settings(config)
+
+    async def go() -> tuple[int, float]:
+        store = open_store(settings.database_url)
+        await store.start()
+        try:
+            total = await store.last_position()
+            with Progress(
+                TextColumn("replay {task.fields[name]}"), BarColumn(),
+                TextColumn("{task.completed:,}/{task.total:,} positions"),
+                TimeElapsedColumn(), console=err_console,
+            ) as progress:
+                task = progress.add_task("replay", total=total, name=projection)
+                t0 = time.perf_counter()
+                applied = await rebuild(
+                    store, projection_by_name(projection),
+                    on_batch=lambda pos: progress.update(task, completed=pos),
+                )
+                elapsed = time.perf_counter() - t0
+            return applied, elapsed
+        finally:
+            await store.close()
+
+    applied, elapsed = _run(go())
+    rate = applied / elapsed if elapsed > 0 else 0.0
+    console.print(f"rebuilt {projection}: {applied:,} events in {elapsed:.2f}s ({rate:,.0f} events/s)")
+
+
+@app.command()
+@_one_line_errors
+def audit(
+    stream_id: Annotated[str, typer.Argument(help="Stream id, e.g. kernel-<id>.")],
+    config: ConfigOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per event.")] = False,
+) -> None:
+    """Prints a stream's full history, oldest first."""
+    from kz_stream.events import encode_event
+    from kz_stream.store import open_store
+
+    settings = _settings(config)
+
+    async def go() -> list[Any]:
+        store = open_store(settings.database_url)
+        await store.start()
+        try:
+            return await store.read_stream(stream_id)
+        finally:
+            await store.close()
+
+    records = _run(go())
+    if not records:
+        raise LookupError(f"no stream {stream_id!r} in {_redact(settings.database_url)}")
+    if as_json:
+        for r in records:
+            sys.stdout.write(encode_event(r.event).decode() + "\n")
+        return
+    for r in records:
+        e = r.event
+        console.rule(
+            f"#{r.global_position}  v{e.stream_version}  {e.type} (schema v{e.schema_version})"
+        )
+        console.print(
+            f"event_id={e.event_id} occurred_at={e.occurred_at.isoformat()} "
+            f"producer={e.producer} correlation={e.correlation_id} causation={e.causation_id}",
+            highlight=False,
+        )
+        console.print_json(data=e.payload)
+
+
+@app.command()
+@_one_line_errors
+def tail(
+    config: ConfigOption = None,
+    from_position: Annotated[int, typer.Option("--from", help="Start after this position.")] = -1,
+    limit: Annotated[int, typer.Option(help="Stop after this many events (0: follow).")] = 0,
+) -> None:
+    """Follows the store, printing one line per event as it commits."""
+    from kz_stream.store import open_store
+
+    settings = _settings(config)
+
+    async def go() -> None:
+        store = open_store(settings.database_url)
+        await store.start()
+        try:
+            start = from_position if from_position >= 0 else await store.last_position()
+            seen = 0
+            async for batch in store.tail(start):
+                for r in batch:
+                    e = r.event
+                    console.print(
+                        f"{r.global_position:>10}  {e.type:<24} {e.stream_id}  v{e.stream_version}",
+                        highlight=False,
+                    )
+                    seen += 1
+                    if limit and seen >= limit:
+                        return
+        finally:
+            await store.close()
+
+    try:
+        _run(go())
+    except KeyboardInterrupt:
+        pass
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
