@@ -105,6 +105,7 @@ class KernelGenerated(Payload):
     kernel_id: str
     module_id: str
     group_id: str
+    group_size: int = Field(default=1, ge=1)
     backend: Literal["cuda", "triton"]
     source: str
     prompt: str = ""

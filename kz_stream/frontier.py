@@ -1,0 +1,268 @@
+"""The learner's read model of a run, the per-API capability map, and the frontier.
+
+``RunState`` is an in-memory projection rebuilt by replaying the store: modules, kernels,
+their latest verdicts, and groups (all samples of one module under one policy version and
+backend). The capability map and the frontier are pure functions of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kz_stream.events import (
+    Event,
+    FrontierUpdated,
+    KernelGenerated,
+    KernelVerified,
+    ModuleProposed,
+    TrainingStepCompleted,
+    VerdictStatus,
+)
+from kz_stream.store import RecordedEvent
+
+__all__ = [
+    "ApiStats",
+    "CapabilityMap",
+    "FrontierConfig",
+    "GroupState",
+    "KernelRecord",
+    "ModuleRecord",
+    "RunState",
+    "compute_frontier",
+]
+
+# Verdicts that say nothing about the Coder's skill (the check could not run here).
+_UNDECIDED = {VerdictStatus.UNCHECKED}
+
+
+@dataclass
+class ModuleRecord:
+    module_id: str
+    api_set: list[str]
+    valid: bool
+    event: ModuleProposed
+    event_id: str
+
+
+@dataclass
+class KernelRecord:
+    kernel_id: str
+    module_id: str
+    group_id: str
+    policy_version: int
+    generated: KernelGenerated
+    generated_at: float
+    verdict: KernelVerified | None = None
+
+    @property
+    def decided(self) -> bool:
+        return self.verdict is not None and self.verdict.status not in _UNDECIDED
+
+    @property
+    def correct(self) -> bool:
+        return self.verdict is not None and self.verdict.status is VerdictStatus.CORRECT
+
+
+@dataclass
+class GroupState:
+    group_id: str
+    module_id: str
+    policy_version: int
+    size: int
+    kernel_ids: list[str] = field(default_factory=list)
+    used: bool = False
+
+    def complete(self, kernels: dict[str, KernelRecord], *, timeout_s: float, now: float) -> bool:
+        """Every member has a verdict, or the group is older than ``timeout_s``."""
+        if len(self.kernel_ids) < self.size:
+            members_done = False
+        else:
+            members_done = all(kernels[k].verdict is not None for k in self.kernel_ids)
+        if members_done:
+            return True
+        oldest = min((kernels[k].generated_at for k in self.kernel_ids), default=now)
+        return now - oldest > timeout_s
+
+
+@dataclass
+class RunState:
+    """Modules, kernels, verdicts and groups of a run, built by ``apply``-ing events."""
+
+    modules: dict[str, ModuleRecord] = field(default_factory=dict)
+    kernels: dict[str, KernelRecord] = field(default_factory=dict)
+    groups: dict[str, GroupState] = field(default_factory=dict)
+    position: int = 0
+    frontier_version: int = 0
+    training_steps: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def apply_all(self, records: Iterable[RecordedEvent]) -> None:
+        for r in records:
+            self.apply(r.event, recorded_at=r.recorded_at.timestamp())
+            self.position = max(self.position, r.global_position)
+
+    def apply(self, event: Event, *, recorded_at: float | None = None) -> None:
+        self.counts[event.type] = self.counts.get(event.type, 0) + 1
+        t = event.type
+        if t == "ModuleProposed":
+            m = event.decode()
+            assert isinstance(m, ModuleProposed)
+            self.modules[m.module_id] = ModuleRecord(
+                m.module_id, sorted(m.api_set), m.validation.valid, m, str(event.event_id)
+            )
+        elif t == "KernelGenerated":
+            k = event.decode()
+            assert isinstance(k, KernelGenerated)
+            if k.kernel_id in self.kernels:
+                return
+            self.kernels[k.kernel_id] = KernelRecord(
+                k.kernel_id, k.module_id, k.group_id, k.policy_version, k,
+                recorded_at if recorded_at is not None else time.time(),
+            )
+            g = self.groups.get(k.group_id)
+            if g is None:
+                g = self.groups[k.group_id] = GroupState(
+                    k.group_id, k.module_id, k.policy_version, k.group_size
+                )
+            g.kernel_ids.append(k.kernel_id)
+        elif t == "KernelVerified":
+            v = event.decode()
+            assert isinstance(v, KernelVerified)
+            rec = self.kernels.get(v.kernel_id)
+            if rec is not None:
+                rec.verdict = v  # the latest verdict wins (re-scoring)
+        elif t == "TrainingStepCompleted":
+            s = event.decode()
+            assert isinstance(s, TrainingStepCompleted)
+            self.training_steps += 1
+            for gid in s.group_ids:
+                if gid in self.groups:
+                    self.groups[gid].used = True
+        elif t == "FrontierUpdated":
+            f = event.decode()
+            assert isinstance(f, FrontierUpdated)
+            self.frontier_version = max(self.frontier_version, f.frontier_version)
+
+    def ready_groups(self, *, timeout_s: float = 600.0, now: float | None = None) -> list[GroupState]:
+        """Complete groups not yet used for training, oldest first."""
+        now = time.time() if now is None else now
+        return [
+            g for g in self.groups.values()
+            if not g.used and g.complete(self.kernels, timeout_s=timeout_s, now=now)
+        ]
+
+    def module_correctness(self) -> dict[str, float]:
+        """``l̄`` per module: the Coder's mean correctness over its decided samples."""
+        per: dict[str, list[bool]] = {}
+        for k in self.kernels.values():
+            if k.decided:
+                per.setdefault(k.module_id, []).append(k.correct)
+        return {m: sum(v) / len(v) for m, v in per.items()}
+
+
+@dataclass
+class ApiStats:
+    """Pass rate and speed of kernels for modules that use an API (or API pair)."""
+
+    n: int = 0
+    correct: int = 0
+    speedups: list[float] = field(default_factory=list)
+    recent: list[bool] = field(default_factory=list)
+
+    def add(self, correct: bool, speedup: float | None, window: int) -> None:
+        self.n += 1
+        self.correct += correct
+        if correct and speedup is not None:
+            self.speedups.append(speedup)
+        self.recent.append(correct)
+        if len(self.recent) > window:
+            self.recent.pop(0)
+
+    @property
+    def pass_rate(self) -> float:
+        return self.correct / self.n if self.n else 0.0
+
+    def smoothed_pass_rate(self, prior: float = 1.0) -> float:
+        """Pass rate with a Beta(prior, prior) prior, so one sample is not a verdict."""
+        return (self.correct + prior) / (self.n + 2 * prior)
+
+    @property
+    def median_speedup(self) -> float | None:
+        return statistics.median(self.speedups) if self.speedups else None
+
+    @property
+    def slow_fraction(self) -> float:
+        """Share of correct kernels that are slower than PyTorch eager."""
+        return sum(s < 1.0 for s in self.speedups) / len(self.speedups) if self.speedups else 0.0
+
+    @property
+    def trend(self) -> float:
+        """Recent pass rate minus overall pass rate (positive: improving)."""
+        return (sum(self.recent) / len(self.recent) - self.pass_rate) if self.recent else 0.0
+
+
+@dataclass
+class CapabilityMap:
+    apis: dict[str, ApiStats]
+    pairs: dict[str, ApiStats]
+
+    @classmethod
+    def from_state(cls, state: RunState, *, window: int = 50) -> CapabilityMap:
+        apis: dict[str, ApiStats] = {}
+        pairs: dict[str, ApiStats] = {}
+        for k in state.kernels.values():
+            module = state.modules.get(k.module_id)
+            if module is None or not k.decided or k.verdict is None:
+                continue
+            speedup = k.verdict.speedup
+            for api in module.api_set:
+                apis.setdefault(api, ApiStats()).add(k.correct, speedup, window)
+            for a, b in itertools.combinations(module.api_set, 2):
+                pairs.setdefault(f"{a}+{b}", ApiStats()).add(k.correct, speedup, window)
+        return cls(apis, pairs)
+
+
+@dataclass(frozen=True)
+class FrontierConfig:
+    """``min_count``: evidence needed before an API can be called weak or slow."""
+
+    min_count: int = 1
+    top_k: int = 20
+
+
+def compute_frontier(state: RunState, config: FrontierConfig | None = None) -> FrontierUpdated:
+    """The Proposer's target: weak APIs and pairs, slow APIs, and per-module ``l̄``.
+
+    Weakness is ``1 − smoothed pass rate``; slowness is the share of correct kernels slower
+    than eager, weighted by how often the Coder is correct (a speed target is only
+    reachable where correctness is).
+    """
+    cfg = config or FrontierConfig()
+    cmap = CapabilityMap.from_state(state)
+
+    def top(d: dict[str, float]) -> dict[str, float]:
+        items = sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[: cfg.top_k]
+        return {k: round(v, 6) for k, v in items if not math.isnan(v)}
+
+    weak = {a: 1 - s.smoothed_pass_rate() for a, s in cmap.apis.items() if s.n >= cfg.min_count}
+    weak_pairs = {
+        p: 1 - s.smoothed_pass_rate() for p, s in cmap.pairs.items() if s.n >= cfg.min_count
+    }
+    slow = {
+        a: s.slow_fraction * s.pass_rate
+        for a, s in cmap.apis.items()
+        if s.speedups and s.n >= cfg.min_count
+    }
+    return FrontierUpdated(
+        frontier_version=state.frontier_version + 1,
+        weak_apis=top(weak),
+        weak_pairs=top(weak_pairs),
+        slow_apis=top(slow),
+        module_correctness={m: round(v, 6) for m, v in state.module_correctness().items()},
+        based_on_position=state.position,
+    )
