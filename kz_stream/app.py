@@ -22,25 +22,20 @@ async def open_context(settings: Settings, *, migrate: bool = True) -> AsyncIter
     """Opens the store (migrated to head) and the bus (topics created) for services."""
     from kz_stream.bus import open_bus
     from kz_stream.store import open_store
-    from kz_stream.store._migrate import upgrade
 
-    if migrate:
-        ensure_sqlite_dir(settings.database_url)
-        upgrade(settings.database_url)
-    store = open_store(settings.database_url)
-    await store.start()
-    bus = open_bus(settings.bus_url)
-    try:
-        await bus.start()
-        await bus.create_topics(settings.topics.specs())
-        yield ServiceContext(
-            settings=settings, store=store, bus=bus,
-            producer_id=f"{socket.gethostname()}:{os.getpid()}",
-        )
-    finally:
-        with contextlib.suppress(Exception):
-            await bus.close()
-        await store.close()
+    ensure_sqlite_dir(settings.database_url)
+    async with open_store(settings.database_url, create_schema=migrate) as store:
+        bus = open_bus(settings.bus_url)
+        try:
+            await bus.start()
+            await bus.create_topics(settings.topics.specs())
+            yield ServiceContext(
+                settings=settings, store=store, bus=bus,
+                producer_id=f"{socket.gethostname()}:{os.getpid()}",
+            )
+        finally:
+            with contextlib.suppress(Exception):
+                await bus.close()
 
 
 def ensure_sqlite_dir(url: str) -> None:

@@ -190,9 +190,7 @@ def replay(
     settings = _settings(config)
 
     async def go() -> tuple[int, float]:
-        store = open_store(settings.database_url)
-        await store.start()
-        try:
+        async with open_store(settings.database_url) as store:
             total = await store.last_position()
             with Progress(
                 TextColumn("replay {task.fields[name]}"), BarColumn(),
@@ -207,8 +205,6 @@ def replay(
                 )
                 elapsed = time.perf_counter() - t0
             return applied, elapsed
-        finally:
-            await store.close()
 
     applied, elapsed = _run(go())
     rate = applied / elapsed if elapsed > 0 else 0.0
@@ -229,12 +225,8 @@ def audit(
     settings = _settings(config)
 
     async def go() -> list[Any]:
-        store = open_store(settings.database_url)
-        await store.start()
-        try:
+        async with open_store(settings.database_url, create_schema=False) as store:
             return await store.read_stream(stream_id)
-        finally:
-            await store.close()
 
     records = _run(go())
     if not records:
@@ -269,9 +261,7 @@ def tail(
     settings = _settings(config)
 
     async def go() -> None:
-        store = open_store(settings.database_url)
-        await store.start()
-        try:
+        async with open_store(settings.database_url, create_schema=False) as store:
             start = from_position if from_position >= 0 else await store.last_position()
             seen = 0
             async for batch in store.tail(start):
@@ -284,13 +274,77 @@ def tail(
                     seen += 1
                     if limit and seen >= limit:
                         return
-        finally:
-            await store.close()
 
     try:
         _run(go())
     except KeyboardInterrupt:
         pass
+
+
+@app.command()
+@_one_line_errors
+def frontier(
+    config: ConfigOption = None,
+    heatmap: Annotated[
+        Path | None, typer.Option(help="Write the API-pair pass-rate heatmap to this PNG.")
+    ] = None,
+    top: Annotated[int, typer.Option(help="Rows to show.")] = 30,
+) -> None:
+    """Shows the capability map (pass rate and speed per API) and the current frontier."""
+    from kz_stream.frontier import CapabilityMap, RunState, compute_frontier
+    from kz_stream.store import open_store
+
+    settings = _settings(config)
+
+    async def go() -> RunState:
+        state = RunState()
+        async with open_store(settings.database_url, create_schema=False) as store:
+            async for batch in store.read_all(0):
+                state.apply_all(batch)
+        return state
+
+    state = _run(go())
+    cmap = CapabilityMap.from_state(state)
+    front = compute_frontier(state)
+    table = Table("api", "kernels", "pass rate", "median speedup", "slow share", "trend",
+                  title=f"capability map at position {state.position:,}")
+    for api, st in sorted(cmap.apis.items(), key=lambda kv: kv[1].pass_rate)[:top]:
+        med = st.median_speedup
+        table.add_row(api, str(st.n), f"{st.pass_rate:.2f}", f"{med:.2f}" if med else "–",
+                      f"{st.slow_fraction:.2f}", f"{st.trend:+.2f}")
+    console.print(table)
+    console.print(f"weak APIs: {', '.join(list(front.weak_apis)[:10]) or '–'}", highlight=False)
+    console.print(f"slow APIs: {', '.join(list(front.slow_apis)[:10]) or '–'}", highlight=False)
+    if heatmap is not None:
+        _write_heatmap(cmap, heatmap)
+        console.print(f"heatmap written to {heatmap}")
+
+
+def _write_heatmap(cmap: Any, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    apis = sorted(cmap.apis)
+    index = {a: i for i, a in enumerate(apis)}
+    grid = np.full((len(apis), len(apis)), np.nan)
+    for i, a in enumerate(apis):
+        grid[i, i] = cmap.apis[a].pass_rate
+    for pair, st in cmap.pairs.items():
+        a, b = pair.split("+", 1)
+        grid[index[a], index[b]] = grid[index[b], index[a]] = st.pass_rate
+    size = max(4.0, 0.35 * len(apis) + 2)
+    fig, ax = plt.subplots(figsize=(size, size))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn")
+    ax.set_xticks(range(len(apis)), apis, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(apis)), apis, fontsize=7)
+    ax.set_title("Coder pass rate per API (diagonal) and API pair")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:

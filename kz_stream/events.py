@@ -72,6 +72,9 @@ class Completion(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
     finish_reason: str | None = None
+    # The exact prompt tokens the engine was fed (chat template applied), so the learner
+    # recomputes logprobs on the same sequence.
+    prompt_token_ids: list[int] = Field(default_factory=list)
 
 
 class ModuleValidation(BaseModel):
@@ -87,6 +90,7 @@ class ModuleProposed(Payload):
     event_type: ClassVar[str] = "ModuleProposed"
 
     module_id: str
+    group_id: str = ""  # the proposals sampled together from one prompt
     api_set: list[str]
     source: str
     prompt: str = ""

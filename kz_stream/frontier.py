@@ -20,6 +20,7 @@ from kz_stream.events import (
     KernelGenerated,
     KernelVerified,
     ModuleProposed,
+    PolicyVersionPublished,
     TrainingStepCompleted,
     VerdictStatus,
 )
@@ -96,6 +97,11 @@ class RunState:
     modules: dict[str, ModuleRecord] = field(default_factory=dict)
     kernels: dict[str, KernelRecord] = field(default_factory=dict)
     groups: dict[str, GroupState] = field(default_factory=dict)
+    # Proposer groups: proposal group id -> module ids sampled together from one prompt.
+    proposals: dict[str, list[str]] = field(default_factory=dict)
+    used_proposals: set[str] = field(default_factory=set)
+    training_steps_by_role: dict[str, int] = field(default_factory=dict)
+    published: dict[str, PolicyVersionPublished] = field(default_factory=dict)
     position: int = 0
     frontier_version: int = 0
     training_steps: int = 0
@@ -112,9 +118,13 @@ class RunState:
         if t == "ModuleProposed":
             m = event.decode()
             assert isinstance(m, ModuleProposed)
+            if m.module_id in self.modules:
+                return
             self.modules[m.module_id] = ModuleRecord(
                 m.module_id, sorted(m.api_set), m.validation.valid, m, str(event.event_id)
             )
+            if m.group_id:
+                self.proposals.setdefault(m.group_id, []).append(m.module_id)
         elif t == "KernelGenerated":
             k = event.decode()
             assert isinstance(k, KernelGenerated)
@@ -140,9 +150,18 @@ class RunState:
             s = event.decode()
             assert isinstance(s, TrainingStepCompleted)
             self.training_steps += 1
+            self.training_steps_by_role[s.role] = self.training_steps_by_role.get(s.role, 0) + 1
             for gid in s.group_ids:
                 if gid in self.groups:
                     self.groups[gid].used = True
+                if s.role == "proposer":
+                    self.used_proposals.add(gid)
+        elif t == "PolicyVersionPublished":
+            pv = event.decode()
+            assert isinstance(pv, PolicyVersionPublished)
+            current = self.published.get(pv.role)
+            if current is None or pv.version > current.version:
+                self.published[pv.role] = pv
         elif t == "FrontierUpdated":
             f = event.decode()
             assert isinstance(f, FrontierUpdated)
@@ -154,6 +173,22 @@ class RunState:
         return [
             g for g in self.groups.values()
             if not g.used and g.complete(self.kernels, timeout_s=timeout_s, now=now)
+        ]
+
+    def ready_proposals(
+        self, *, timeout_s: float = 600.0, now: float | None = None
+    ) -> list[str]:
+        """Proposal groups not yet trained on whose valid modules all have a complete Coder
+        group (so ``l̄`` is known), oldest first."""
+        now = time.time() if now is None else now
+        complete_modules = {
+            g.module_id for g in self.groups.values()
+            if g.complete(self.kernels, timeout_s=timeout_s, now=now)
+        }
+        return [
+            gid for gid, mids in self.proposals.items()
+            if gid not in self.used_proposals
+            and all(not self.modules[m].valid or m in complete_modules for m in mids)
         ]
 
     def module_correctness(self) -> dict[str, float]:

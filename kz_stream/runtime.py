@@ -55,6 +55,15 @@ _BATCH_SECONDS = Histogram(
 )
 _IN_FLIGHT = Gauge("kz_in_flight", "Work items in flight", ["service"], registry=REGISTRY)
 _ERRORS = Counter("kz_errors", "Errors by kind", ["service", "kind"], registry=REGISTRY)
+_LLM_REQUESTS = Counter("kz_llm_requests", "LLM requests sent", ["service"], registry=REGISTRY)
+_LLM_TOKENS = Counter(
+    "kz_llm_tokens", "Completion tokens generated (rate() gives tokens/s)", ["service"],
+    registry=REGISTRY,
+)
+_VALIDITY = Counter(
+    "kz_modules_validated", "Proposed modules by validity", ["service", "valid"],
+    registry=REGISTRY,
+)
 
 
 class ServiceMetrics:
@@ -73,6 +82,13 @@ class ServiceMetrics:
 
     def error(self, kind: str) -> None:
         _ERRORS.labels(self.service, kind).inc()
+
+    def llm_request(self, completion_tokens: int) -> None:
+        _LLM_REQUESTS.labels(self.service).inc()
+        _LLM_TOKENS.labels(self.service).inc(completion_tokens)
+
+    def validated(self, valid: bool) -> None:
+        _VALIDITY.labels(self.service, str(valid).lower()).inc()
 
     def count_handled(self, batch: Iterable[BusMessage]) -> None:
         counts: dict[str, int] = {}

@@ -44,12 +44,8 @@ def _start_recorder(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
 
 
 async def _count(url: str) -> int:
-    store = open_store(url)
-    await store.start()
-    try:
+    async with open_store(url, create_schema=False) as store:
         return await store.last_position()
-    finally:
-        await store.close()
 
 
 def _wait_for(url: str, at_least: int, proc: subprocess.Popen[bytes], timeout: float) -> int:
@@ -133,17 +129,13 @@ def test_a_recorder_killed_mid_stream_resumes_with_nothing_lost_or_applied_twice
         assert second.wait(timeout=30) == 0, second_log.read_text()[-2000:]
 
     async def check() -> tuple[set[uuid.UUID], int]:
-        store = open_store(url)
-        await store.start()
-        try:
+        async with open_store(url, create_schema=False) as store:
             ids = set()
             total = 0
             async for batch in store.read_all(0):
                 total += len(batch)
                 ids.update(r.event.event_id for r in batch)
             return ids, total
-        finally:
-            await store.close()
 
     ids, total = asyncio.run(check())
     assert total == N_EVENTS and ids == {e.event_id for e in events}

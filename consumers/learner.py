@@ -1,0 +1,255 @@
+"""The learner service: tails the event store, keeps the run's read model, publishes the
+frontier, and trains the Coder (CA-GRPO) and the Proposer in alternating turns.
+
+Each training step appends ``TrainingStepCompleted`` (naming the groups and kernels it
+used) and ``PolicyVersionPublished`` in one transaction, then announces the policy on
+``kz.policy``. On restart the learner replays the store: groups named by a stored step are
+never trained on again, and it resumes from the checkpoint of the last *published*
+version (a checkpoint written by a step that never committed is discarded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kz_stream.events import Event, FrontierUpdated, PolicyVersionPublished, new_event
+from kz_stream.frontier import FrontierConfig, RunState, compute_frontier
+from kz_stream.rl import AlternationConfig, AlternationSchedule, Group, Role, Sample
+from kz_stream.runtime import Service, ServiceContext
+
+if TYPE_CHECKING:
+    from kz_stream.rl.trainer import GRPOLearner, StepResult
+
+__all__ = ["LearnerService", "LearnerServiceConfig"]
+
+
+@dataclass(frozen=True)
+class LearnerServiceConfig:
+    checkpoint_dir: Path = Path(".kz/policies")
+    groups_per_step: int = 4
+    group_timeout_s: float = 600.0
+    frontier_every_s: float = 5.0
+    alternation: AlternationConfig = field(default_factory=AlternationConfig)
+    roles: tuple[Role, ...] = ("proposer", "coder")
+    frontier: FrontierConfig = field(default_factory=FrontierConfig)
+    poll_interval: float = 0.2
+
+
+class LearnerService(Service):
+    name = "learner"
+    tracking_name = "kz-learner"
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        make_learner: Callable[[Role, Path], GRPOLearner],
+        config: LearnerServiceConfig,
+    ) -> None:
+        super().__init__(ctx)
+        self.make_learner, self.config = make_learner, config
+        self.state = RunState()
+        self.schedule = AlternationSchedule(config.alternation)
+        self.learners: dict[Role, GRPOLearner] = {}
+        self.steps_done = 0
+        self.finished = asyncio.Event()  # the alternation schedule is over
+        self._frontier_at = 0.0
+        self._frontier_basis: tuple[int, int] = (-1, -1)
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        async for batch in self.ctx.store.read_all(0):
+            self.state.apply_all(batch)
+        self.steps_done = self.state.training_steps
+        self.log.info(
+            "learner_replayed", position=self.state.position, steps=self.steps_done,
+            used_groups=sum(g.used for g in self.state.groups.values()),
+        )
+        for role in self.config.roles:
+            await self._load_learner(role)
+        follow = asyncio.create_task(self._follow())
+        stop = asyncio.create_task(self.stopping.wait())
+        try:
+            await asyncio.wait({follow, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            follow.cancel()
+            stop.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
+            if follow.done() and not follow.cancelled() and follow.exception():
+                raise follow.exception()  # type: ignore[misc]
+
+    async def _load_learner(self, role: Role) -> None:
+        directory = self.config.checkpoint_dir / role
+        published = self.state.published.get(role)
+        _discard_unpublished(directory, role, published.version if published else 0)
+        learner = await asyncio.to_thread(self.make_learner, role, directory)
+        self.learners[role] = learner
+        history = await self.ctx.store.read_stream(f"policy-{role}")
+        if history:
+            # Re-announce the stored event (same event_id, so the recorder skips it): a crash
+            # may have come between the store commit and the publish.
+            await self._announce(history[-1].event)
+        self.log.info("learner_loaded", role=role, version=learner.version,
+                      resumed_from=str(learner.resumed_from or ""))
+
+    async def _follow(self) -> None:
+        async for batch in self.ctx.store.tail(
+            self.state.position, poll_interval=self.config.poll_interval
+        ):
+            self.state.apply_all(batch)
+            await self.maybe_publish_frontier()
+            while await self.maybe_train():
+                pass
+
+    # -- frontier -----------------------------------------------------------------------
+
+    async def maybe_publish_frontier(self, *, force: bool = False) -> FrontierUpdated | None:
+        basis = (len(self.state.kernels), sum(k.verdict is not None
+                                               for k in self.state.kernels.values()))
+        now = time.monotonic()
+        if not force and (basis == self._frontier_basis
+                          or now - self._frontier_at < self.config.frontier_every_s):
+            return None
+        frontier = compute_frontier(self.state, self.config.frontier)
+        event = new_event(
+            frontier, stream_id="frontier", stream_version=frontier.frontier_version,
+            producer=self.ctx.producer_id, correlation_id=self.ctx.settings.run_id,
+        )
+        await self.ctx.store.append([event], tracking={self.tracking_name: self._tracking()})
+        self.state.apply(event)
+        await self.ctx.bus.publish(self.ctx.settings.topics.frontier, event, key="frontier")
+        self.metrics.published("FrontierUpdated")
+        self._frontier_at, self._frontier_basis = now, basis
+        return frontier
+
+    # -- training -----------------------------------------------------------------------
+
+    def _tracking(self) -> dict[str, int]:
+        return {"position": self.state.position}
+
+    def coder_groups(self) -> list[Group]:
+        out = []
+        for g in self.state.ready_groups(timeout_s=self.config.group_timeout_s):
+            samples = []
+            for kid in g.kernel_ids:
+                k = self.state.kernels[kid]
+                if k.verdict is None:
+                    continue  # timed out without a verdict: not evidence either way
+                completion = k.generated.completion
+                prompt_ids = completion.prompt_token_ids if completion else None
+                samples.append(Sample.from_kernel(k.generated, k.verdict,
+                                                  prompt_ids=prompt_ids or None))
+            out.append(Group(g.group_id, tuple(samples)))
+        return out
+
+    def proposer_groups(self) -> list[Group]:
+        lbar = self.state.module_correctness()
+        out = []
+        for gid in self.state.ready_proposals(timeout_s=self.config.group_timeout_s):
+            samples = []
+            for mid in self.state.proposals[gid]:
+                m = self.state.modules[mid].event
+                completion = m.completion
+                prompt_ids = completion.prompt_token_ids if completion else None
+                samples.append(Sample.from_module(
+                    m, group_id=gid, mean_correctness=lbar.get(mid),
+                    prompt_ids=prompt_ids or None,
+                ))
+            out.append(Group(gid, tuple(samples)))
+        return out
+
+    def current_role(self) -> Role | None:
+        turn = self.schedule.turn_at(self.steps_done)
+        if turn is None:
+            return None
+        if turn.role not in self.learners:
+            # A role this learner does not train: skip its turn in the schedule.
+            self.steps_done += 1
+            return self.current_role()
+        return turn.role
+
+    async def maybe_train(self) -> bool:
+        """Takes one step when the current role has enough complete groups."""
+        role = self.current_role()
+        if role is None:
+            self.finished.set()
+            return False
+        groups = self.coder_groups() if role == "coder" else self.proposer_groups()
+        if len(groups) < self.config.groups_per_step:
+            return False
+        groups = groups[: self.config.groups_per_step]
+        learner = self.learners[role]
+        t0 = time.perf_counter()
+        result = await asyncio.to_thread(learner.train_step, groups)
+        await self._commit_step(role, learner, result, groups, time.perf_counter() - t0)
+        return True
+
+    async def _commit_step(
+        self, role: Role, learner: GRPOLearner, result: StepResult, groups: list[Group],
+        seconds: float,
+    ) -> None:
+        # Even a step that trained nothing (all samples stale) records its groups as used,
+        # so they are not offered again.
+        step_payload = result.as_event(store_position=self.state.position)
+        step_payload = step_payload.model_copy(
+            update={"group_ids": [g.group_id for g in groups], "step": self.steps_done + 1}
+        )
+        events = [new_event(
+            step_payload, stream_id=f"learner-{role}", stream_version=self.steps_done,
+            producer=self.ctx.producer_id, correlation_id=self.ctx.settings.run_id,
+        )]
+        announcement = None
+        if result.trained:
+            uri, sha = await asyncio.to_thread(
+                learner.save_policy, self.config.checkpoint_dir / role, learner.version
+            )
+            published = PolicyVersionPublished(
+                role=role, version=learner.version, uri=uri, sha256=sha,
+                base_model=learner.config.model,
+                kind="full" if learner.config.full_finetune else "lora",
+            )
+            announcement = new_event(
+                published, stream_id=f"policy-{role}", stream_version=learner.version,
+                producer=self.ctx.producer_id, correlation_id=self.ctx.settings.run_id,
+            )
+            events.append(announcement)
+        await self.ctx.store.append(events, tracking={self.tracking_name: self._tracking()})
+        for e in events:
+            self.state.apply(e)
+        self.steps_done += 1
+        if announcement is not None:
+            await self._announce(announcement)
+        self.metrics.published("TrainingStepCompleted")
+        self.log.info(
+            "training_step", role=role, step=self.steps_done, trained=result.trained,
+            policy_version=learner.version, mean_reward=round(result.mean_reward, 4),
+            samples=result.num_samples, dropped_stale=result.dropped_stale,
+            losses=result.losses, seconds=round(seconds, 2),
+        )
+
+    async def _announce(self, event: Event) -> None:
+        role = event.payload["role"]
+        await self.ctx.bus.publish(self.ctx.settings.topics.policy, event, key=role)
+        self.metrics.published("PolicyVersionPublished")
+
+
+def _discard_unpublished(directory: Path, role: Role, published_version: int) -> None:
+    """Removes checkpoints newer than the last published version: their step never
+    committed to the store, so its groups will be offered (and trained on) again."""
+    if not directory.exists():
+        return
+    prefix = f"{role}-v"
+    for child in directory.iterdir():
+        if child.is_dir() and child.name.startswith(prefix):
+            try:
+                version = int(child.name[len(prefix):].split(".", 1)[0])
+            except ValueError:
+                continue
+            if version > published_version or ".tmp-" in child.name:
+                shutil.rmtree(child, ignore_errors=True)

@@ -1,0 +1,191 @@
+"""The Coder service: for each valid module on ``kz.modules`` it samples a group of G
+kernels per configured backend and publishes them as ``KernelGenerated`` on ``kz.kernels``.
+
+Admission control: a group is started only if the engine's policy is at most
+``max_staleness`` versions behind the newest published one; otherwise the handler waits
+for the load (the bus pauses the partitions meanwhile). New policy versions from
+``kz.policy`` load without dropping groups in flight: each group reports the version it
+started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kz_stream.bus import BusMessage, Subscription
+from kz_stream.events import (
+    Event,
+    KernelGenerated,
+    ModuleProposed,
+    PolicyVersionLoaded,
+    PolicyVersionPublished,
+    new_event,
+    payload_as,
+)
+from kz_stream.llm.base import LLMBackend, SamplingParams
+from kz_stream.modules.extraction import extract_code
+from kz_stream.modules.prompts import coder_prompt
+from kz_stream.runtime import Service, ServiceContext
+
+__all__ = ["CoderConfig", "CoderService", "PolicyFollower"]
+
+
+@dataclass(frozen=True)
+class CoderConfig:
+    group_size: int = 4
+    backends: tuple[str, ...] = ("triton",)
+    max_staleness: int = 1
+    max_batch: int = 4
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=768))
+    replica: str = field(default_factory=lambda: f"coder-{uuid.uuid4().hex[:8]}")
+
+
+class PolicyFollower:
+    """Tracks the newest published policy of one role, and loads it into an engine."""
+
+    def __init__(self, service: Service, backend: LLMBackend, role: str, replica: str) -> None:
+        self.service, self.backend, self.role, self.replica = service, backend, role, replica
+        self.latest_published = backend.policy_version
+        self.changed = asyncio.Condition()
+
+    async def subscribe(self) -> Subscription:
+        ctx = self.service.ctx
+        # A fresh group per process: a restarted engine must see the latest version again
+        # (the topic is compacted, so reading it from the start is cheap).
+        return await ctx.bus.subscribe(
+            f"kz-{self.replica}-policy-{uuid.uuid4().hex[:8]}",
+            [ctx.settings.topics.policy],
+            self.handle,
+            from_beginning=True,
+            dead_letter_topic=ctx.settings.topics.dead_letter,
+        )
+
+    async def handle(self, batch: Sequence[BusMessage]) -> None:
+        newest: PolicyVersionPublished | None = None
+        for m in batch:
+            if m.event is None or m.event.type != "PolicyVersionPublished":
+                continue
+            p = payload_as(m.event, PolicyVersionPublished)
+            if p.role == self.role and (newest is None or p.version > newest.version):
+                newest = p
+        if newest is None or newest.version <= self.backend.policy_version:
+            return
+        async with self.changed:
+            self.latest_published = max(self.latest_published, newest.version)
+            self.changed.notify_all()
+        await self.backend.load_policy(newest.version, newest.uri, kind=newest.kind)
+        ctx = self.service.ctx
+        loaded = new_event(
+            PolicyVersionLoaded(role=newest.role, replica=self.replica, version=newest.version),
+            stream_id=f"replica-{self.replica}",
+            stream_version=newest.version,
+            # Deterministic id: loading the same version again is one event, not a conflict.
+            event_id=uuid.uuid5(uuid.NAMESPACE_URL, f"kz:{self.replica}:{newest.version}"),
+            producer=ctx.producer_id,
+            correlation_id=ctx.settings.run_id,
+        )
+        await ctx.bus.publish(ctx.settings.topics.policy, loaded, key=f"loaded-{self.replica}")
+        self.service.metrics.published("PolicyVersionLoaded")
+        self.service.log.info("policy_loaded", role=self.role, version=newest.version)
+        async with self.changed:
+            self.changed.notify_all()
+
+    def staleness(self) -> int:
+        return self.latest_published - self.backend.policy_version
+
+    async def admit(self, max_staleness: int) -> None:
+        """Waits until a group started now would be at most ``max_staleness`` stale."""
+        async with self.changed:
+            if self.staleness() > max_staleness:
+                self.service.log.info(
+                    "admission_wait", staleness=self.staleness(), max_staleness=max_staleness
+                )
+                self.service.metrics.error("admission_wait")
+            await self.changed.wait_for(lambda: self.staleness() <= max_staleness)
+
+
+class CoderService(Service):
+    name = "coder"
+    group = "kz-coder"
+
+    def __init__(self, ctx: ServiceContext, backend: LLMBackend, config: CoderConfig) -> None:
+        super().__init__(ctx)
+        self.backend, self.config = backend, config
+        self.policy = PolicyFollower(self, backend, "coder", config.replica)
+        self.groups_started = 0
+
+    async def run(self) -> None:
+        topics = self.ctx.settings.topics
+        policy_sub = await self.policy.subscribe()
+        sub = await self.ctx.bus.subscribe(
+            self.group, [topics.modules], self.handle_modules,
+            max_batch=self.config.max_batch, max_in_flight=2,
+            dead_letter_topic=topics.dead_letter,
+        )
+        self.log.info("coder_started", replica=self.config.replica, backends=self.config.backends)
+        await self.stopping.wait()
+        await sub.stop()  # finishes the groups in flight and commits
+        await policy_sub.stop()
+
+    async def handle_modules(self, batch: Sequence[BusMessage]) -> None:
+        jobs = []
+        for m in batch:
+            if m.event is None or m.event.type != "ModuleProposed":
+                continue
+            module = payload_as(m.event, ModuleProposed)
+            if not module.validation.valid:
+                continue
+            jobs.extend(self.generate_group(m.event, module, b) for b in self.config.backends)
+        await asyncio.gather(*jobs)
+
+    async def generate_group(self, cause: Event, module: ModuleProposed, backend: str) -> None:
+        await self.policy.admit(self.config.max_staleness)
+        version = self.backend.policy_version
+        prompt = coder_prompt(module.source, backend)
+        self.metrics.in_flight.inc()
+        try:
+            [samples] = await self.backend.generate(
+                [prompt], n=self.config.group_size, sampling=self.config.sampling
+            )
+        finally:
+            self.metrics.in_flight.dec()
+        self.metrics.llm_request(sum(len(s.token_ids) for s in samples))
+        group_id = uuid.uuid4().hex
+        prompt_text = prompt if isinstance(prompt, str) else "\n\n".join(
+            f"[{msg['role']}]\n{msg['content']}" for msg in prompt
+        )
+        events = []
+        for s in samples:
+            kernel_id = uuid.uuid4().hex
+            payload = KernelGenerated(
+                kernel_id=kernel_id,
+                module_id=module.module_id,
+                group_id=group_id,
+                group_size=self.config.group_size,
+                backend=backend,  # type: ignore[arg-type]
+                source=extract_code(s.text) or s.text,
+                prompt=prompt_text,
+                sampling=self.config.sampling.as_dict(),
+                policy_version=s.policy_version,
+                completion=s.to_completion(),
+            )
+            events.append(
+                new_event(
+                    payload,
+                    stream_id=f"kernel-{kernel_id}",
+                    stream_version=0,
+                    producer=self.ctx.producer_id,
+                    correlation_id=self.ctx.settings.run_id,
+                    causation_id=cause.event_id,
+                )
+            )
+        await self.ctx.bus.publish_many(self.ctx.settings.topics.kernels, events)
+        self.groups_started += 1
+        self.metrics.published("KernelGenerated", len(events))
+        self.log.info(
+            "group_generated", module_id=module.module_id, group_id=group_id,
+            backend=backend, policy_version=version, n=len(events),
+        )
