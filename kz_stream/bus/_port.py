@@ -8,6 +8,21 @@ from typing import Protocol
 
 from kz_stream.events import Event
 
+# Headers on every published event (values are UTF-8 bytes).
+HEADER_TYPE = "type"
+HEADER_SCHEMA_VERSION = "schema_version"
+HEADER_EVENT_ID = "event_id"
+
+# Headers a dead-lettered record carries next to its original key, value and headers.
+HEADER_ERROR = "kz-error"
+HEADER_ERROR_TYPE = "kz-error-type"
+HEADER_ORIGINAL_TOPIC = "kz-original-topic"
+HEADER_ORIGINAL_PARTITION = "kz-original-partition"
+HEADER_ORIGINAL_OFFSET = "kz-original-offset"
+HEADER_GROUP = "kz-consumer-group"
+
+DEFAULT_DEAD_LETTER_TOPIC = "kz.dead-letter"
+
 
 class InfrastructureError(Exception):
     """A fault outside the event itself (database down, disk full): retried, then
@@ -23,8 +38,8 @@ class TopicSpec:
 
 @dataclass(frozen=True, slots=True)
 class BusMessage:
-    """One delivered record. ``event`` is None only for dead-letter inspection of
-    undecodable records, which never reach handlers."""
+    """One delivered record. ``event`` is None only in ``decode=False`` subscriptions
+    (dead-letter inspection and replay); undecodable records never reach handlers."""
 
     topic: str
     partition: int
@@ -35,22 +50,46 @@ class BusMessage:
     event: Event | None = None
 
 
-# A handler gets a batch of decoded messages from one or more partitions; it returns once
-# their effect is durable. Offsets are committed only after it returns.
+# A handler gets a batch of decoded messages from one or more partitions, in offset order
+# per partition; it returns once their effect is durable. Offsets are committed only after
+# it returns. It may be called again with the same messages (retries, redelivery after a
+# crash or rebalance), so its effect must be idempotent.
 Handler = Callable[[Sequence[BusMessage]], Awaitable[None]]
 
 
 class OffsetStore(Protocol):
     """Where a consumer that writes to the database keeps its offsets (the store's tracking
     table), so that effect and offset commit in one transaction. Positions are the *next*
-    offset to read, keyed ``"topic:partition"``."""
+    offset to read, keyed ``"topic:partition"``. On assignment they win over the broker's
+    committed offsets; partitions it does not know start from the broker's."""
 
     async def load_offsets(self, group: str) -> dict[str, int]: ...
 
 
+@dataclass(slots=True)
+class SubscriptionStats:
+    """Counters a service exports as metrics."""
+
+    batches: int = 0  # batches whose offsets were committed
+    messages: int = 0  # messages the handler applied
+    retries: int = 0  # handler calls that raised and were retried
+    dead_lettered: int = 0  # records sent to the dead-letter topic
+    dropped_batches: int = 0  # fetched batches given back uncommitted (rebalance, stop)
+    pauses: int = 0  # times fetching paused because max_in_flight batches were waiting
+    assignments: int = 0  # partition assignments received (the first one included)
+
+
 class Subscription(Protocol):
-    async def stop(self) -> None:
-        """Stops fetching, waits for in-flight batches to finish and commits their offsets."""
+    stats: SubscriptionStats
+
+    def assignment(self) -> frozenset[tuple[str, int]]:
+        """The (topic, partition) pairs this subscription currently owns."""
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops fetching, drops fetched batches not yet started (they are redelivered),
+        waits up to ``grace`` seconds (None: as long as it takes) for the running batch
+        to finish and commit, cancels it past that (uncommitted, so redelivered), and leaves
+        the group."""
 
     async def wait(self) -> None:
         """Returns when the subscription has stopped (or raises its fatal error)."""
@@ -59,9 +98,11 @@ class Subscription(Protocol):
 class Bus(Protocol):
     async def start(self) -> None: ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Stops every subscription (letting running batches finish) and the producer."""
 
-    async def create_topics(self, topics: Sequence[TopicSpec]) -> None: ...
+    async def create_topics(self, topics: Sequence[TopicSpec]) -> None:
+        """Creates missing topics; existing ones are left as they are."""
 
     async def publish(
         self,
@@ -73,7 +114,19 @@ class Bus(Protocol):
     ) -> None:
         """Publishes one event; key defaults to its stream_id. Returns once acknowledged."""
 
-    async def publish_many(self, topic: str, events: Sequence[Event]) -> None: ...
+    async def publish_many(self, topic: str, events: Sequence[Event]) -> None:
+        """Publishes events keyed by stream_id, in order per key; returns once all are
+        acknowledged."""
+
+    async def publish_raw(
+        self,
+        topic: str,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+    ) -> None:
+        """Publishes bytes as they are (dead letters, replays of them, tests)."""
 
     async def subscribe(
         self,
@@ -85,9 +138,20 @@ class Bus(Protocol):
         max_batch: int = 500,
         max_in_flight: int = 2,
         max_retries: int = 3,
-        dead_letter_topic: str = "kz.dead-letter",
+        retry_backoff: float = 0.2,
+        dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC,
         from_beginning: bool = True,
-    ) -> Subscription: ...
+        decode: bool = True,
+    ) -> Subscription:
+        """Joins ``group`` and feeds ``handler`` batches of at most ``max_batch`` messages.
+
+        Fetching pauses while ``max_in_flight`` batches wait behind the running one, so a
+        slow handler keeps its partitions. A handler that raises is retried ``max_retries``
+        times (backoff ``retry_backoff`` seconds, doubling); then the batch is split to
+        isolate the failing messages, which go to ``dead_letter_topic``; the rest are
+        applied and the consumer goes on. Undecodable records go there at once. With
+        ``decode=False`` handlers get every record raw (``event`` None).
+        """
 
 
 def offsets_after(batch: Sequence[BusMessage]) -> dict[str, int]:

@@ -1,0 +1,396 @@
+"""Consumer machinery both adapters share: batches, bounded in-flight work, retries,
+isolation of poison messages, dead letters and commits.
+
+An adapter feeds ``ConsumerCore._enqueue`` with batches of fetched records and implements
+four hooks: commit, pause/resume fetching, stop fetching, leave the group. The core runs
+one batch at a time (so per-partition order holds), commits a batch's offsets only after
+the handler returned for every message in it (or the message was dead-lettered), and on
+revocation drops batches not yet started, which the partition's next owner refetches from
+the committed offsets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kz_stream.bus._port import (
+    DEFAULT_DEAD_LETTER_TOPIC,
+    HEADER_ERROR,
+    HEADER_ERROR_TYPE,
+    HEADER_EVENT_ID,
+    HEADER_GROUP,
+    HEADER_ORIGINAL_OFFSET,
+    HEADER_ORIGINAL_PARTITION,
+    HEADER_ORIGINAL_TOPIC,
+    HEADER_SCHEMA_VERSION,
+    HEADER_TYPE,
+    BusMessage,
+    Handler,
+    OffsetStore,
+    SubscriptionStats,
+)
+from kz_stream.events import Event, EventDecodeError, decode_event
+
+log = logging.getLogger("kz_stream.bus")
+
+TP = tuple[str, int]
+PublishRaw = Callable[[str, bytes, bytes | None, Mapping[str, bytes]], Awaitable[None]]
+
+# Headers are small; an error text that long is a traceback pasted into a message.
+_MAX_ERROR_CHARS = 4000
+_MAX_BACKOFF_S = 30.0
+
+
+def event_headers(event: Event, extra: Mapping[str, bytes] | None = None) -> dict[str, bytes]:
+    """The headers every published event carries, plus ``extra``."""
+    headers = {
+        HEADER_TYPE: event.type.encode(),
+        HEADER_SCHEMA_VERSION: str(event.schema_version).encode(),
+        HEADER_EVENT_ID: str(event.event_id).encode(),
+    }
+    if extra:
+        headers.update(extra)
+    return headers
+
+
+def describe_error(error: BaseException) -> str:
+    """One line naming the error's type and message (for the kz-error header)."""
+    return f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS]
+
+
+def dead_letter_headers(msg: BusMessage, error: BaseException, group: str) -> dict[str, bytes]:
+    """The original headers plus where the record came from and why it failed."""
+    headers = dict(msg.headers)
+    headers[HEADER_ERROR] = describe_error(error).encode()
+    headers[HEADER_ERROR_TYPE] = type(error).__name__.encode()
+    headers[HEADER_ORIGINAL_TOPIC] = msg.topic.encode()
+    headers[HEADER_ORIGINAL_PARTITION] = str(msg.partition).encode()
+    headers[HEADER_ORIGINAL_OFFSET] = str(msg.offset).encode()
+    headers[HEADER_GROUP] = group.encode()
+    return headers
+
+
+@dataclass(slots=True)
+class Batch:
+    """Records fetched together: the decoded ones for the handler, the undecodable ones
+    for the dead-letter topic, and the offsets to commit once both are done."""
+
+    epoch: int
+    decode: bool
+    messages: list[BusMessage] = field(default_factory=list)
+    rejects: list[tuple[BusMessage, EventDecodeError]] = field(default_factory=list)
+    positions: dict[TP, int] = field(default_factory=dict)
+
+    def add(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes,
+        headers: Mapping[str, bytes],
+    ) -> None:
+        """Adds one record (records of a partition arrive in offset order)."""
+        self.positions[(topic, partition)] = offset + 1
+        if not self.decode:
+            self.messages.append(BusMessage(topic, partition, offset, key, value, headers))
+            return
+        try:
+            event = decode_event(value)
+        except EventDecodeError as e:
+            self.rejects.append((BusMessage(topic, partition, offset, key, value, headers), e))
+            return
+        self.messages.append(BusMessage(topic, partition, offset, key, value, headers, event))
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    """What ``Bus.subscribe`` was asked for (see the port for the meaning of each)."""
+
+    group: str
+    topics: tuple[str, ...]
+    handler: Handler
+    offsets: OffsetStore | None = None
+    max_batch: int = 500
+    max_in_flight: int = 2
+    max_retries: int = 3
+    retry_backoff: float = 0.2
+    dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC
+    from_beginning: bool = True
+    decode: bool = True
+    # How long a revocation waits for the running batch before cancelling it.
+    revoke_timeout: float | None = 20.0
+
+
+class ConsumerCore(ABC):
+    """One group member's pipeline from fetched batches to commits (see module doc)."""
+
+    def __init__(self, config: ConsumerConfig, publish_raw: PublishRaw) -> None:
+        if config.max_batch < 1 or config.max_in_flight < 1 or config.max_retries < 0:
+            raise ValueError("max_batch and max_in_flight must be ≥ 1, max_retries ≥ 0")
+        self.group = config.group
+        self.topics = config.topics
+        self.stats = SubscriptionStats()
+        self._handler = config.handler
+        self._publish_raw = publish_raw
+        self._offsets = config.offsets
+        self._max_batch = config.max_batch
+        self._max_in_flight = config.max_in_flight
+        self._max_retries = config.max_retries
+        self._retry_backoff = config.retry_backoff
+        self._dead_letter_topic = config.dead_letter_topic
+        self._from_beginning = config.from_beginning
+        self._decode = config.decode
+        self._revoke_timeout = config.revoke_timeout
+
+        self._queue: deque[Batch] = deque()
+        self._queue_ready = asyncio.Event()
+        # Bumped on every revocation: a batch from an older epoch is never started or
+        # committed, because its partitions may belong to another member now.
+        self._epoch = 0
+        # True from revocation until the next assignment's positions are set.
+        self._settling = True
+        self._assigned: frozenset[TP] = frozenset()
+        self._running: asyncio.Task[None] | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._stop_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+        self._error: BaseException | None = None
+
+    # -- adapter hooks ---------------------------------------------------------------
+
+    @abstractmethod
+    async def _commit(self, positions: dict[TP, int]) -> None:
+        """Commits next-to-read offsets; a commit lost to a rebalance is not an error."""
+
+    @abstractmethod
+    def _on_queue_full(self) -> None:
+        """``max_in_flight`` batches wait: fetching should pause."""
+
+    @abstractmethod
+    def _on_room(self) -> None:
+        """The queue has room again (or a new assignment is ready): fetching may go on."""
+
+    @abstractmethod
+    async def _stop_fetching(self) -> None: ...
+
+    @abstractmethod
+    async def _leave(self) -> None:
+        """Leaves the group and releases the transport."""
+
+    # -- public ----------------------------------------------------------------------
+
+    def assignment(self) -> frozenset[TP]:
+        return self._assigned
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._stop_task is None:
+            self._stop_task = asyncio.create_task(self._shutdown(grace), name="kz-bus-stop")
+        if asyncio.current_task() is self._running:
+            # Called from inside the handler: waiting here would wait for ourselves.
+            return
+        await asyncio.shield(self._stop_task)
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    # -- flow ------------------------------------------------------------------------
+
+    def _start_worker(self) -> None:
+        self._worker = asyncio.create_task(self._work(), name=f"kz-bus-worker:{self.group}")
+
+    def _room(self) -> bool:
+        return len(self._queue) < self._max_in_flight
+
+    def _new_batch(self) -> Batch:
+        return Batch(self._epoch, self._decode)
+
+    def _enqueue(self, batch: Batch) -> bool:
+        """Queues a fetched batch; False if it was dropped (stale or shutting down)."""
+        if self._settling or self._stopping or batch.epoch != self._epoch:
+            self.stats.dropped_batches += 1
+            return False
+        self._queue.append(batch)
+        self._queue_ready.set()
+        if not self._room():
+            self._on_queue_full()
+        return True
+
+    def _settle(self, assigned: frozenset[TP]) -> None:
+        """Marks an assignment ready: positions are set, fetching may go on."""
+        self._assigned = assigned
+        self._settling = False
+        self.stats.assignments += 1
+        if self._room():
+            self._on_room()
+
+    async def _revoke_all(self) -> None:
+        """Gives up every partition: drops batches not started, lets the running one
+        finish and commit (cancelling it after ``revoke_timeout``)."""
+        self._settling = True
+        self._assigned = frozenset()
+        self.stats.dropped_batches += len(self._queue)
+        self._queue.clear()
+        await self._finish_running(self._revoke_timeout)
+        self._epoch += 1
+
+    async def _finish_running(self, grace: float | None) -> None:
+        run = self._running
+        if run is None or run.done() or run is asyncio.current_task():
+            return
+        done, _ = await asyncio.wait({run}, timeout=grace)
+        if not done:
+            log.warning(
+                "group %s: batch still running after %ss; cancelled, its records will be "
+                "redelivered", self.group, grace,
+            )
+            run.cancel()
+            await asyncio.wait({run})
+
+    async def _work(self) -> None:
+        while True:
+            while not self._queue:
+                self._queue_ready.clear()
+                await self._queue_ready.wait()
+            batch = self._queue.popleft()
+            if not self._settling and self._room():
+                self._on_room()
+            if batch.epoch != self._epoch:
+                self.stats.dropped_batches += 1
+                continue
+            task = asyncio.create_task(self._process(batch), name=f"kz-bus-batch:{self.group}")
+            self._running = task
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                task.cancel()
+                await asyncio.wait({task})
+                raise
+            finally:
+                self._running = None
+            if task.cancelled():
+                self.stats.dropped_batches += 1
+                if not (self._stopping or self._settling):
+                    # Nobody here cancelled it (the handler raised CancelledError itself):
+                    # committing any later batch would skip this one's records.
+                    self._fail(RuntimeError("the handler was cancelled; batch not committed"))
+                    return
+                continue
+            exc = task.exception()
+            if exc is not None:
+                self._fail(exc)
+                return
+
+    async def _process(self, batch: Batch) -> None:
+        for msg, error in batch.rejects:
+            await self._dead_letter(msg, error)
+        if batch.messages:
+            await self._apply(batch.messages)
+        if batch.epoch == self._epoch:
+            await self._commit(batch.positions)
+            self.stats.batches += 1
+
+    # -- retries and isolation -------------------------------------------------------
+
+    async def _attempt(self, msgs: Sequence[BusMessage], retries: int) -> Exception | None:
+        """Calls the handler up to 1 + ``retries`` times; returns the last error."""
+        error: Exception | None = None
+        for attempt in range(retries + 1):
+            try:
+                await self._handler(msgs)
+            except Exception as e:
+                error = e
+                if attempt < retries:
+                    self.stats.retries += 1
+                    delay = min(self._retry_backoff * 2**attempt, _MAX_BACKOFF_S)
+                    log.warning(
+                        "group %s: handler failed on %d message(s) (%s); retry %d/%d in %.2fs",
+                        self.group, len(msgs), describe_error(e), attempt + 1, retries, delay,
+                    )
+                    await asyncio.sleep(delay)
+            else:
+                self.stats.messages += len(msgs)
+                return None
+        return error
+
+    async def _apply(self, msgs: Sequence[BusMessage]) -> None:
+        error = await self._attempt(msgs, self._max_retries)
+        if error is None:
+            return
+        if len(msgs) == 1:
+            await self._dead_letter(msgs[0], error)
+        else:
+            await self._isolate(msgs)
+
+    async def _isolate(self, msgs: Sequence[BusMessage]) -> None:
+        """Bisects a failing batch: halves that pass are applied (once each), single
+        messages that still fail after their own retries are dead-lettered."""
+        mid = len(msgs) // 2
+        for half in (msgs[:mid], msgs[mid:]):
+            if len(half) == 1:
+                error = await self._attempt(half, self._max_retries)
+                if error is not None:
+                    await self._dead_letter(half[0], error)
+            elif await self._attempt(half, 0) is not None:
+                await self._isolate(half)
+
+    async def _dead_letter(self, msg: BusMessage, error: BaseException) -> None:
+        if msg.topic == self._dead_letter_topic:
+            # A dead letter that fails again stays where it is, at its offset in the
+            # dead-letter topic; re-publishing it there would loop forever.
+            log.error(
+                "group %s: dead letter %s:%d@%d failed again (%s); skipped",
+                self.group, msg.topic, msg.partition, msg.offset, describe_error(error),
+            )
+            return
+        headers = dead_letter_headers(msg, error, self.group)
+        await self._publish_raw(self._dead_letter_topic, msg.value, msg.key, headers)
+        self.stats.dead_lettered += 1
+        log.error(
+            "group %s: %s:%d@%d dead-lettered to %s: %s",
+            self.group, msg.topic, msg.partition, msg.offset, self._dead_letter_topic,
+            describe_error(error),
+        )
+
+    # -- shutdown --------------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        """Records a fatal error and stops the subscription (wait() raises it)."""
+        if self._error is None:
+            self._error = error
+        log.error("group %s: subscription failed: %s", self.group, describe_error(error))
+        if self._stop_task is None:
+            self._stop_task = asyncio.create_task(self._shutdown(0), name="kz-bus-stop")
+
+    async def _shutdown(self, grace: float | None) -> None:
+        self._stopping = True
+        try:
+            await self._stop_fetching()
+            self.stats.dropped_batches += len(self._queue)
+            self._queue.clear()
+            await self._finish_running(grace)
+            if self._worker is not None:
+                self._worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._worker
+            await self._leave()
+        except Exception as e:
+            if self._error is None:
+                self._error = e
+            log.error("group %s: error while stopping: %s", self.group, describe_error(e))
+        finally:
+            self._assigned = frozenset()
+            self._stopped.set()
