@@ -38,7 +38,9 @@ def machine_description() -> str:
     try:
         gpu = subprocess.run(
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
         if gpu:
             desc += f", GPU: {gpu.splitlines()[0]} x{len(gpu.splitlines())}"
@@ -92,7 +94,9 @@ def render_docs() -> None:
     for path in sorted(RESULTS.glob("*.json")):
         r = json.loads(path.read_text())
         parts.append(f"\n## {r['benchmark']}\n")
-        parts.append(f"- date: {r['date']}\n- machine: {r['machine']}\n- command: `{r['command']}`\n")
+        parts.append(
+            f"- date: {r['date']}\n- machine: {r['machine']}\n- command: `{r['command']}`\n"
+        )
         if r.get("notes"):
             parts.append(f"\n{r['notes']}\n")
         parts.append("\n| metric | value | unit | baseline | ratio |\n|---|---|---|---|---|\n")

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from functools import wraps
 from pathlib import Path
@@ -20,8 +19,10 @@ from rich.table import Table
 from kz_stream.config import Settings, load_settings
 
 app = typer.Typer(
-    name="kz", help="kz_stream: train LLMs to write fast, correct GPU kernels.",
-    no_args_is_help=True, pretty_exceptions_enable=False,
+    name="kz",
+    help="kz_stream: train LLMs to write fast, correct GPU kernels.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
 )
 infra_app = typer.Typer(help="Start and stop local PostgreSQL and the Kafka-protocol broker.")
 db_app = typer.Typer(help="Event store schema.")
@@ -68,6 +69,7 @@ def _run(coro: Awaitable[R]) -> R:
 
 # ---------------------------------------------------------------------------------- infra
 
+
 def _infra_dir() -> Path:
     return Path(os.environ.get("KZ_INFRA_DIR", ".kz/infra")).resolve()
 
@@ -92,8 +94,13 @@ def infra_up() -> None:
     broker = LocalBroker(port=state.get("broker_port", 0), pid=state.get("broker_pid", 0))
     if not broker.running():
         broker = LocalBroker().start(log_path=root / "broker.log")
-    state = {"postgres_port": pg.port, "broker_port": broker.port, "broker_pid": broker.pid,
-             "database_url": pg.url, "bus_url": f"kafka://{broker.bootstrap}"}
+    state = {
+        "postgres_port": pg.port,
+        "broker_port": broker.port,
+        "broker_pid": broker.pid,
+        "database_url": pg.url,
+        "bus_url": f"kafka://{broker.bootstrap}",
+    }
     (root / "state.json").write_text(json.dumps(state, indent=2))
     console.print(f"export KZ_DATABASE_URL={pg.url}", highlight=False)
     console.print(f"export KZ_BUS_URL=kafka://{broker.bootstrap}", highlight=False)
@@ -136,6 +143,7 @@ def infra_status() -> None:
 
 # ------------------------------------------------------------------------------------ db
 
+
 @db_app.command("upgrade")
 @_one_line_errors
 def db_upgrade(config: ConfigOption = None, revision: str = "head") -> None:
@@ -176,6 +184,7 @@ def serve(
 
 # ------------------------------------------------------------------------ replay/audit/tail
 
+
 @app.command()
 @_one_line_errors
 def replay(
@@ -189,26 +198,28 @@ def replay(
 
     settings = _settings(config)
 
-    async def go() -> tuple[int, float]:
+    async def go() -> Any:
         async with open_store(settings.database_url) as store:
             total = await store.last_position()
             with Progress(
-                TextColumn("replay {task.fields[name]}"), BarColumn(),
+                TextColumn("replay {task.fields[name]}"),
+                BarColumn(),
                 TextColumn("{task.completed:,}/{task.total:,} positions"),
-                TimeElapsedColumn(), console=err_console,
+                TimeElapsedColumn(),
+                console=err_console,
             ) as progress:
                 task = progress.add_task("replay", total=total, name=projection)
-                t0 = time.perf_counter()
-                applied = await rebuild(
-                    store, projection_by_name(projection),
+                return await rebuild(
+                    store,
+                    projection_by_name(projection),
                     on_batch=lambda pos: progress.update(task, completed=pos),
                 )
-                elapsed = time.perf_counter() - t0
-            return applied, elapsed
 
-    applied, elapsed = _run(go())
-    rate = applied / elapsed if elapsed > 0 else 0.0
-    console.print(f"rebuilt {projection}: {applied:,} events in {elapsed:.2f}s ({rate:,.0f} events/s)")
+    stats = _run(go())
+    console.print(
+        f"rebuilt {projection}: {stats.events:,} events in {stats.seconds:.2f}s "
+        f"({stats.events_per_s:,.0f} events/s)"
+    )
 
 
 @app.command()
@@ -306,15 +317,28 @@ def frontier(
     state = _run(go())
     cmap = CapabilityMap.from_state(state)
     front = compute_frontier(state)
-    table = Table("api", "kernels", "pass rate", "median speedup", "slow share", "trend",
-                  title=f"capability map at position {state.position:,}")
+    table = Table(
+        "api",
+        "kernels",
+        "pass rate",
+        "median speedup",
+        "slow share",
+        "trend",
+        title=f"capability map at position {state.position:,}",
+    )
     for api, st in sorted(cmap.apis.items(), key=lambda kv: kv[1].pass_rate)[:top]:
         med = st.median_speedup
-        table.add_row(api, str(st.n), f"{st.pass_rate:.2f}", f"{med:.2f}" if med else "–",
-                      f"{st.slow_fraction:.2f}", f"{st.trend:+.2f}")
+        table.add_row(
+            api,
+            str(st.n),
+            f"{st.pass_rate:.2f}",
+            f"{med:.2f}" if med else "-",
+            f"{st.slow_fraction:.2f}",
+            f"{st.trend:+.2f}",
+        )
     console.print(table)
-    console.print(f"weak APIs: {', '.join(list(front.weak_apis)[:10]) or '–'}", highlight=False)
-    console.print(f"slow APIs: {', '.join(list(front.slow_apis)[:10]) or '–'}", highlight=False)
+    console.print(f"weak APIs: {', '.join(list(front.weak_apis)[:10]) or '-'}", highlight=False)
+    console.print(f"slow APIs: {', '.join(list(front.slow_apis)[:10]) or '-'}", highlight=False)
     if heatmap is not None:
         _write_heatmap(cmap, heatmap)
         console.print(f"heatmap written to {heatmap}")
@@ -345,6 +369,98 @@ def _write_heatmap(cmap: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@app.command("run")
+@_one_line_errors
+def run_loop(
+    config: ConfigOption = None,
+    rounds: Annotated[int, typer.Option(help="Alternation rounds.")] = 1,
+    steps_per_turn: Annotated[int, typer.Option(help="Training steps per role per round.")] = 1,
+    group_size: Annotated[int, typer.Option(help="Kernels sampled per module (G).")] = 2,
+    groups_per_step: Annotated[int, typer.Option(help="Complete groups per training step.")] = 2,
+    max_new_tokens: Annotated[int, typer.Option(help="Completion length cap.")] = 256,
+    time_limit: Annotated[float, typer.Option(help="Stop after this many seconds.")] = 3600.0,
+) -> None:
+    """Runs the whole co-evolution loop in one process (embedded default: in-memory bus,
+    SQLite, SmolLM2 on the CPU, Triton through its interpreter)."""
+    from kz_stream.app import RunOptions, RunReport, run_coevolution
+
+    settings = _settings(config)
+    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
+        settings = settings.model_copy(update={"log_level": "WARNING"})
+    options = RunOptions(
+        rounds=rounds,
+        steps_per_turn=steps_per_turn,
+        group_size=group_size,
+        groups_per_step=groups_per_step,
+        max_new_tokens=max_new_tokens,
+        time_limit_s=time_limit,
+    )
+    total_steps = rounds * steps_per_turn * len(options.order)
+    shown_rounds: set[int] = set()
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[detail]}"),
+        TimeElapsedColumn(),
+        console=err_console,
+    ) as progress:
+        steps = progress.add_task("training steps", total=total_steps, detail="")
+        events = progress.add_task("events", total=None, detail="")
+
+        def tick(report: RunReport) -> None:
+            c = report.counts
+            progress.update(
+                steps, completed=len(report.steps), detail=f"{len(report.steps)}/{total_steps}"
+            )
+            progress.update(
+                events,
+                detail=(
+                    f"modules {c.get('ModuleProposed', 0)}  kernels {c.get('KernelGenerated', 0)}  "
+                    f"verdicts {c.get('KernelVerified', 0)}"
+                ),
+            )
+            for rnd in sorted({s["round"] for s in report.steps}):
+                done = [s for s in report.steps if s["round"] == rnd]
+                if rnd not in shown_rounds and len(done) == steps_per_turn * len(options.order):
+                    shown_rounds.add(rnd)
+                    progress.console.print(_round_table(rnd, done, report))
+
+        report = _run(run_coevolution(settings, options, on_tick=tick))
+    if not report.finished:
+        raise TimeoutError(f"the schedule did not finish within {time_limit:.0f}s")
+    console.print(
+        f"run finished in {report.seconds:.0f}s: {len(report.steps)} training steps, "
+        f"verdicts {report.statuses}",
+        highlight=False,
+    )
+
+
+def _round_table(rnd: int, steps: list[dict[str, Any]], report: Any) -> Table:
+    table = Table(
+        "step",
+        "role",
+        "trained",
+        "policy v",
+        "samples",
+        "mean reward",
+        "seconds",
+        title=f"round {rnd + 1}",
+    )
+    for s in steps:
+        table.add_row(
+            str(s["step"]),
+            str(s["role"]),
+            str(s["trained"]),
+            str(s["policy_version"]),
+            str(s["samples"]),
+            f"{s['mean_reward']:.3f}",
+            f"{s['seconds']:.1f}",
+        )
+    table.caption = f"verdicts so far: {report.statuses}"
+    return table
 
 
 def main() -> None:

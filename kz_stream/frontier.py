@@ -131,7 +131,11 @@ class RunState:
             if k.kernel_id in self.kernels:
                 return
             self.kernels[k.kernel_id] = KernelRecord(
-                k.kernel_id, k.module_id, k.group_id, k.policy_version, k,
+                k.kernel_id,
+                k.module_id,
+                k.group_id,
+                k.policy_version,
+                k,
                 recorded_at if recorded_at is not None else time.time(),
             )
             g = self.groups.get(k.group_id)
@@ -167,26 +171,29 @@ class RunState:
             assert isinstance(f, FrontierUpdated)
             self.frontier_version = max(self.frontier_version, f.frontier_version)
 
-    def ready_groups(self, *, timeout_s: float = 600.0, now: float | None = None) -> list[GroupState]:
+    def ready_groups(
+        self, *, timeout_s: float = 600.0, now: float | None = None
+    ) -> list[GroupState]:
         """Complete groups not yet used for training, oldest first."""
         now = time.time() if now is None else now
         return [
-            g for g in self.groups.values()
+            g
+            for g in self.groups.values()
             if not g.used and g.complete(self.kernels, timeout_s=timeout_s, now=now)
         ]
 
-    def ready_proposals(
-        self, *, timeout_s: float = 600.0, now: float | None = None
-    ) -> list[str]:
+    def ready_proposals(self, *, timeout_s: float = 600.0, now: float | None = None) -> list[str]:
         """Proposal groups not yet trained on whose valid modules all have a complete Coder
         group (so ``l̄`` is known), oldest first."""
         now = time.time() if now is None else now
         complete_modules = {
-            g.module_id for g in self.groups.values()
+            g.module_id
+            for g in self.groups.values()
             if g.complete(self.kernels, timeout_s=timeout_s, now=now)
         }
         return [
-            gid for gid, mids in self.proposals.items()
+            gid
+            for gid, mids in self.proposals.items()
             if gid not in self.used_proposals
             and all(not self.modules[m].valid or m in complete_modules for m in mids)
         ]

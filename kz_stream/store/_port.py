@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+from sqlalchemy import Connection
 
 from kz_stream.events import Event
+
+T = TypeVar("T")
 
 
 class ConcurrencyError(Exception):
@@ -35,7 +39,14 @@ class StoreTransaction(Protocol):
     """One database transaction: appends, tracking positions and projection writes commit
     together or not at all."""
 
-    async def append(self, events: Sequence[Event]) -> AppendResult: ...
+    @property
+    def dialect(self) -> str:
+        """The SQL dialect name (``"postgresql"``, ``"sqlite"``) for dialect-specific writes."""
+        ...
+
+    async def append(self, events: Sequence[Event]) -> AppendResult:
+        """Appends a batch; a ConcurrencyError undoes that batch only (a savepoint)."""
+        ...
 
     async def set_tracking(self, name: str, positions: Mapping[str, int]) -> None: ...
 
@@ -43,6 +54,10 @@ class StoreTransaction(Protocol):
 
     async def execute(self, statement: Any, parameters: Any = None) -> Any:
         """Runs a SQLAlchemy statement (projection writes) in this transaction."""
+        ...
+
+    async def run_sync(self, fn: Callable[[Connection], T]) -> T:
+        """Runs ``fn`` with the transaction's sync SQLAlchemy connection (DDL, create_all)."""
         ...
 
 

@@ -20,17 +20,22 @@ from kz_stream.events import KernelVerified, VerdictStatus, new_event
 from kz_stream.store import open_store
 from kz_stream.store._migrate import upgrade
 
-N_EVENTS = 6000
+N_EVENTS = 40000
 
 
 def _events(n: int) -> list:  # type: ignore[type-arg]
     return [
         new_event(
             KernelVerified(
-                kernel_id=f"k{i}", module_id="m", group_id="g", status=VerdictStatus.INCORRECT,
+                kernel_id=f"k{i}",
+                module_id="m",
+                group_id="g",
+                status=VerdictStatus.INCORRECT,
                 reason="x" * 200,
             ),
-            stream_id=f"kernel-k{i}", stream_version=1, producer="test",
+            stream_id=f"kernel-k{i}",
+            stream_version=1,
+            producer="test",
         )
         for i in range(n)
     ]
@@ -39,7 +44,9 @@ def _events(n: int) -> list:  # type: ignore[type-arg]
 def _start_recorder(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "kz_stream.cli", "serve", "recorder"],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),  # noqa: SIM115
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "wb"),
     )
 
 
@@ -73,7 +80,9 @@ def _batches(log: Path) -> list[dict]:  # type: ignore[type-arg]
 
 @pytest.mark.kafka
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
 def test_a_recorder_killed_mid_stream_resumes_with_nothing_lost_or_applied_twice(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest, kafka_bootstrap: str
 ) -> None:
@@ -89,8 +98,10 @@ def test_a_recorder_killed_mid_stream_resumes_with_nothing_lost_or_applied_twice
         "KZ_DATABASE_URL": url,
         "KZ_BUS_URL": f"kafka://{kafka_bootstrap}",
         "KZ_LOG_LEVEL": "DEBUG",
-        **{f"KZ_TOPICS__{t.upper()}": f"{prefix}.{t}"
-           for t in ("modules", "kernels", "verdicts", "frontier", "policy")},
+        **{
+            f"KZ_TOPICS__{t.upper()}": f"{prefix}.{t}"
+            for t in ("modules", "kernels", "verdicts", "frontier", "policy")
+        },
         "KZ_TOPICS__DEAD_LETTER": f"{prefix}.dlq",
         "KZ_TOPICS__PARTITIONS": "4",
     }
@@ -113,7 +124,7 @@ def test_a_recorder_killed_mid_stream_resumes_with_nothing_lost_or_applied_twice
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     first = _start_recorder(env, first_log)
     try:
-        _wait_for(url, N_EVENTS // 4, first, timeout=120)
+        _wait_for(url, N_EVENTS // 20, first, timeout=120)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()

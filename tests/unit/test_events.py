@@ -48,8 +48,16 @@ def test_the_wire_form_is_compact_json_with_the_envelope_fields() -> None:
     obj = orjson.loads(wire)
     assert wire == orjson.dumps(obj)  # no whitespace between tokens
     assert set(obj) == {
-        "event_id", "type", "schema_version", "stream_id", "stream_version", "occurred_at",
-        "producer", "correlation_id", "causation_id", "payload",
+        "event_id",
+        "type",
+        "schema_version",
+        "stream_id",
+        "stream_version",
+        "occurred_at",
+        "producer",
+        "correlation_id",
+        "causation_id",
+        "payload",
     }
     assert obj["type"] == "KernelGenerated" and obj["schema_version"] == 2
 
@@ -113,8 +121,12 @@ def test_payload_as_refuses_the_wrong_type() -> None:
 
 def test_verdict_payload_keeps_its_enum_and_interval() -> None:
     verdict = KernelVerified(
-        kernel_id="k", module_id="m", group_id="g", status=VerdictStatus.CORRECT,
-        speedup=1.5, speedup_ci=(1.4, 1.6),
+        kernel_id="k",
+        module_id="m",
+        group_id="g",
+        status=VerdictStatus.CORRECT,
+        speedup=1.5,
+        speedup_ci=(1.4, 1.6),
     )
     event = new_event(verdict, stream_id="kernel-k", stream_version=1, causation_id=uuid.uuid4())
     back = payload_as(decode_event(encode_event(event)), KernelVerified)

@@ -16,20 +16,28 @@ from kz_stream.frontier import CapabilityMap, RunState, compute_frontier
 
 def module(mid: str, apis: list[str]) -> ModuleProposed:
     return ModuleProposed(
-        module_id=mid, api_set=apis, source="class Model: ...",
+        module_id=mid,
+        api_set=apis,
+        source="class Model: ...",
         validation=ModuleValidation(valid=True),
     )
 
 
 def kernel(kid: str, mid: str, gid: str, size: int = 2, version: int = 0) -> KernelGenerated:
     return KernelGenerated(
-        kernel_id=kid, module_id=mid, group_id=gid, group_size=size, backend="triton",
-        source="...", policy_version=version,
+        kernel_id=kid,
+        module_id=mid,
+        group_id=gid,
+        group_size=size,
+        backend="triton",
+        source="...",
+        policy_version=version,
     )
 
 
-def verdict(kid: str, mid: str, gid: str, status: VerdictStatus, speedup: float | None = None
-            ) -> KernelVerified:
+def verdict(
+    kid: str, mid: str, gid: str, status: VerdictStatus, speedup: float | None = None
+) -> KernelVerified:
     return KernelVerified(
         kernel_id=kid, module_id=mid, group_id=gid, status=status, speedup=speedup
     )
@@ -48,7 +56,9 @@ C, X = VerdictStatus.CORRECT, VerdictStatus.INCORRECT
 def test_a_group_is_ready_once_every_member_has_a_verdict() -> None:
     state = state_of(
         module("m", ["torch.relu", "torch.matmul"]),
-        kernel("k1", "m", "g"), kernel("k2", "m", "g"), verdict("k1", "m", "g", C, 1.2),
+        kernel("k1", "m", "g"),
+        kernel("k2", "m", "g"),
+        verdict("k1", "m", "g", C, 1.2),
     )
     assert state.ready_groups(now=1.0) == []
     state.apply(new_event(verdict("k2", "m", "g", X), stream_id="x", stream_version=0))
@@ -63,7 +73,8 @@ def test_a_group_missing_verdicts_is_ready_after_its_timeout() -> None:
 
 def test_a_group_named_by_a_training_step_is_not_ready_again() -> None:
     state = state_of(
-        module("m", ["torch.relu"]), kernel("k1", "m", "g", size=1),
+        module("m", ["torch.relu"]),
+        kernel("k1", "m", "g", size=1),
         verdict("k1", "m", "g", C, 1.0),
         TrainingStepCompleted(role="coder", step=1, policy_version=1, group_ids=["g"]),
     )
@@ -73,8 +84,11 @@ def test_a_group_named_by_a_training_step_is_not_ready_again() -> None:
 def test_module_correctness_is_the_mean_over_decided_samples() -> None:
     state = state_of(
         module("m", ["torch.relu"]),
-        kernel("k1", "m", "g", 3), kernel("k2", "m", "g", 3), kernel("k3", "m", "g", 3),
-        verdict("k1", "m", "g", C, 1.0), verdict("k2", "m", "g", X),
+        kernel("k1", "m", "g", 3),
+        kernel("k2", "m", "g", 3),
+        kernel("k3", "m", "g", 3),
+        verdict("k1", "m", "g", C, 1.0),
+        verdict("k2", "m", "g", X),
         verdict("k3", "m", "g", VerdictStatus.UNCHECKED),
     )
     assert state.module_correctness() == {"m": 0.5}
@@ -82,9 +96,12 @@ def test_module_correctness_is_the_mean_over_decided_samples() -> None:
 
 def test_capability_map_counts_each_api_and_pair_of_a_module() -> None:
     state = state_of(
-        module("m1", ["torch.relu", "torch.matmul"]), module("m2", ["torch.relu"]),
-        kernel("a", "m1", "g1"), kernel("b", "m2", "g2"),
-        verdict("a", "m1", "g1", C, 0.5), verdict("b", "m2", "g2", X),
+        module("m1", ["torch.relu", "torch.matmul"]),
+        module("m2", ["torch.relu"]),
+        kernel("a", "m1", "g1"),
+        kernel("b", "m2", "g2"),
+        verdict("a", "m1", "g1", C, 0.5),
+        verdict("b", "m2", "g2", X),
     )
     cmap = CapabilityMap.from_state(state)
     assert (cmap.apis["torch.relu"].n, cmap.apis["torch.relu"].correct) == (2, 1)
@@ -95,11 +112,16 @@ def test_capability_map_counts_each_api_and_pair_of_a_module() -> None:
 
 def test_the_frontier_ranks_weak_apis_first_and_flags_correct_but_slow_ones() -> None:
     state = state_of(
-        module("m1", ["torch.matmul"]), module("m2", ["torch.softmax"]),
-        kernel("a", "m1", "g1", 2), kernel("b", "m1", "g1", 2),
-        kernel("c", "m2", "g2", 2), kernel("d", "m2", "g2", 2),
-        verdict("a", "m1", "g1", C, 0.8), verdict("b", "m1", "g1", C, 0.9),
-        verdict("c", "m2", "g2", X), verdict("d", "m2", "g2", X),
+        module("m1", ["torch.matmul"]),
+        module("m2", ["torch.softmax"]),
+        kernel("a", "m1", "g1", 2),
+        kernel("b", "m1", "g1", 2),
+        kernel("c", "m2", "g2", 2),
+        kernel("d", "m2", "g2", 2),
+        verdict("a", "m1", "g1", C, 0.8),
+        verdict("b", "m1", "g1", C, 0.9),
+        verdict("c", "m2", "g2", X),
+        verdict("d", "m2", "g2", X),
     )
     f = compute_frontier(state)
     # smoothed pass rates: matmul (2+1)/(2+2) = 0.75, softmax (0+1)/(2+2) = 0.25

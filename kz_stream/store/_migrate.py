@@ -1,0 +1,52 @@
+"""Runs the Alembic migrations in ``migrations/`` against a database URL or a connection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import create_engine, pool
+from sqlalchemy.engine import Connection, make_url
+
+__all__ = ["alembic_config", "sync_url", "upgrade", "upgrade_connection"]
+
+# Async drivers and the sync driver of the same database, for the blocking upgrade().
+_SYNC_DRIVERS = {"aiosqlite": "pysqlite", "asyncpg": "psycopg", "psycopg_async": "psycopg"}
+
+
+def alembic_config(url: str | None = None) -> Config:
+    """The Alembic config of the installed ``migrations`` package."""
+    import migrations  # the top-level package shipped beside kz_stream
+
+    cfg = Config(str(Path(migrations.__file__).with_name("alembic.ini")))
+    if url is not None:
+        # ConfigParser interpolates '%': a password may hold one.
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def sync_url(url: str) -> str:
+    """The same database through a blocking driver (``sqlite+aiosqlite`` -> ``sqlite``)."""
+    u = make_url(url)
+    driver = _SYNC_DRIVERS.get(u.get_driver_name())
+    if driver is not None:
+        u = u.set(drivername=f"{u.get_backend_name()}+{driver}")
+    return u.render_as_string(hide_password=False)
+
+
+def upgrade_connection(connection: Connection, revision: str = "head") -> None:
+    """Upgrades the database behind an open connection (commits nothing itself)."""
+    cfg = alembic_config()
+    cfg.attributes["connection"] = connection
+    command.upgrade(cfg, revision)
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Upgrades the database at ``url`` to ``revision``; blocking, safe inside an event loop."""
+    engine = create_engine(sync_url(url), poolclass=pool.NullPool)
+    try:
+        with engine.begin() as conn:
+            upgrade_connection(conn, revision)
+    finally:
+        engine.dispose()

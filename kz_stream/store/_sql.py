@@ -1,0 +1,603 @@
+"""The SQLAlchemy event store adapter: SQLite (embedded default) and PostgreSQL (real store).
+
+How the global position stays trustworthy
+-----------------------------------------
+A reader that has seen position ``p`` asks for ``global_position > p``. That is only safe if
+no transaction can still commit an event with a position below one already visible, i.e.
+positions must be assigned in commit order.
+
+- PostgreSQL: identity values are handed out at insert time, not at commit, so two
+  concurrent appenders could commit out of order (B takes 11, A takes 10, B commits, a reader
+  sees 11, then A commits 10 behind it). Every append therefore first takes one
+  transaction-scoped advisory lock (``pg_advisory_xact_lock``); it is released only after
+  the commit is visible, so the next appender draws its positions after every earlier one
+  is visible. Appends are serialised, which costs little because each is one bulk COPY;
+  other work in the transaction (tracking rows, projection writes) runs in parallel until
+  the first append. Keep transactions that append short: the lock is held until commit.
+  Positions can have holes (rolled-back appends consume identity values); readers never
+  rely on positions being dense, only on their order.
+- SQLite has one writer at a time: every writing transaction starts with ``BEGIN IMMEDIATE``
+  and rowids are assigned under that lock.
+
+Idempotence: under the same lock (or SQLite's write lock) stored event ids are skipped
+(counted as duplicates) and the rest inserted; a different event at a taken
+(stream_id, stream_version) violates ``uq_events_stream`` and raises ConcurrencyError, which
+rolls back the whole batch. On PostgreSQL the batch is first COPYed optimistically inside a
+savepoint; only when that meets a unique violation (a redelivery) are its ids looked up.
+
+Tailing: on PostgreSQL each append that wrote rows calls ``pg_notify('kz_events', ...)`` in
+its transaction, so listeners are woken exactly at commit; tail() also re-reads every
+``poll_interval`` in case a notification is lost (e.g. the listening connection dropped).
+SQLite tails by polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import orjson
+import psycopg
+from psycopg import errors as pg_errors
+from sqlalchemy import Connection, event, func, insert, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from kz_stream.events import Event
+from kz_stream.store._migrate import upgrade_connection
+from kz_stream.store._port import (
+    AppendResult,
+    ConcurrencyError,
+    EventStore,
+    RecordedEvent,
+    StoreTransaction,
+)
+from kz_stream.store._schema import EVENT_COLUMNS, events, tracking
+
+__all__ = ["NOTIFY_CHANNEL", "SqlEventStore", "open_store"]
+
+T = TypeVar("T")
+
+NOTIFY_CHANNEL = "kz_events"
+# One fixed key for the appenders' advisory lock ("kz_event" in ASCII).
+_APPEND_LOCK_KEY = 0x6B7A5F6576656E74
+_SQLITE_IN_CHUNK = 500  # event ids per IN (...) lookup, far below SQLite's variable limit
+
+_COPY_EVENTS = f"COPY events ({', '.join(EVENT_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
+_COPY_TYPES = (
+    "uuid", "text", "int4", "text", "int8", "timestamptz", "text", "text", "uuid", "jsonb",
+)
+_PAGE_SQL = (
+    "SELECT global_position, recorded_at, " + ", ".join(EVENT_COLUMNS) + " FROM events "
+    "WHERE global_position > %s {filter} ORDER BY global_position LIMIT %s"
+)
+_READ_COLUMNS = (events.c.global_position, events.c.recorded_at,
+                 *(events.c[name] for name in EVENT_COLUMNS))
+
+
+def _async_url(url: str | URL) -> URL:
+    """Picks the async driver for plain ``sqlite://`` and ``postgresql://`` URLs."""
+    u = make_url(url)
+    backend, driver = u.get_backend_name(), u.get_driver_name()
+    if backend == "sqlite" and driver != "aiosqlite":
+        return u.set(drivername="sqlite+aiosqlite")
+    if backend == "postgresql" and driver not in ("psycopg", "psycopg_async"):
+        return u.set(drivername="postgresql+psycopg")
+    if backend not in ("sqlite", "postgresql"):
+        raise ValueError(f"unsupported event store URL {u!r}: use sqlite or postgresql")
+    if backend == "sqlite" and u.database in (None, "", ":memory:"):
+        # Each pooled connection would see its own empty database, or all share one.
+        raise ValueError("the SQLite event store needs a file path, not an in-memory database")
+    return u
+
+
+def _row(event: Event) -> tuple[Any, ...]:
+    """The envelope as an events row; a naive occurred_at is taken to be UTC."""
+    occurred_at = event.occurred_at
+    if occurred_at.tzinfo is None:
+        occurred_at = occurred_at.replace(tzinfo=UTC)
+    return (
+        event.event_id, event.type, event.schema_version, event.stream_id,
+        event.stream_version, occurred_at, event.producer, event.correlation_id,
+        event.causation_id, event.payload,
+    )
+
+
+_EVENT_FIELDS = frozenset(Event.model_fields)
+_new_object = object.__new__
+_set_attribute = object.__setattr__
+
+
+def _trusted_event(values: dict[str, Any]) -> Event:
+    """Builds an Event from stored (validated on append) values without validating again.
+
+    What ``Event.model_construct`` does with every field given, minus its per-call
+    bookkeeping: reads build millions of these, and conversion was half the replay time
+    (measured ~3 us validate or model_construct vs ~0.6 us here). ``_check_trusted_event``
+    falls back to model_construct should pydantic's internals ever change.
+    """
+    ev = _new_object(Event)
+    _set_attribute(ev, "__dict__", values)
+    _set_attribute(ev, "__pydantic_fields_set__", _EVENT_FIELDS)
+    _set_attribute(ev, "__pydantic_extra__", None)
+    _set_attribute(ev, "__pydantic_private__", None)
+    return ev
+
+
+def _construct_event(values: dict[str, Any]) -> Event:
+    return Event.model_construct(**values)
+
+
+def _check_trusted_event() -> Callable[[dict[str, Any]], Event]:
+    values: dict[str, Any] = {
+        "event_id": uuid.UUID(int=1), "type": "T", "schema_version": 1, "stream_id": "s",
+        "stream_version": 0, "occurred_at": datetime(2026, 1, 1, tzinfo=UTC), "producer": "",
+        "correlation_id": None, "causation_id": None, "payload": {"a": 1},
+    }
+    try:
+        ev = _trusted_event(dict(values))
+        if ev == Event(**values) and ev.model_dump() == values:
+            return _trusted_event
+    except Exception:  # any surprise means: use the public API
+        pass
+    return _construct_event
+
+
+_make_event = _check_trusted_event()
+
+
+def _recorded(row: Sequence[Any]) -> RecordedEvent:
+    """A stored row (global_position, recorded_at, *EVENT_COLUMNS) as a RecordedEvent."""
+    return RecordedEvent(
+        global_position=row[0],
+        recorded_at=row[1],
+        event=_make_event({
+            "event_id": row[2], "type": row[3], "schema_version": row[4],
+            "stream_id": row[5], "stream_version": row[6], "occurred_at": row[7],
+            "producer": row[8], "correlation_id": row[9], "causation_id": row[10],
+            "payload": row[11],
+        }),
+    )
+
+
+def _dedupe(batch: Sequence[Event]) -> tuple[list[Event], int]:
+    """Drops repeated event ids inside one batch (first wins); returns (unique, repeats)."""
+    # UUID.__hash__ is Python code; hashing the int directly is ~3x cheaper per event.
+    if len({ev.event_id.int for ev in batch}) == len(batch):
+        return list(batch), 0
+    seen: set[int] = set()
+    unique: list[Event] = []
+    for ev in batch:
+        if ev.event_id.int not in seen:
+            seen.add(ev.event_id.int)
+            unique.append(ev)
+    return unique, len(batch) - len(unique)
+
+
+class SqlTransaction:
+    """One open database transaction of a SqlEventStore (the StoreTransaction port)."""
+
+    def __init__(self, store: SqlEventStore, conn: AsyncConnection) -> None:
+        self._store = store
+        self.connection = conn
+
+    @property
+    def dialect(self) -> str:
+        """``"postgresql"`` or ``"sqlite"``: projections pick dialect-specific upserts by it."""
+        return self._store.dialect
+
+    async def append(self, events: Sequence[Event]) -> AppendResult:
+        """Appends a batch inside this transaction; a failed batch leaves no trace in it."""
+        # A savepoint keeps "the whole batch or nothing" true even when the caller catches
+        # the ConcurrencyError and goes on using the transaction.
+        async with self.connection.begin_nested():
+            return await self._store._append(self.connection, events)
+
+    async def set_tracking(self, name: str, positions: Mapping[str, int]) -> None:
+        await self._store._set_tracking(self.connection, name, positions)
+
+    async def get_tracking(self, name: str) -> dict[str, int]:
+        return await self._store._get_tracking(self.connection, name)
+
+    async def execute(self, statement: Any, parameters: Any = None) -> Any:
+        """Runs a SQLAlchemy statement (or SQL text) in this transaction."""
+        if isinstance(statement, str):
+            statement = text(statement)
+        return await self.connection.execute(statement, parameters)
+
+    async def run_sync(self, fn: Callable[[Connection], T]) -> T:
+        """Runs ``fn(sync_connection)`` in this transaction (DDL, ``metadata.create_all``)."""
+        return await self.connection.run_sync(fn)
+
+
+class SqlEventStore:
+    """The EventStore port on SQLAlchemy 2 async: ``sqlite+aiosqlite`` or ``postgresql+psycopg``.
+
+    ``create_schema=True`` runs the Alembic migrations on start(). The store is also an async
+    context manager (start on enter, close on exit).
+    """
+
+    def __init__(self, url: str, *, create_schema: bool = False, pool_size: int = 8) -> None:
+        self._url = _async_url(url)
+        self.url = self._url.render_as_string(hide_password=False)
+        self.dialect = self._url.get_backend_name()
+        self._create_schema = create_schema
+        self._pool_size = pool_size
+        self._engine: AsyncEngine | None = None
+        self._writer: AsyncEngine | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._engine is not None:
+            return
+        if self.dialect == "sqlite":
+            engine = self._sqlite_engine()
+            # Writers take SQLite's write lock up front (BEGIN IMMEDIATE); a deferred BEGIN
+            # that upgrades later can fail with SQLITE_BUSY instead of waiting.
+            writer = engine.execution_options(kz_write=True)
+        else:
+            engine = self._postgres_engine()
+            writer = engine
+        self._engine, self._writer = engine, writer
+        if self._create_schema:
+            async with writer.begin() as conn:
+                await conn.run_sync(upgrade_connection)
+
+    async def close(self) -> None:
+        if self._engine is not None:
+            await self._engine.dispose()
+            self._engine = self._writer = None
+
+    async def __aenter__(self) -> SqlEventStore:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _sqlite_engine(self) -> AsyncEngine:
+        engine = create_async_engine(
+            self._url,
+            json_serializer=lambda obj: orjson.dumps(obj).decode(),
+            json_deserializer=orjson.loads,
+            connect_args={"timeout": 60},  # seconds a writer waits for the write lock
+        )
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+            # Let us emit BEGIN ourselves (the driver's implicit BEGIN is always deferred).
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+            # A power cut may lose the last commits but never corrupts the file (WAL).
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine.sync_engine, "begin")
+        def _on_begin(conn: Connection) -> None:
+            immediate = conn.get_execution_options().get("kz_write", False)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+        return engine
+
+    def _postgres_engine(self) -> AsyncEngine:
+        options = self._url.query.get("options", "")
+        if isinstance(options, tuple):
+            options = " ".join(options)
+        return create_async_engine(
+            self._url,
+            json_serializer=orjson.dumps,  # psycopg accepts bytes from its json dumper
+            json_deserializer=orjson.loads,
+            pool_size=self._pool_size,
+            max_overflow=2 * self._pool_size,
+            # Timestamps come back in UTC whatever the server's zone.
+            connect_args={"options": f"{options} -c timezone=UTC".strip()},
+        )
+
+    def _engines(self) -> tuple[AsyncEngine, AsyncEngine]:
+        if self._engine is None or self._writer is None:
+            raise RuntimeError("the event store is not started: call start() first")
+        return self._engine, self._writer
+
+    # -- writing -----------------------------------------------------------------------
+
+    async def append(
+        self, events: Sequence[Event], *, tracking: Mapping[str, Mapping[str, int]] | None = None
+    ) -> AppendResult:
+        """Appends a batch atomically, skipping event ids already stored.
+
+        Raises ConcurrencyError (and writes nothing) when a (stream_id, stream_version) of the
+        batch holds a different event. ``tracking`` ({name: {key: position}}) commits with it.
+        """
+        _, writer = self._engines()
+        async with writer.begin() as conn:
+            result = await self._append(conn, events)
+            for name, positions in (tracking or {}).items():
+                await self._set_tracking(conn, name, positions)
+        return result
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[SqlTransaction]:
+        """A transaction for appends, tracking and projection writes; commits on clean exit."""
+        _, writer = self._engines()
+        async with writer.begin() as conn:
+            yield SqlTransaction(self, conn)
+
+    async def _append(self, conn: AsyncConnection, batch: Sequence[Event]) -> AppendResult:
+        unique, repeats = _dedupe(batch)
+        if self.dialect == "postgresql":
+            appended, last = await self._append_postgres(conn, unique)
+        else:
+            appended, last = await self._append_sqlite(conn, unique)
+        return AppendResult(
+            appended=appended, duplicates=repeats + len(unique) - appended, last_position=last
+        )
+
+    async def _append_postgres(self, conn: AsyncConnection, batch: list[Event]) -> tuple[int, int]:
+        raw = await conn.get_raw_connection()
+        pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
+        async with pg.cursor() as cur:
+            await cur.execute("SELECT pg_advisory_xact_lock(%s)", (_APPEND_LOCK_KEY,))
+            new = batch
+            if batch:
+                try:
+                    # Optimistic: most batches are new, and looking their ids up first cost
+                    # ~15% of a 500 B append. A savepoint undoes a batch that meets a stored
+                    # id (or slot); the careful path below then sorts it out.
+                    async with pg.transaction():
+                        await _copy_events(cur, batch)
+                except pg_errors.UniqueViolation:
+                    new = await _not_stored(cur, batch)
+                    try:
+                        if new:
+                            await _copy_events(cur, new)
+                    except pg_errors.UniqueViolation as e:
+                        if e.diag.constraint_name == "uq_events_stream":
+                            raise ConcurrencyError(_stream_conflict(e.diag.message_detail)) from e
+                        raise
+            if new:
+                await cur.execute(
+                    "SELECT m, pg_notify(%s, m::text) FROM "
+                    "(SELECT max(global_position) AS m FROM events) s",
+                    (NOTIFY_CHANNEL,),
+                )
+            else:
+                await cur.execute("SELECT coalesce(max(global_position), 0) FROM events")
+            row = await cur.fetchone()
+        return len(new), int(row[0]) if row else 0
+
+    async def _append_sqlite(self, conn: AsyncConnection, batch: list[Event]) -> tuple[int, int]:
+        stored: set[uuid.UUID] = set()
+        for i in range(0, len(batch), _SQLITE_IN_CHUNK):
+            ids = [ev.event_id for ev in batch[i : i + _SQLITE_IN_CHUNK]]
+            found = await conn.execute(select(events.c.event_id).where(events.c.event_id.in_(ids)))
+            stored.update(found.scalars())
+        new = [ev for ev in batch if ev.event_id not in stored]
+        if new:
+            try:
+                await conn.execute(
+                    insert(events), [dict(zip(EVENT_COLUMNS, _row(ev), strict=True)) for ev in new]
+                )
+            except IntegrityError as e:
+                if "events.stream_id" in str(e.orig):
+                    raise ConcurrencyError(
+                        "stream_id, stream_version: a different event is stored there"
+                    ) from e
+                raise
+        last = await conn.scalar(select(func.coalesce(func.max(events.c.global_position), 0)))
+        return len(new), int(last or 0)
+
+    async def _set_tracking(
+        self, conn: AsyncConnection, name: str, positions: Mapping[str, int]
+    ) -> None:
+        if not positions:
+            return
+        ins = pg_insert(tracking) if self.dialect == "postgresql" else sqlite_insert(tracking)
+        stmt = ins.on_conflict_do_update(
+            index_elements=[tracking.c.name, tracking.c.key],
+            set_={"position": ins.excluded.position, "updated_at": func.now()},
+        )
+        await conn.execute(
+            stmt, [{"name": name, "key": k, "position": int(p)} for k, p in positions.items()]
+        )
+
+    @staticmethod
+    async def _get_tracking(conn: AsyncConnection, name: str) -> dict[str, int]:
+        rows = await conn.execute(
+            select(tracking.c.key, tracking.c.position).where(tracking.c.name == name)
+        )
+        return {k: int(p) for k, p in rows}
+
+    # -- reading -----------------------------------------------------------------------
+
+    async def read_stream(self, stream_id: str) -> list[RecordedEvent]:
+        """Every event of one stream in stream-version order."""
+        engine, _ = self._engines()
+        query = (
+            select(*_READ_COLUMNS)
+            .where(events.c.stream_id == stream_id)
+            .order_by(events.c.stream_version)
+        )
+        async with engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return [_recorded(r) for r in rows]
+
+    async def read_all(
+        self, from_position: int = 0, *, batch_size: int = 1000, types: Sequence[str] | None = None
+    ) -> AsyncGenerator[list[RecordedEvent], None]:
+        """Batches of events with global_position > from_position, in order, to the current end.
+
+        Each batch is its own short query (keyset on global_position), so a long replay holds
+        no transaction open and sees events that commit while it runs. The next page is
+        fetched while the caller works on this one: the database produces rows on its core
+        while Python builds events on the other.
+        """
+        engine, _ = self._engines()
+        fetch = self._page_postgres if self.dialect == "postgresql" else self._page_sqlite
+        type_list = list(types) if types is not None else None
+
+        async def page(after: int) -> Sequence[Sequence[Any]]:
+            async with engine.connect() as conn:
+                return await fetch(conn, after, batch_size, type_list)
+
+        ahead: asyncio.Task[Sequence[Sequence[Any]]] | None = asyncio.create_task(
+            page(from_position)
+        )
+        try:
+            while ahead is not None:
+                rows = await ahead
+                ahead = None
+                if not rows:
+                    return
+                if len(rows) == batch_size:  # a short page is the end, as of this query
+                    ahead = asyncio.create_task(page(rows[-1][0]))
+                yield [_recorded(r) for r in rows]
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+                await asyncio.gather(ahead, return_exceptions=True)
+
+    @staticmethod
+    async def _page_postgres(
+        conn: AsyncConnection, after: int, limit: int, types: list[str] | None
+    ) -> Sequence[Sequence[Any]]:
+        # Straight through psycopg in binary format: SQLAlchemy's row processing cost more
+        # than the query itself here (measured: ~45k vs ~120k events/s at 500 B).
+        raw = await conn.get_raw_connection()
+        pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
+        async with pg.cursor(binary=True) as cur:
+            if types is None:
+                await cur.execute(_PAGE_SQL.format(filter=""), (after, limit))
+            else:
+                await cur.execute(_PAGE_SQL.format(filter="AND type = ANY(%s)"),
+                                  (after, types, limit))
+            return await cur.fetchall()
+
+    @staticmethod
+    async def _page_sqlite(
+        conn: AsyncConnection, after: int, limit: int, types: list[str] | None
+    ) -> Sequence[Sequence[Any]]:
+        query = select(*_READ_COLUMNS).where(events.c.global_position > after)
+        if types is not None:
+            query = query.where(events.c.type.in_(types))
+        query = query.order_by(events.c.global_position).limit(limit)
+        return (await conn.execute(query)).all()
+
+    async def tail(
+        self, from_position: int = 0, *, batch_size: int = 1000, poll_interval: float = 0.5
+    ) -> AsyncGenerator[list[RecordedEvent], None]:
+        """read_all from ``from_position``, then waits for commits and yields them, forever."""
+        self._engines()
+        position = from_position
+        async with self._waiter() as wait:
+            while True:
+                async with contextlib.aclosing(
+                    self.read_all(position, batch_size=batch_size)
+                ) as batches:
+                    async for batch in batches:
+                        position = batch[-1].global_position
+                        yield batch
+                await wait(poll_interval)
+
+    @asynccontextmanager
+    async def _waiter(self) -> AsyncIterator[Callable[[float], Awaitable[None]]]:
+        """A function that returns after a new commit is announced or ``timeout`` passes."""
+        if self.dialect != "postgresql":
+            yield asyncio.sleep
+            return
+        listener = _Listener(self._url.set(drivername="postgresql"))
+        try:
+            await listener.connect()
+            yield listener.wait
+        finally:
+            await listener.close()
+
+    async def last_position(self) -> int:
+        engine, _ = self._engines()
+        async with engine.connect() as conn:
+            last = await conn.scalar(select(func.coalesce(func.max(events.c.global_position), 0)))
+        return int(last or 0)
+
+    async def get_tracking(self, name: str) -> dict[str, int]:
+        engine, _ = self._engines()
+        async with engine.connect() as conn:
+            return await self._get_tracking(conn, name)
+
+
+class _Listener:
+    """LISTENs on the append channel; falls back to plain polling while disconnected."""
+
+    def __init__(self, url: URL) -> None:
+        self._conninfo = url.render_as_string(hide_password=False)
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    async def connect(self) -> None:
+        with contextlib.suppress(psycopg.OperationalError):
+            conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
+            await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            self._conn = conn
+
+    async def wait(self, seconds: float) -> None:
+        if self._conn is None:
+            await asyncio.sleep(seconds)
+            await self.connect()  # the caller re-reads first, so nothing announced is lost
+            return
+        try:
+            async for _ in self._conn.notifies(timeout=seconds, stop_after=1):
+                pass
+            # Several commits may have been announced meanwhile: one re-read covers them all.
+            async for _ in self._conn.notifies(timeout=0.0):
+                pass
+        except psycopg.OperationalError:
+            await self.close()
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
+
+
+async def _copy_events(cur: psycopg.AsyncCursor[Any], batch: Sequence[Event]) -> None:
+    async with cur.copy(_COPY_EVENTS) as copy:
+        copy.set_types(list(_COPY_TYPES))
+        for ev in batch:
+            await copy.write_row(_row(ev))
+
+
+async def _not_stored(cur: psycopg.AsyncCursor[Any], batch: Sequence[Event]) -> list[Event]:
+    await cur.execute(
+        "SELECT event_id FROM events WHERE event_id = ANY(%s)", ([ev.event_id for ev in batch],)
+    )
+    stored = {r[0] for r in await cur.fetchall()}
+    return [ev for ev in batch if ev.event_id not in stored]
+
+
+def _stream_conflict(detail: str | None) -> str:
+    return f"stream_id, stream_version: a different event is stored there ({detail or ''})"
+
+
+@asynccontextmanager
+async def open_store(url: str, *, create_schema: bool = True) -> AsyncIterator[SqlEventStore]:
+    """A started SqlEventStore (schema migrated by default), closed on exit."""
+    store = SqlEventStore(url, create_schema=create_schema)
+    await store.start()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+if TYPE_CHECKING:  # mypy proves the adapter implements the port
+
+    def _conforms(store: SqlEventStore, tx: SqlTransaction) -> tuple[EventStore, StoreTransaction]:
+        return store, tx
