@@ -58,6 +58,7 @@ class LearnerService(Service):
         self.learners: dict[Role, GRPOLearner] = {}
         self.steps_done = 0
         self.finished = asyncio.Event()  # the alternation schedule is over
+        self.step_log: list[dict[str, object]] = []
         self._frontier_at = 0.0
         self._frontier_basis: tuple[int, int] = (-1, -1)
 
@@ -68,7 +69,9 @@ class LearnerService(Service):
             self.state.apply_all(batch)
         self.steps_done = self.state.training_steps
         self.log.info(
-            "learner_replayed", position=self.state.position, steps=self.steps_done,
+            "learner_replayed",
+            position=self.state.position,
+            steps=self.steps_done,
             used_groups=sum(g.used for g in self.state.groups.values()),
         )
         for role in self.config.roles:
@@ -95,8 +98,12 @@ class LearnerService(Service):
             # Re-announce the stored event (same event_id, so the recorder skips it): a crash
             # may have come between the store commit and the publish.
             await self._announce(history[-1].event)
-        self.log.info("learner_loaded", role=role, version=learner.version,
-                      resumed_from=str(learner.resumed_from or ""))
+        self.log.info(
+            "learner_loaded",
+            role=role,
+            version=learner.version,
+            resumed_from=str(learner.resumed_from or ""),
+        )
 
     async def _follow(self) -> None:
         async for batch in self.ctx.store.tail(
@@ -110,16 +117,22 @@ class LearnerService(Service):
     # -- frontier -----------------------------------------------------------------------
 
     async def maybe_publish_frontier(self, *, force: bool = False) -> FrontierUpdated | None:
-        basis = (len(self.state.kernels), sum(k.verdict is not None
-                                               for k in self.state.kernels.values()))
+        basis = (
+            len(self.state.kernels),
+            sum(k.verdict is not None for k in self.state.kernels.values()),
+        )
         now = time.monotonic()
-        if not force and (basis == self._frontier_basis
-                          or now - self._frontier_at < self.config.frontier_every_s):
+        if not force and (
+            basis == self._frontier_basis or now - self._frontier_at < self.config.frontier_every_s
+        ):
             return None
         frontier = compute_frontier(self.state, self.config.frontier)
         event = new_event(
-            frontier, stream_id="frontier", stream_version=frontier.frontier_version,
-            producer=self.ctx.producer_id, correlation_id=self.ctx.settings.run_id,
+            frontier,
+            stream_id="frontier",
+            stream_version=frontier.frontier_version,
+            producer=self.ctx.producer_id,
+            correlation_id=self.ctx.settings.run_id,
         )
         await self.ctx.store.append([event], tracking={self.tracking_name: self._tracking()})
         self.state.apply(event)
@@ -143,8 +156,9 @@ class LearnerService(Service):
                     continue  # timed out without a verdict: not evidence either way
                 completion = k.generated.completion
                 prompt_ids = completion.prompt_token_ids if completion else None
-                samples.append(Sample.from_kernel(k.generated, k.verdict,
-                                                  prompt_ids=prompt_ids or None))
+                samples.append(
+                    Sample.from_kernel(k.generated, k.verdict, prompt_ids=prompt_ids or None)
+                )
             out.append(Group(g.group_id, tuple(samples)))
         return out
 
@@ -157,10 +171,14 @@ class LearnerService(Service):
                 m = self.state.modules[mid].event
                 completion = m.completion
                 prompt_ids = completion.prompt_token_ids if completion else None
-                samples.append(Sample.from_module(
-                    m, group_id=gid, mean_correctness=lbar.get(mid),
-                    prompt_ids=prompt_ids or None,
-                ))
+                samples.append(
+                    Sample.from_module(
+                        m,
+                        group_id=gid,
+                        mean_correctness=lbar.get(mid),
+                        prompt_ids=prompt_ids or None,
+                    )
+                )
             out.append(Group(gid, tuple(samples)))
         return out
 
@@ -191,7 +209,11 @@ class LearnerService(Service):
         return True
 
     async def _commit_step(
-        self, role: Role, learner: GRPOLearner, result: StepResult, groups: list[Group],
+        self,
+        role: Role,
+        learner: GRPOLearner,
+        result: StepResult,
+        groups: list[Group],
         seconds: float,
     ) -> None:
         # Even a step that trained nothing (all samples stale) records its groups as used,
@@ -200,23 +222,34 @@ class LearnerService(Service):
         step_payload = step_payload.model_copy(
             update={"group_ids": [g.group_id for g in groups], "step": self.steps_done + 1}
         )
-        events = [new_event(
-            step_payload, stream_id=f"learner-{role}", stream_version=self.steps_done,
-            producer=self.ctx.producer_id, correlation_id=self.ctx.settings.run_id,
-        )]
+        events = [
+            new_event(
+                step_payload,
+                stream_id=f"learner-{role}",
+                stream_version=self.steps_done,
+                producer=self.ctx.producer_id,
+                correlation_id=self.ctx.settings.run_id,
+            )
+        ]
         announcement = None
         if result.trained:
             uri, sha = await asyncio.to_thread(
                 learner.save_policy, self.config.checkpoint_dir / role, learner.version
             )
             published = PolicyVersionPublished(
-                role=role, version=learner.version, uri=uri, sha256=sha,
+                role=role,
+                version=learner.version,
+                uri=uri,
+                sha256=sha,
                 base_model=learner.config.model,
                 kind="full" if learner.config.full_finetune else "lora",
             )
             announcement = new_event(
-                published, stream_id=f"policy-{role}", stream_version=learner.version,
-                producer=self.ctx.producer_id, correlation_id=self.ctx.settings.run_id,
+                published,
+                stream_id=f"policy-{role}",
+                stream_version=learner.version,
+                producer=self.ctx.producer_id,
+                correlation_id=self.ctx.settings.run_id,
             )
             events.append(announcement)
         await self.ctx.store.append(events, tracking={self.tracking_name: self._tracking()})
@@ -226,11 +259,32 @@ class LearnerService(Service):
         if announcement is not None:
             await self._announce(announcement)
         self.metrics.published("TrainingStepCompleted")
+        turn = self.schedule.turn_at(self.steps_done - 1)
+        self.step_log.append(
+            {
+                "step": self.steps_done,
+                "round": turn.round if turn else -1,
+                "role": role,
+                "trained": result.trained,
+                "policy_version": learner.version,
+                "mean_reward": result.mean_reward,
+                "samples": result.num_samples,
+                "kernels": len(result.kernel_ids),
+                "dropped_stale": result.dropped_stale,
+                "seconds": seconds,
+            }
+        )
         self.log.info(
-            "training_step", role=role, step=self.steps_done, trained=result.trained,
-            policy_version=learner.version, mean_reward=round(result.mean_reward, 4),
-            samples=result.num_samples, dropped_stale=result.dropped_stale,
-            losses=result.losses, seconds=round(seconds, 2),
+            "training_step",
+            role=role,
+            step=self.steps_done,
+            trained=result.trained,
+            policy_version=learner.version,
+            mean_reward=round(result.mean_reward, 4),
+            samples=result.num_samples,
+            dropped_stale=result.dropped_stale,
+            losses=result.losses,
+            seconds=round(seconds, 2),
         )
 
     async def _announce(self, event: Event) -> None:
@@ -248,7 +302,7 @@ def _discard_unpublished(directory: Path, role: Role, published_version: int) ->
     for child in directory.iterdir():
         if child.is_dir() and child.name.startswith(prefix):
             try:
-                version = int(child.name[len(prefix):].split(".", 1)[0])
+                version = int(child.name[len(prefix) :].split(".", 1)[0])
             except ValueError:
                 continue
             if version > published_version or ".tmp-" in child.name:

@@ -27,7 +27,7 @@ from kz_stream.events import (
 )
 from kz_stream.llm.base import LLMBackend, SamplingParams
 from kz_stream.modules.extraction import extract_code
-from kz_stream.modules.prompts import coder_prompt
+from kz_stream.modules.prompts import coder_messages, prompt_text
 from kz_stream.runtime import Service, ServiceContext
 
 __all__ = ["CoderConfig", "CoderService", "PolicyFollower"]
@@ -121,8 +121,11 @@ class CoderService(Service):
         topics = self.ctx.settings.topics
         policy_sub = await self.policy.subscribe()
         sub = await self.ctx.bus.subscribe(
-            self.group, [topics.modules], self.handle_modules,
-            max_batch=self.config.max_batch, max_in_flight=2,
+            self.group,
+            [topics.modules],
+            self.handle_modules,
+            max_batch=self.config.max_batch,
+            max_in_flight=2,
             dead_letter_topic=topics.dead_letter,
         )
         self.log.info("coder_started", replica=self.config.replica, backends=self.config.backends)
@@ -144,7 +147,7 @@ class CoderService(Service):
     async def generate_group(self, cause: Event, module: ModuleProposed, backend: str) -> None:
         await self.policy.admit(self.config.max_staleness)
         version = self.backend.policy_version
-        prompt = coder_prompt(module.source, backend)
+        prompt = coder_messages(module.source, backend)  # type: ignore[arg-type]
         self.metrics.in_flight.inc()
         try:
             [samples] = await self.backend.generate(
@@ -154,9 +157,7 @@ class CoderService(Service):
             self.metrics.in_flight.dec()
         self.metrics.llm_request(sum(len(s.token_ids) for s in samples))
         group_id = uuid.uuid4().hex
-        prompt_text = prompt if isinstance(prompt, str) else "\n\n".join(
-            f"[{msg['role']}]\n{msg['content']}" for msg in prompt
-        )
+        text = prompt_text(prompt)
         events = []
         for s in samples:
             kernel_id = uuid.uuid4().hex
@@ -166,8 +167,8 @@ class CoderService(Service):
                 group_id=group_id,
                 group_size=self.config.group_size,
                 backend=backend,  # type: ignore[arg-type]
-                source=extract_code(s.text) or s.text,
-                prompt=prompt_text,
+                source=extract_code(s.text, require="class ModelNew") or s.text,
+                prompt=text,
                 sampling=self.config.sampling.as_dict(),
                 policy_version=s.policy_version,
                 completion=s.to_completion(),
@@ -186,6 +187,10 @@ class CoderService(Service):
         self.groups_started += 1
         self.metrics.published("KernelGenerated", len(events))
         self.log.info(
-            "group_generated", module_id=module.module_id, group_id=group_id,
-            backend=backend, policy_version=version, n=len(events),
+            "group_generated",
+            module_id=module.module_id,
+            group_id=group_id,
+            backend=backend,
+            policy_version=version,
+            n=len(events),
         )

@@ -1,0 +1,129 @@
+"""The verifier service: reads ``kz.kernels``, verifies each kernel in worker processes,
+writes ``KernelVerified`` with the consumer's offsets in one transaction, then publishes
+the verdict on ``kz.verdicts``.
+
+A bad kernel is a verdict. A kernel whose module is not in the store (yet) is retried for
+a while and then raised as an infrastructure fault, which the bus dead-letters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from kz_stream.bus import BusMessage, InfrastructureError, offsets_after
+from kz_stream.events import (
+    Event,
+    KernelGenerated,
+    ModuleProposed,
+    new_event,
+    payload_as,
+)
+from kz_stream.runtime import Service, ServiceContext, StoreOffsets
+from kz_stream.verify import Candidate, Problem, Verifier
+from kz_stream.verify.events import to_kernel_verified
+
+__all__ = ["VerifierService"]
+
+
+class VerifierService(Service):
+    name = "verifier"
+    group = "kz-verifier"
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        verifier: Verifier | None = None,
+        *,
+        module_wait_s: float = 30.0,
+        max_batch: int = 8,
+    ) -> None:
+        super().__init__(ctx)
+        self.verifier = verifier or Verifier()
+        self.module_wait_s = module_wait_s
+        self.max_batch = max_batch
+        self._modules: dict[str, str] = {}
+
+    async def run(self) -> None:
+        topics = self.ctx.settings.topics
+        sub = await self.ctx.bus.subscribe(
+            self.group,
+            [topics.kernels],
+            self.verify_batch,
+            offsets=StoreOffsets(self.ctx.store),
+            max_batch=self.max_batch,
+            max_in_flight=1,
+            dead_letter_topic=topics.dead_letter,
+        )
+        self.log.info("verifier_started", manifest=self.verifier.manifest())
+        stop = asyncio.create_task(self.stopping.wait())
+        failed = asyncio.create_task(sub.wait())
+        try:
+            await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            await sub.stop()
+            await self.verifier.aclose()
+            if failed.done() and not failed.cancelled() and failed.exception():
+                raise failed.exception()  # type: ignore[misc]
+            failed.cancel()
+
+    async def _module_source(self, module_id: str) -> str:
+        """The reference module's source, from the store (the recorder may lag a little)."""
+        if module_id in self._modules:
+            return self._modules[module_id]
+        delay, waited = 0.05, 0.0
+        while True:
+            records = await self.ctx.store.read_stream(f"module-{module_id}")
+            for r in records:
+                if r.event.type == "ModuleProposed":
+                    source = payload_as(r.event, ModuleProposed).source
+                    self._modules[module_id] = source
+                    return source
+            if waited >= self.module_wait_s:
+                raise InfrastructureError(f"module {module_id} is not in the store")
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(delay * 2, 1.0)
+
+    async def _verify_one(self, event: Event) -> Event:
+        kernel = payload_as(event, KernelGenerated)
+        source = await self._module_source(kernel.module_id)
+        self.metrics.in_flight.inc()
+        try:
+            verdict = await self.verifier.verify(
+                Problem(source), Candidate(kernel.source, backend=kernel.backend)
+            )
+        finally:
+            self.metrics.in_flight.dec()
+        payload = to_kernel_verified(
+            verdict,
+            kernel_id=kernel.kernel_id,
+            module_id=kernel.module_id,
+            group_id=kernel.group_id,
+            policy_version=kernel.policy_version,
+        )
+        history = await self.ctx.store.read_stream(event.stream_id)
+        version = max([r.event.stream_version for r in history] + [event.stream_version]) + 1
+        return new_event(
+            payload,
+            stream_id=event.stream_id,
+            stream_version=version,
+            producer=self.ctx.producer_id,
+            correlation_id=event.correlation_id,
+            causation_id=event.event_id,
+        )
+
+    async def verify_batch(self, batch: Sequence[BusMessage]) -> None:
+        """Verifies a batch concurrently (the pool bounds the parallelism), then commits the
+        verdicts and the offsets after the batch in one transaction."""
+        kernels = [
+            m.event for m in batch if m.event is not None and m.event.type == "KernelGenerated"
+        ]
+        verdicts = await asyncio.gather(*(self._verify_one(e) for e in kernels))
+        await self.ctx.store.append(verdicts, tracking={self.group: offsets_after(batch)})
+        await self.ctx.bus.publish_many(self.ctx.settings.topics.verdicts, verdicts)
+        for v in verdicts:
+            self.metrics.handled("KernelVerified")
+            status = v.payload.get("status", "")
+            self.log.info("kernel_verified", kernel_id=v.payload["kernel_id"], status=status)

@@ -1,0 +1,202 @@
+"""The Proposer service: samples API sets from the catalog (reweighted toward the latest
+frontier), asks the Proposer model for modules, validates each in a sandbox, and publishes
+every proposal — valid or not — as ``ModuleProposed`` on ``kz.modules``.
+
+Invalid proposals are the Proposer's negative examples, so they are published too; a
+proposal whose normalized hash was seen before is published as invalid (``duplicate``)
+rather than handed to the Coder again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kz_stream.bus import BusMessage, Subscription
+from kz_stream.events import (
+    FrontierUpdated,
+    ModuleProposed,
+    ModuleValidation,
+    new_event,
+    payload_as,
+)
+from kz_stream.llm.base import LLMBackend, Sample, SamplingParams
+from kz_stream.modules.extraction import extract_code, normalized_hash
+from kz_stream.modules.prompts import prompt_text, proposer_messages
+from kz_stream.modules.sampling import ApiSetSampler, Frontier
+from kz_stream.modules.validation import validate_module
+from kz_stream.runtime import Service, ServiceContext
+from producers.coder import PolicyFollower
+
+__all__ = ["ProposerConfig", "ProposerService", "SeedModule"]
+
+
+@dataclass(frozen=True)
+class SeedModule:
+    """A hand-written module published before the Proposer's own (a warm start)."""
+
+    api_set: tuple[str, ...]
+    source: str
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    proposals_per_prompt: int = 4
+    concurrency: int = 2
+    max_modules: int | None = None  # stop after publishing this many (None: run forever)
+    validation_timeout_s: float = 60.0
+    seed: int = 0
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=512))
+    seed_modules: tuple[SeedModule, ...] = ()
+    replica: str = field(default_factory=lambda: f"proposer-{uuid.uuid4().hex[:8]}")
+
+
+class ProposerService(Service):
+    name = "proposer"
+
+    def __init__(self, ctx: ServiceContext, backend: LLMBackend, config: ProposerConfig) -> None:
+        super().__init__(ctx)
+        self.backend, self.config = backend, config
+        self.sampler = ApiSetSampler(seed=config.seed)
+        self.frontier: FrontierUpdated | None = None
+        self.policy = PolicyFollower(self, backend, "proposer", config.replica)
+        self.seen_hashes: set[str] = set()
+        self.published = 0
+        self.valid = 0
+        self.done = asyncio.Event()
+
+    async def run(self) -> None:
+        topics = self.ctx.settings.topics
+        await self._load_seen_hashes()
+        frontier_sub = await self.ctx.bus.subscribe(
+            f"kz-{self.config.replica}-frontier-{uuid.uuid4().hex[:8]}",
+            [topics.frontier],
+            self.handle_frontier,
+            from_beginning=True,
+            dead_letter_topic=topics.dead_letter,
+        )
+        policy_sub = await self.policy.subscribe()
+        self.log.info("proposer_started", replica=self.config.replica)
+        try:
+            await self._publish_seeds()
+            workers = [asyncio.create_task(self._worker()) for _ in range(self.config.concurrency)]
+            stop = asyncio.create_task(self.stopping.wait())
+            await asyncio.wait([stop, *workers], return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            # Finish the prompts in flight (graceful), unless asked to stop twice.
+            results = await asyncio.gather(*workers, return_exceptions=True)
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+        finally:
+            await _stop_all([frontier_sub, policy_sub])
+
+    async def _load_seen_hashes(self) -> None:
+        """Dedup survives restarts: every proposal ever stored is known by hash."""
+        async for batch in self.ctx.store.read_all(0, types=["ModuleProposed"]):
+            for r in batch:
+                h = r.event.payload.get("normalized_hash")
+                if h:
+                    self.seen_hashes.add(h)
+
+    async def handle_frontier(self, batch: Sequence[BusMessage]) -> None:
+        for m in batch:
+            if m.event is not None and m.event.type == "FrontierUpdated":
+                f = payload_as(m.event, FrontierUpdated)
+                if self.frontier is None or f.frontier_version >= self.frontier.frontier_version:
+                    self.frontier = f
+                    self.sampler.frontier = Frontier.from_event(f)
+
+    def _budget_left(self) -> bool:
+        return self.config.max_modules is None or self.published < self.config.max_modules
+
+    async def _worker(self) -> None:
+        while not self.stopping.is_set() and self._budget_left():
+            await self.propose_once()
+        self.done.set()
+
+    async def _publish_seeds(self) -> None:
+        for seed in self.config.seed_modules:
+            if not self._budget_left():
+                return
+            await self._publish(
+                list(seed.api_set),
+                seed.source,
+                prompt="",
+                sample=None,
+                group_id=f"seed-{uuid.uuid4().hex}",
+            )
+
+    async def propose_once(self) -> None:
+        """One prompt: sample an API set, generate, validate and publish each proposal."""
+        api_set = self.sampler.sample()
+        prompt = proposer_messages(api_set)
+        [samples] = await self.backend.generate(
+            [prompt], n=self.config.proposals_per_prompt, sampling=self.config.sampling
+        )
+        self.metrics.llm_request(sum(len(s.token_ids) for s in samples))
+        group_id = uuid.uuid4().hex
+        text = prompt_text(prompt)
+        for s in samples:
+            if not self._budget_left():
+                return
+            source = extract_code(s.text, require="class Model") or s.text
+            await self._publish(api_set, source, prompt=text, sample=s, group_id=group_id)
+
+    async def _publish(
+        self,
+        api_set: list[str],
+        source: str,
+        *,
+        prompt: str,
+        sample: Sample | None,
+        group_id: str,
+    ) -> None:
+        digest = normalized_hash(source)
+        if digest in self.seen_hashes:
+            validation = ModuleValidation(
+                valid=False, reason="duplicate", detail=f"normalized hash {digest[:12]} seen before"
+            )
+        else:
+            self.seen_hashes.add(digest)
+            validation = await asyncio.to_thread(
+                validate_module, source, api_set, timeout_s=self.config.validation_timeout_s
+            )
+        module_id = uuid.uuid4().hex
+        payload = ModuleProposed(
+            module_id=module_id,
+            group_id=group_id,
+            api_set=api_set,
+            source=source,
+            prompt=prompt,
+            completion=sample.to_completion() if sample else None,
+            policy_version=sample.policy_version if sample else self.backend.policy_version,
+            normalized_hash=digest,
+            validation=validation,
+        )
+        event = new_event(
+            payload,
+            stream_id=f"module-{module_id}",
+            stream_version=0,
+            producer=self.ctx.producer_id,
+            correlation_id=self.ctx.settings.run_id,
+        )
+        await self.ctx.bus.publish(self.ctx.settings.topics.modules, event)
+        self.published += 1
+        self.valid += validation.valid
+        self.metrics.validated(validation.valid)
+        self.metrics.published("ModuleProposed")
+        self.log.info(
+            "module_proposed",
+            module_id=module_id,
+            apis=api_set,
+            valid=validation.valid,
+            reason=validation.reason,
+        )
+
+
+async def _stop_all(subs: list[Subscription]) -> None:
+    for sub in subs:
+        await sub.stop()
