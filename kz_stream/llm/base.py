@@ -98,6 +98,7 @@ class Sample:
             token_ids=list(self.token_ids),
             logprobs=list(self.logprobs),
             finish_reason=self.finish_reason,
+            prompt_token_ids=list(self.prompt_token_ids),
         )
 
 

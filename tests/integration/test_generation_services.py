@@ -1,0 +1,171 @@
+"""Proposer → Coder for real on the CPU: SmolLM2 through transformers, the embedded bus and
+a SQLite store. Checks the events, the stored logprobs against a recomputation under the
+same weights, admission control, and a LoRA adapter hot-swap mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from consumers.recorder import Recorder
+from kz_stream.app import open_context
+from kz_stream.config import Settings, TopicsConfig
+from kz_stream.events import (
+    KernelGenerated,
+    ModuleProposed,
+    PolicyVersionPublished,
+    new_event,
+    payload_as,
+)
+from kz_stream.llm.base import SamplingParams
+from kz_stream.llm.models import smollm2_dir
+from kz_stream.llm.transformers_backend import TransformersBackend
+from kz_stream.runtime import ServiceContext
+from producers.coder import CoderConfig, CoderService
+from producers.proposer import ProposerConfig, ProposerService
+from producers.seeds import SEED_MODULES
+
+pytestmark = pytest.mark.slow
+
+SAMPLING = SamplingParams(max_tokens=40, temperature=1.0, seed=0)
+
+
+async def events_of(ctx: ServiceContext, type_: str) -> list[Any]:
+    return [r.event async for b in ctx.store.read_all(0, types=[type_]) for r in b]
+
+
+async def wait_until(ctx: ServiceContext, type_: str, n: int, tasks: list[Any]) -> list[Any]:
+    for _ in range(3000):
+        found = await events_of(ctx, type_)
+        if len(found) >= n:
+            return found
+        for t in tasks:
+            if t.done():
+                t.result()  # surfaces the service's error
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"fewer than {n} {type_} events after 300 s")
+
+
+def make_adapter(directory: Path) -> Path:
+    """A LoRA adapter for SmolLM2 whose weights change the model's outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(smollm2_dir()), dtype=torch.float32)
+    model = get_peft_model(
+        base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    model.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture
+async def ctx(tmp_path: Path) -> AsyncIterator[ServiceContext]:
+    settings = Settings(
+        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
+        bus_url=f"memory://{uuid.uuid4().hex}",
+        topics=TopicsConfig(partitions=2),
+    )
+    async with open_context(settings) as context:
+        yield context
+
+
+async def test_proposer_to_coder_on_smollm2_with_logprobs_admission_and_hot_swap(
+    ctx: ServiceContext, tmp_path: Path
+) -> None:
+    model_dir = smollm2_dir()
+    proposer_llm = TransformersBackend.from_pretrained(model_dir)
+    coder_llm = TransformersBackend.from_pretrained(model_dir)
+    recorder = Recorder(ctx)
+    proposer = ProposerService(
+        ctx,
+        proposer_llm,
+        ProposerConfig(
+            proposals_per_prompt=2,
+            concurrency=1,
+            max_modules=3,
+            sampling=SAMPLING,
+            seed_modules=SEED_MODULES[:1],
+            validation_timeout_s=60,
+        ),
+    )
+    coder = CoderService(
+        ctx,
+        coder_llm,
+        CoderConfig(
+            group_size=2,
+            sampling=SAMPLING,
+            max_staleness=0,
+        ),
+    )
+    services = [recorder, proposer, coder]
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    try:
+        # 1. The seed module (valid) and two model proposals (valid or not) are published;
+        #    the seed gets a group of two kernels under policy version 0.
+        modules = await wait_until(ctx, "ModuleProposed", 3, tasks)
+        kernels = await wait_until(ctx, "KernelGenerated", 2, tasks)
+        proposals = [payload_as(e, ModuleProposed) for e in modules]
+        assert sum(p.validation.valid for p in proposals) >= 1
+        for p in proposals:
+            assert p.normalized_hash and p.api_set
+            assert p.validation.valid or p.validation.reason  # invalid ones say why
+        model_made = [p for p in proposals if p.completion is not None]
+        assert len(model_made) == 2 and len({p.group_id for p in model_made}) == 1
+
+        first = [payload_as(e, KernelGenerated) for e in kernels]
+        assert {k.policy_version for k in first} == {0}
+        assert len({k.group_id for k in first}) == 1 and first[0].group_size == 2
+        # 2. Stored logprobs equal a recomputation under the same weights.
+        for k in first:
+            c = k.completion
+            assert c is not None and len(c.logprobs) == len(c.token_ids) > 0
+            recomputed = coder_llm.sequence_logprobs(c.prompt_token_ids, c.token_ids)
+            assert recomputed == pytest.approx(c.logprobs, abs=2e-3)
+
+        # 3. A new adapter is published; a module arriving right after waits for it
+        #    (max_staleness=0: admission control) and is sampled under version 1.
+        adapter = await asyncio.to_thread(make_adapter, tmp_path / "coder-v1")
+        published = new_event(
+            PolicyVersionPublished(
+                role="coder", version=1, uri=adapter.as_uri(), sha256="test", kind="lora"
+            ),
+            stream_id="policy-coder",
+            stream_version=1,
+        )
+        await ctx.bus.publish(ctx.settings.topics.policy, published, key="coder")
+        seed = SEED_MODULES[1]
+        module = new_event(
+            ModuleProposed(
+                module_id="late",
+                api_set=list(seed.api_set),
+                source=seed.source,
+                validation={"valid": True},
+            ),  # type: ignore[arg-type]
+            stream_id="module-late",
+            stream_version=0,
+        )
+        await ctx.bus.publish(ctx.settings.topics.modules, module)
+        loaded = await wait_until(ctx, "PolicyVersionLoaded", 1, tasks)
+        assert loaded[0].payload["version"] == 1
+        kernels = await wait_until(ctx, "KernelGenerated", 4, tasks)
+        late = [payload_as(e, KernelGenerated) for e in kernels if e.payload["module_id"] == "late"]
+        assert len(late) == 2 and {k.policy_version for k in late} == {1}
+        for k in late:  # logprobs of the adapter's samples match the adapter's weights
+            c = k.completion
+            assert c is not None
+            recomputed = coder_llm.sequence_logprobs(c.prompt_token_ids, c.token_ids)
+            assert recomputed == pytest.approx(c.logprobs, abs=2e-3)
+    finally:
+        for s in services:
+            s.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        await proposer_llm.close()
+        await coder_llm.close()
