@@ -204,8 +204,11 @@ async def run_coevolution(
                 if report.seconds > options.time_limit_s:
                     break
             report.finished = learner.finished.is_set()
-            # Let the last policy reach the generators before stopping.
-            await asyncio.sleep(2.0)
+            # Let the last policies reach the generators (and their loads the store).
+            for _ in range(600):
+                if learner.state.policies_loaded():
+                    break
+                await asyncio.sleep(0.2)
             for s in services:
                 s.request_stop()
 

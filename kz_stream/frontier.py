@@ -20,6 +20,7 @@ from kz_stream.events import (
     KernelGenerated,
     KernelVerified,
     ModuleProposed,
+    PolicyVersionLoaded,
     PolicyVersionPublished,
     TrainingStepCompleted,
     VerdictStatus,
@@ -102,6 +103,7 @@ class RunState:
     used_proposals: set[str] = field(default_factory=set)
     training_steps_by_role: dict[str, int] = field(default_factory=dict)
     published: dict[str, PolicyVersionPublished] = field(default_factory=dict)
+    loaded: dict[tuple[str, str], int] = field(default_factory=dict)  # (role, replica)
     position: int = 0
     frontier_version: int = 0
     training_steps: int = 0
@@ -123,7 +125,8 @@ class RunState:
             self.modules[m.module_id] = ModuleRecord(
                 m.module_id, sorted(m.api_set), m.validation.valid, m, str(event.event_id)
             )
-            if m.group_id:
+            if m.group_id and m.completion is not None:
+                # Only model-written proposals train the Proposer (seeds have no tokens).
                 self.proposals.setdefault(m.group_id, []).append(m.module_id)
         elif t == "KernelGenerated":
             k = event.decode()
@@ -166,6 +169,11 @@ class RunState:
             current = self.published.get(pv.role)
             if current is None or pv.version > current.version:
                 self.published[pv.role] = pv
+        elif t == "PolicyVersionLoaded":
+            pl = event.decode()
+            assert isinstance(pl, PolicyVersionLoaded)
+            key = (pl.role, pl.replica)
+            self.loaded[key] = max(self.loaded.get(key, 0), pl.version)
         elif t == "FrontierUpdated":
             f = event.decode()
             assert isinstance(f, FrontierUpdated)
@@ -181,6 +189,13 @@ class RunState:
             for g in self.groups.values()
             if not g.used and g.complete(self.kernels, timeout_s=timeout_s, now=now)
         ]
+
+    def policies_loaded(self) -> bool:
+        """Every published policy version has been loaded by at least one replica."""
+        return all(
+            any(r == role and v >= pv.version for (r, _), v in self.loaded.items())
+            for role, pv in self.published.items()
+        )
 
     def ready_proposals(self, *, timeout_s: float = 600.0, now: float | None = None) -> list[str]:
         """Proposal groups not yet trained on whose valid modules all have a complete Coder

@@ -1,0 +1,716 @@
+"""CA-GRPO on TRL's ``GRPOTrainer``, fed finished groups instead of generating.
+
+How this uses TRL 1.16 (read from its source, ``trl/trainer/grpo_trainer.py``):
+
+- **The seam.** ``GRPOTrainer(rollout_func=...)`` replaces generation: for a batch of
+  prompts it calls ``rollout_func(prompts, trainer)`` and expects ``prompt_ids``,
+  ``completion_ids`` and ``logprobs``; any other key is merged into the inputs that reach the
+  reward functions, and ``env_mask`` (a per-token 0/1 list) masks tokens out of the loss.
+  ``GroupFeed`` is that function: it hands back the samples of the staged groups, with
+  their verdicts as ``kz_*`` fields, so no generation happens in the trainer.
+- **Rewards and advantages.** ``CoderReward`` / ``ProposerReward`` compute the rewards from
+  those fields (``rewards.py``); TRL turns them into group-normalised advantages
+  (``scale_rewards="group"``) and computes its clipped surrogate loss (``loss_type``).
+- **Importance correction.** TRL corrects against the sampler's logprobs only when
+  ``self.use_vllm and self.vllm_importance_sampling_correction``: it then recomputes the
+  current policy's logprobs ``pi_old`` before the update and weights the per-token loss by
+  ``clip(pi_old / pi_behaviour, C_min, C_max)`` (``vllm_importance_sampling_mode``, default
+  here ``token_truncate``: truncated IS). TRL's PPO ratio ``pi / pi_old`` is 1 at the one
+  update each batch gets, so this truncated weight is the clipped importance ratio against
+  the behaviour policy (``epsilon`` clipping engages only with ``num_iterations > 1``, an
+  override). ``use_vllm=True`` in the config would also make
+  TRL build a vLLM client and connect to a server, which the learner neither needs nor has:
+  its weights move as events (``save_policy`` -> ``PolicyVersionPublished``). So
+  ``KzGRPOTrainer`` is built with ``use_vllm=False`` and then sets the *attribute*
+  ``use_vllm = True``, with a no-op ``vllm_generation.sync_weights`` (the only vLLM call on
+  the ``rollout_func`` path). Every other ``use_vllm`` branch in TRL 1.16 is either in
+  ``__init__`` (already run) or in its own generation paths, which ``rollout_func`` bypasses.
+- **The loop.** ``Trainer.train`` pulls prompts from a dataloader and owns the run; the
+  learner instead takes one optimizer step per ``train_step(groups)`` when the store has a
+  batch ready. So ``train_step`` drives TRL's own per-micro-batch ``training_step`` (which
+  scores the batch through ``rollout_func``, computes TRL's loss and back-propagates) and
+  then does what ``Trainer._inner_training_loop`` does at a step boundary: clip, optimizer
+  and scheduler step, zero grad, advance ``global_step``.
+
+TRL needs a fixed group size per batch (it views rewards as ``(-1, num_generations)``).
+Groups shrink (timeouts, stale or broken samples), so each group is padded to the batch's
+largest group with filler rows: a copy of a real row with reward ``None`` and an all-zero
+``env_mask``. TRL leaves unscored rows out of the group mean and std, gives them advantage
+0, and masked tokens count neither in the loss nor in its token normaliser, so fillers
+change nothing but the compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig, PeftModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from trl.trainer.grpo_config import GRPOConfig
+from trl.trainer.grpo_trainer import GRPOTrainer
+
+from kz_stream.events import TrainingStepCompleted
+from kz_stream.rl.groups import Group, Sample, TrainingBatch, build_batch
+from kz_stream.rl.rewards import RewardConfig, ca_grpo_rewards, proposer_reward
+from kz_stream.rl.schedule import Role
+
+__all__ = [
+    "CoderLearner",
+    "CoderReward",
+    "GRPOLearner",
+    "GroupFeed",
+    "KzGRPOTrainer",
+    "LearnerConfig",
+    "ProposerLearner",
+    "ProposerReward",
+    "StepResult",
+    "latest_checkpoint",
+    "policy_sha256",
+]
+
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+_MANIFEST = "kz_policy.json"
+_STATE = "learner_state.pt"
+# Files save_pretrained writes that do not define the policy (PEFT's model card).
+_UNHASHED = {_MANIFEST, _STATE, "README.md"}
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerConfig:
+    """What the learner trains and how; the defaults are the CA-GRPO setup.
+
+    ``temperature`` must be the generators' sampling temperature: TRL scores tokens under
+    ``logits / temperature``, and the importance ratio compares that with the behaviour
+    logprobs. ``micro_batches`` splits a step's batch for gradient accumulation (one
+    optimizer step either way). ``grpo_overrides`` passes any other ``GRPOConfig`` field
+    through (e.g. ``{"entropy_coef": 0.01}``).
+    """
+
+    role: Role = "coder"
+    model: str = ""  # a local directory, or a directory holding ``gguf_file``
+    gguf_file: str | None = None
+    output_dir: str = "kz-learner"  # TRL's scratch directory; policies go to save_policy's
+    full_finetune: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: str | tuple[str, ...] = "all-linear"
+    learning_rate: float = 1e-5
+    lr_scheduler_type: str = "constant"  # an open-ended stream has no horizon to decay over
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    loss_type: str = "dapo"  # TRL's default: token-level normalisation, no length bias
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    kl_beta: float = 0.0
+    scale_rewards: str = "group"
+    importance_sampling: bool = True
+    # Token-level truncated IS: a kernel is ~1k tokens, and a sequence-level ratio (a
+    # product over them; TRL's default "sequence_mask") would mask nearly every stale one.
+    is_mode: ISMode = "token_truncate"
+    is_clip_max: float | None = 3.0  # TRL's default cap C
+    is_clip_min: float | None = None
+    temperature: float = 1.0
+    max_completion_length: int = 2048  # only the "dr_grpo" loss reads it
+    micro_batches: int = 1
+    logprob_batch_size: int = 8
+    bf16: bool | None = None  # None: bf16 autocast iff a CUDA device supports it
+    gradient_checkpointing: bool = False
+    max_staleness: int = 4
+    min_group_size: int = 2
+    seed: int = 0
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    grpo_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one ``train_step`` did; ``as_event`` turns it into ``TrainingStepCompleted``."""
+
+    role: Role
+    step: int  # optimizer steps taken so far, this one included
+    policy_version: int  # version of the weights after this step
+    trained: bool
+    losses: dict[str, float]
+    mean_reward: float
+    rewards: dict[str, float]  # sample id -> reward, scored samples only
+    kernel_ids: list[str]
+    module_ids: list[str]
+    group_ids: list[str]
+    staleness: dict[str, float]
+    dropped_stale: int
+    dropped_invalid: int
+    dropped_groups: int
+    num_samples: int
+
+    def as_event(self, store_position: int = 0) -> TrainingStepCompleted:
+        return TrainingStepCompleted(
+            role=self.role,
+            step=self.step,
+            policy_version=self.policy_version,
+            kernel_ids=self.kernel_ids,
+            module_ids=self.module_ids,
+            group_ids=self.group_ids,
+            losses=self.losses,
+            mean_reward=self.mean_reward,
+            staleness=self.staleness,
+            dropped_stale=self.dropped_stale,
+            store_position=store_position,
+        )
+
+
+# -- the rollout seam --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """One row of the generation batch TRL sees: a sample, or a filler copy of one."""
+
+    sample: Sample
+    prompt_ids: list[int]
+    filler: bool
+
+
+class GroupFeed:
+    """TRL ``rollout_func`` that returns staged samples instead of generating."""
+
+    def __init__(self) -> None:
+        self._rows: list[_Row] = []
+
+    def stage(self, rows: list[_Row]) -> None:
+        self._rows = rows
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        rows, self._rows = self._rows, []
+        if len(prompts) != len(rows):
+            raise RuntimeError(f"rollout asked for {len(prompts)} rows, {len(rows)} staged")
+        for prompt, row in zip(prompts, rows, strict=True):
+            if prompt != row.sample.prompt:
+                raise RuntimeError(f"rollout prompt order differs at {row.sample.sample_id}")
+        return {
+            "prompt_ids": [r.prompt_ids for r in rows],
+            "completion_ids": [list(r.sample.completion_ids) for r in rows],
+            "logprobs": [list(r.sample.logprobs) for r in rows],
+            "env_mask": [[0 if r.filler else 1] * len(r.sample.completion_ids) for r in rows],
+            "kz_filler": [r.filler for r in rows],
+            "kz_sample_id": [r.sample.sample_id for r in rows],
+            "kz_group": [r.sample.group_id for r in rows],
+            "kz_correct": [r.sample.correct for r in rows],
+            "kz_speedup": [r.sample.speedup for r in rows],
+            "kz_speedup_ci": [r.sample.speedup_ci for r in rows],
+            "kz_module_valid": [r.sample.module_valid for r in rows],
+            "kz_mean_correctness": [r.sample.mean_correctness for r in rows],
+        }
+
+
+class CoderReward:
+    """TRL reward function: CA-GRPO rewards from the verdict fields (``rewards.py``)."""
+
+    def __init__(self, config: RewardConfig) -> None:
+        self.config = config
+        self.last: dict[str, float] = {}  # sample id -> reward of the latest batch
+
+    def __call__(
+        self,
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        *,
+        kz_filler: list[bool],
+        kz_sample_id: list[str],
+        kz_group: list[str],
+        kz_correct: list[bool | None],
+        kz_speedup: list[float | None],
+        kz_speedup_ci: list[tuple[float, float] | None],
+        **_: Any,
+    ) -> list[float | None]:
+        out: list[float | None] = [None] * len(prompts)
+        members: dict[str, list[int]] = {}
+        for i, (filler, correct) in enumerate(zip(kz_filler, kz_correct, strict=True)):
+            # A sample without a verdict is unscorable: None keeps it out of the baseline.
+            if not filler and correct is not None:
+                members.setdefault(kz_group[i], []).append(i)
+        for idx in members.values():
+            rewards = ca_grpo_rewards(
+                [bool(kz_correct[i]) for i in idx],
+                [kz_speedup[i] for i in idx],
+                [kz_speedup_ci[i] for i in idx],
+                self.config,
+            )
+            for i, r in zip(idx, rewards, strict=True):
+                out[i] = r
+        self.last = {kz_sample_id[i]: r for i, r in enumerate(out) if r is not None}
+        return out
+
+
+class ProposerReward:
+    """TRL reward function: ``1 - 2|l - 0.5|`` for valid modules, a penalty otherwise."""
+
+    def __init__(self, config: RewardConfig) -> None:
+        self.config = config
+        self.last: dict[str, float] = {}
+
+    def __call__(
+        self,
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        *,
+        kz_filler: list[bool],
+        kz_sample_id: list[str],
+        kz_module_valid: list[bool | None],
+        kz_mean_correctness: list[float | None],
+        **_: Any,
+    ) -> list[float | None]:
+        out: list[float | None] = [
+            None
+            if filler or valid is None
+            else proposer_reward(valid, lbar, self.config.invalid_module_reward)
+            for filler, valid, lbar in zip(
+                kz_filler, kz_module_valid, kz_mean_correctness, strict=True
+            )
+        ]
+        self.last = {kz_sample_id[i]: r for i, r in enumerate(out) if r is not None}
+        return out
+
+
+class _NoWeightSync:
+    """Stands in for TRL's vLLM client: policies reach generators as events, not over NCCL."""
+
+    def sync_weights(self) -> None:
+        return None
+
+
+class _FillerWarningFilter(logging.Filter):
+    """Drops TRL's "all reward functions returned None" warning for our filler rows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "'kz_filler': True" not in record.getMessage()
+
+
+_FILLER_FILTER = _FillerWarningFilter()
+
+
+class KzGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` with the behaviour-logprob importance correction on and no vLLM.
+
+    See the module docstring for why the correction is switched on through the
+    ``use_vllm`` attribute after construction rather than the config flag.
+    """
+
+    def __init__(self, *args: Any, importance_sampling: bool, **kwargs: Any) -> None:
+        with warnings.catch_warnings():
+            # rollout_func is marked experimental in TRL 1.16; it is the documented seam.
+            warnings.filterwarnings("ignore", message=".*rollout_func.*", category=UserWarning)
+            super().__init__(*args, **kwargs)
+        # Fillers are unscored on purpose; TRL would warn about each one, every step.
+        logging.getLogger("trl.trainer.grpo_trainer").addFilter(_FILLER_FILTER)
+        if importance_sampling:
+            self.use_vllm = True
+            self.vllm_generation = _NoWeightSync()  # type: ignore[assignment]  # duck-typed stub
+            self._last_loaded_step = -1
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+
+def policy_sha256(path: str | Path) -> str:
+    """Returns the sha256 of a saved policy directory: of its files' names and contents.
+
+    The learner's own state (optimizer, manifest) and PEFT's model card are left out, so the
+    digest names the weights and configs a generator loads.
+    """
+    root = Path(path)
+    digest = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        rel = p.relative_to(root).as_posix()
+        if rel in _UNHASHED:
+            continue
+        digest.update(rel.encode())
+        digest.update(b"\0")
+        digest.update(hashlib.sha256(p.read_bytes()).hexdigest().encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def _checkpoint_name(role: Role, version: int) -> str:
+    return f"{role}-v{version:08d}"
+
+
+def latest_checkpoint(directory: str | Path, role: Role) -> Path | None:
+    """Returns the newest complete checkpoint of ``role`` under ``directory``, if any."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for p in root.glob(f"{role}-v*"):
+        suffix = p.name[len(role) + 2 :]
+        # Only renamed-into-place directories count: a crash mid-save leaves a *.tmp-* one.
+        if not suffix.isdigit() or not (p / _MANIFEST).is_file() or not (p / _STATE).is_file():
+            continue
+        if best is None or int(suffix) > best[0]:
+            best = (int(suffix), p)
+    return best[1] if best else None
+
+
+# -- the learner -------------------------------------------------------------------------
+
+
+def _bf16_available() -> bool:
+    # TRL defaults bf16 to True, which transformers rejects on a machine without a GPU.
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def load_model(config: LearnerConfig, path: str | Path | None = None) -> PreTrainedModel:
+    """Loads the base model (``gguf_file`` is dequantized by transformers)."""
+    source = str(path or config.model)
+    if not source:
+        raise ValueError("model: no model given and LearnerConfig.model is empty")
+    kwargs = dict(config.model_kwargs)
+    if config.gguf_file and path is None:
+        kwargs["gguf_file"] = config.gguf_file
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    if "gguf_file" in kwargs:
+        _forget_gguf_quantization(model)
+    return model
+
+
+def _forget_gguf_quantization(model: PreTrainedModel) -> None:
+    # transformers dequantizes GGUF tensors to float on load but still tags the model as
+    # GGUF-quantized, and Trainer refuses to train such a model; the weights are plain
+    # floats, so drop the tag (and keep it out of a saved config.json).
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+
+
+def load_tokenizer(config: LearnerConfig) -> PreTrainedTokenizerBase:
+    if not config.model:
+        raise ValueError("tokenizer: no tokenizer given and LearnerConfig.model is empty")
+    kwargs: dict[str, Any] = {"gguf_file": config.gguf_file} if config.gguf_file else {}
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model, **kwargs)
+    return tokenizer
+
+
+class GRPOLearner:
+    """Trains one role's policy with CA-GRPO, one optimizer step per batch of groups.
+
+    ``version`` counts optimizer steps (resumed from the checkpoint): the weights after step
+    ``s`` are policy version ``s``, and a sample's staleness is ``version`` minus the version
+    that generated it.
+    """
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        *,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        checkpoint_dir: str | Path | None = None,
+    ) -> None:
+        self.config = config
+        self.role: Role = config.role
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+        resume = latest_checkpoint(checkpoint_dir, self.role) if checkpoint_dir else None
+        self.resumed_from = resume
+        state: dict[str, Any] = {}
+        if resume is not None:
+            state = torch.load(resume / _STATE, weights_only=True)
+
+        peft_config: LoraConfig | None = None
+        policy: PreTrainedModel | PeftModel
+        if config.full_finetune:
+            policy = load_model(config, resume) if resume else (model or load_model(config))
+        else:
+            base = model if model is not None else load_model(config)
+            if resume is not None:
+                policy = PeftModel.from_pretrained(base, str(resume), is_trainable=True)
+            else:
+                policy = base
+                targets = config.lora_target_modules
+                peft_config = LoraConfig(
+                    task_type="CAUSAL_LM",
+                    r=config.lora_r,
+                    lora_alpha=config.lora_alpha,
+                    lora_dropout=config.lora_dropout,
+                    target_modules=targets if isinstance(targets, str) else list(targets),
+                )
+
+        self.feed = GroupFeed()
+        self.reward: CoderReward | ProposerReward = (
+            CoderReward(config.rewards) if self.role == "coder" else ProposerReward(config.rewards)
+        )
+        self.trainer = KzGRPOTrainer(
+            model=policy,
+            reward_funcs=[self.reward],
+            args=self._grpo_config(),
+            # Never iterated: train_step drives the loop. TRL requires a dataset.
+            train_dataset=Dataset.from_dict({"prompt": [""]}),
+            processing_class=self.tokenizer,
+            peft_config=peft_config,
+            rollout_func=self.feed,
+            importance_sampling=config.importance_sampling,
+        )
+        self._prepare_optimizer(state)
+        self.version: int = int(state.get("version", 0))
+        self.trainer.state.global_step = int(state.get("global_step", 0))
+
+    def _grpo_config(self) -> GRPOConfig:
+        c = self.config
+        kwargs: dict[str, Any] = {
+            "output_dir": c.output_dir,
+            "learning_rate": c.learning_rate,
+            "lr_scheduler_type": c.lr_scheduler_type,
+            "weight_decay": c.weight_decay,
+            "max_grad_norm": c.max_grad_norm,
+            "per_device_train_batch_size": c.logprob_batch_size,
+            "gradient_accumulation_steps": c.micro_batches,
+            "steps_per_generation": c.micro_batches,
+            "num_generations": 2,  # nominal; set from each batch's group size
+            "num_iterations": 1,
+            "max_completion_length": c.max_completion_length,
+            "temperature": c.temperature,
+            "beta": c.kl_beta,
+            "epsilon": c.epsilon,
+            "epsilon_high": c.epsilon_high,
+            "loss_type": c.loss_type,
+            "scale_rewards": c.scale_rewards,
+            "vllm_importance_sampling_correction": c.importance_sampling,
+            "vllm_importance_sampling_mode": c.is_mode,
+            "vllm_importance_sampling_clip_max": c.is_clip_max,
+            "vllm_importance_sampling_clip_min": c.is_clip_min,
+            # Dropout would make the recomputed logprobs noisy against the behaviour ones.
+            "disable_dropout": True,
+            "report_to": "none",
+            "save_strategy": "no",
+            "logging_strategy": "no",
+            "seed": c.seed,
+            "bf16": _bf16_available() if c.bf16 is None else c.bf16,
+            "gradient_checkpointing": c.gradient_checkpointing,
+        }
+        kwargs.update(c.grpo_overrides)
+        return GRPOConfig(**kwargs)
+
+    def _prepare_optimizer(self, state: dict[str, Any]) -> None:
+        # What Trainer._prepare_for_training does before its loop, minus the dataloader.
+        t = self.trainer
+        t.create_optimizer()
+        model, optimizer = t.accelerator.prepare(t.model, t.optimizer)
+        t.model_wrapped, t.optimizer = model, optimizer
+        t.create_scheduler(num_training_steps=1_000_000, optimizer=optimizer)
+        if "optimizer" in state:
+            self._optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state:
+            self._scheduler.load_state_dict(state["scheduler"])
+
+    @property
+    def _optimizer(self) -> torch.optim.Optimizer:
+        opt = self.trainer.optimizer
+        assert opt is not None  # created in _prepare_optimizer
+        return opt
+
+    @property
+    def _scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        sched = self.trainer.lr_scheduler
+        assert sched is not None  # created in _prepare_optimizer
+        return sched
+
+    @property
+    def model(self) -> PreTrainedModel | PeftModel:
+        """Returns the policy being trained (a ``PeftModel`` under LoRA)."""
+        unwrapped: PreTrainedModel | PeftModel = self.trainer.accelerator.unwrap_model(
+            self.trainer.model
+        )
+        return unwrapped
+
+    def build_batch(
+        self, groups: Sequence[Group], policy_version: int | None = None
+    ) -> TrainingBatch:
+        """Returns the batch ``train_step`` would train on (staleness filter applied)."""
+        return build_batch(
+            groups,
+            policy_version=self.version if policy_version is None else policy_version,
+            max_staleness=self.config.max_staleness,
+            min_group_size=self.config.min_group_size,
+        )
+
+    def train_step(
+        self, groups: Sequence[Group], *, policy_version: int | None = None
+    ) -> StepResult:
+        """Takes one optimizer step on ``groups`` and returns what it did.
+
+        ``policy_version`` overrides the version staleness is measured against (default:
+        ``self.version``). When nothing is left after filtering, no step is taken and the
+        result has ``trained=False``.
+        """
+        batch = self.build_batch(groups, policy_version)
+        if not batch.groups:
+            return self._result(batch, trained=False, losses={})
+        t = self.trainer
+        k = self.config.micro_batches
+        rows, group_size = self._layout(batch, k)
+        self.feed.stage(rows)
+        t.num_generations = group_size
+        # TRL buffers one scored generation batch and slices it over k micro-steps; start
+        # each step with an empty buffer so the staged rows are what gets scored.
+        t._step = 0
+        t._buffered_inputs = None
+        t.current_gradient_accumulation_steps = k
+        inputs = [{"prompt": r.sample.prompt} for r in rows]
+        total = 0.0
+        try:
+            for i in range(k):
+                t.accelerator.gradient_state._set_sync_gradients(i == k - 1)
+                loss = t.training_step(t.model_wrapped, inputs, None)  # type: ignore[no-untyped-call]
+                total += float(loss)
+            grad_norm = self._apply_gradients()
+        except BaseException:
+            t.model_wrapped.zero_grad(set_to_none=True)
+            t._buffered_inputs = None
+            raise
+        self.version += 1
+        losses = {"loss": total, "grad_norm": grad_norm, **self._drain_metrics()}
+        return self._result(batch, trained=True, losses=losses)
+
+    def _apply_gradients(self) -> float:
+        # The step boundary of Trainer._inner_training_loop.
+        t = self.trainer
+        model = t.model_wrapped
+        if self.config.max_grad_norm > 0:
+            norm = t.accelerator.clip_grad_norm_(model.parameters(), self.config.max_grad_norm)
+        else:
+            norm = t.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+        self._optimizer.step()
+        self._scheduler.step()
+        model.zero_grad(set_to_none=True)
+        t.state.global_step += 1
+        return float(norm)
+
+    def _layout(self, batch: TrainingBatch, micro_batches: int) -> tuple[list[_Row], int]:
+        size = max(len(g) for g in batch.groups)
+        rows: list[_Row] = []
+        for g in batch.groups:
+            real = [_Row(s, self._prompt_ids(s), filler=False) for s in g.samples]
+            rows.extend(real)
+            rows.extend(replace(real[0], filler=True) for _ in range(size - len(real)))
+        # Micro-batches must split the batch evenly: pad with whole filler groups.
+        while len(rows) % micro_batches:
+            rows.extend(replace(rows[0], filler=True) for _ in range(size))
+        return rows, size
+
+    def _prompt_ids(self, sample: Sample) -> list[int]:
+        if sample.prompt_ids is not None:
+            return list(sample.prompt_ids)
+        ids: list[int] = self.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+        return ids
+
+    def _drain_metrics(self) -> dict[str, float]:
+        train: dict[str, list[float]] = self.trainer._metrics["train"]
+        out: dict[str, float] = {}
+        for key, values in train.items():
+            finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+            if finite:
+                out[key] = sum(finite) / len(finite)
+        train.clear()
+        return out
+
+    def _result(
+        self, batch: TrainingBatch, *, trained: bool, losses: dict[str, float]
+    ) -> StepResult:
+        rewards = dict(self.reward.last) if trained else {}
+        self.reward.last = {}
+        return StepResult(
+            role=self.role,
+            step=self.trainer.state.global_step,
+            policy_version=self.version,
+            trained=trained,
+            losses=losses,
+            mean_reward=sum(rewards.values()) / len(rewards) if rewards else 0.0,
+            rewards=rewards,
+            kernel_ids=batch.kernel_ids,
+            module_ids=batch.module_ids,
+            group_ids=batch.group_ids,
+            staleness=dict(batch.staleness),
+            dropped_stale=batch.dropped_stale,
+            dropped_invalid=batch.dropped_invalid,
+            dropped_groups=batch.dropped_groups,
+            num_samples=len(batch.samples),
+        )
+
+    def save_policy(self, directory: str | Path, version: int | None = None) -> tuple[str, str]:
+        """Writes the policy as ``<directory>/<role>-v<version>``; returns ``(uri, sha256)``.
+
+        Under LoRA the directory is a PEFT adapter (what vLLM hot-loads); under full
+        fine-tuning a ``save_pretrained`` model with its tokenizer. The optimizer state and
+        a manifest ride along for resuming. The directory appears atomically (written under
+        a temporary name, then renamed), so a reader never sees a partial policy.
+        """
+        v = self.version if version is None else version
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / _checkpoint_name(self.role, v)
+        tmp = root / f"{final.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        model = self.model
+        model.save_pretrained(str(tmp))
+        if self.config.full_finetune:
+            self.tokenizer.save_pretrained(str(tmp))
+        sha = policy_sha256(tmp)
+        manifest = {
+            "role": self.role,
+            "version": v,
+            "kind": "full" if self.config.full_finetune else "lora",
+            "base_model": self.config.model,
+            "sha256": sha,
+            "global_step": self.trainer.state.global_step,
+            "saved_at": datetime.now(UTC).isoformat(),
+        }
+        (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=2))
+        torch.save(
+            {
+                "version": v,
+                "global_step": self.trainer.state.global_step,
+                "optimizer": self._optimizer.state_dict(),
+                "scheduler": self._scheduler.state_dict(),
+            },
+            tmp / _STATE,
+        )
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        return final.resolve().as_uri(), sha
+
+
+class CoderLearner(GRPOLearner):
+    """The Coder's learner: CA-GRPO on kernel groups."""
+
+    def __init__(self, config: LearnerConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(replace(config or LearnerConfig(), role="coder"), **kwargs)
+
+
+class ProposerLearner(GRPOLearner):
+    """The Proposer's learner: GRPO on module groups with the frontier reward."""
+
+    def __init__(self, config: LearnerConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(replace(config or LearnerConfig(), role="proposer"), **kwargs)
