@@ -1,0 +1,159 @@
+"""The `kz` command line, run as a user would run it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kz_stream.events import (
+    KernelGenerated,
+    KernelVerified,
+    ModuleProposed,
+    ModuleValidation,
+    VerdictStatus,
+    new_event,
+)
+from kz_stream.store import open_store
+
+
+def kz(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kz_stream.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+def seed_store(url: str) -> None:
+    async def go() -> None:
+        async with open_store(url) as store:
+            await store.append(
+                [
+                    new_event(
+                        ModuleProposed(
+                            module_id="m",
+                            api_set=["torch.relu"],
+                            source="x",
+                            validation=ModuleValidation(valid=True),
+                        ),
+                        stream_id="module-m",
+                        stream_version=0,
+                    ),
+                    new_event(
+                        KernelGenerated(
+                            kernel_id="k", module_id="m", group_id="g", backend="triton", source="y"
+                        ),
+                        stream_id="kernel-k",
+                        stream_version=0,
+                    ),
+                    new_event(
+                        KernelVerified(
+                            kernel_id="k",
+                            module_id="m",
+                            group_id="g",
+                            status=VerdictStatus.CORRECT,
+                            speedup=1.3,
+                        ),
+                        stream_id="kernel-k",
+                        stream_version=1,
+                    ),
+                ]
+            )
+
+    asyncio.run(go())
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> dict[str, str]:
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    assert kz("db", "upgrade", env={"KZ_DATABASE_URL": url}).returncode == 0
+    seed_store(url)
+    return {"KZ_DATABASE_URL": url}
+
+
+def test_audit_prints_a_streams_history_oldest_first(db: dict[str, str]) -> None:
+    out = kz("audit", "kernel-k", "--json", env=db)
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [e["type"] for e in events] == ["KernelGenerated", "KernelVerified"]
+    human = kz("audit", "kernel-k", env=db)
+    assert "KernelVerified" in human.stdout and "v1" in human.stdout
+
+
+def test_an_unknown_stream_is_one_clear_error_line_and_exit_1(db: dict[str, str]) -> None:
+    out = kz("audit", "kernel-nope", env=db)
+    assert out.returncode == 1
+    assert out.stderr.strip().count("\n") == 0
+    assert "no stream 'kernel-nope'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_replay_rebuilds_the_kernels_projection_and_reports_a_rate(db: dict[str, str]) -> None:
+    out = kz("replay", "--projection", "kernels", env=db)
+    assert out.returncode == 0, out.stderr
+    assert "rebuilt kernels: 2 events" in out.stdout and "events/s" in out.stdout
+
+
+def test_tail_prints_events_from_a_position(db: dict[str, str]) -> None:
+    out = kz("tail", "--from", "0", "--limit", "3", env=db)
+    assert out.returncode == 0, out.stderr
+    assert [line.split()[1] for line in out.stdout.splitlines()] == [
+        "ModuleProposed",
+        "KernelGenerated",
+        "KernelVerified",
+    ]
+
+
+def test_frontier_shows_the_capability_map_and_writes_a_heatmap(
+    db: dict[str, str], tmp_path: Path
+) -> None:
+    png = tmp_path / "map.png"
+    out = kz("frontier", "--heatmap", str(png), env=db)
+    assert out.returncode == 0, out.stderr
+    assert "torch.relu" in out.stdout and png.stat().st_size > 1000
+
+
+def test_a_bad_database_url_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    out = kz("db", "upgrade", env={"KZ_DATABASE_URL": "nosuchdb://x"})
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error:")
+
+
+def test_an_unknown_service_is_refused(tmp_path: Path) -> None:
+    out = kz("serve", "teleporter")
+    assert out.returncode != 0 and "teleporter" in out.stderr
+
+
+@pytest.mark.postgres
+@pytest.mark.kafka
+def test_infra_up_status_down_manage_local_postgres_and_broker() -> None:
+    # Not tmp_path: when we run as root, the postgres user must be able to reach the dir.
+    root = Path(tempfile.mkdtemp(prefix="kz-infra-"))
+    root.chmod(0o755)
+    env = {"KZ_INFRA_DIR": str(root)}
+    up = kz("infra", "up", env=env)
+    try:
+        assert up.returncode == 0, up.stderr
+        exports = dict(
+            line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines()
+        )
+        assert exports["KZ_BUS_URL"].startswith("kafka://127.0.0.1:")
+        status = kz("infra", "status", env=env)
+        assert status.returncode == 0 and status.stdout.count("True") == 2, status.stdout
+        upgraded = kz("db", "upgrade", env={**env, **exports})
+        assert upgraded.returncode == 0, upgraded.stderr
+    finally:
+        down = kz("infra", "down", env=env)
+    assert down.returncode == 0, down.stderr
+    assert kz("infra", "status", env=env).returncode == 1
