@@ -302,8 +302,19 @@ def new_event(
         producer=producer,
         correlation_id=correlation_id,
         causation_id=causation_id,
-        payload=payload.model_dump(mode="json"),
+        payload=_without_nul(payload.model_dump(mode="json")),
     )
+
+
+def _without_nul(value: Any) -> Any:
+    """Replaces NUL characters (LLM output can hold them; Postgres jsonb cannot) with U+FFFD."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, dict):
+        return {k: _without_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_nul(v) for v in value]
+    return value
 
 
 def _first_error(e: ValidationError, prefix: str = "") -> str:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kz_stream.bus import BusMessage, Subscription
 from kz_stream.events import (
@@ -134,7 +135,7 @@ class CoderService(Service):
         await policy_sub.stop()
 
     async def handle_modules(self, batch: Sequence[BusMessage]) -> None:
-        jobs = []
+        jobs: list[Coroutine[Any, Any, None]] = []
         for m in batch:
             if m.event is None or m.event.type != "ModuleProposed":
                 continue

@@ -131,3 +131,9 @@ def test_verdict_payload_keeps_its_enum_and_interval() -> None:
     event = new_event(verdict, stream_id="kernel-k", stream_version=1, causation_id=uuid.uuid4())
     back = payload_as(decode_event(encode_event(event)), KernelVerified)
     assert back.status is VerdictStatus.CORRECT and back.speedup_ci == (1.4, 1.6)
+
+
+def test_nul_characters_from_a_model_are_replaced_so_every_store_accepts_them() -> None:
+    payload = kernel_generated().model_copy(update={"source": "a\x00b"})
+    event = new_event(payload, stream_id="s", stream_version=0)
+    assert event.payload["source"] == "a\ufffdb"
