@@ -62,12 +62,108 @@ def ensure_sqlite_dir(url: str) -> None:
 
 
 def service_by_name(name: str, ctx: ServiceContext) -> Service:
-    """Builds one service. Imports lazily: each pulls in its own heavy dependencies."""
+    """Builds one service from ``ctx.settings``. Imports lazily: each service pulls in its
+    own heavy dependencies (torch, transformers, TRL) only when it is built."""
+    settings = ctx.settings
     if name == "recorder":
         from consumers.recorder import Recorder
 
         return Recorder(ctx)
-    raise ValueError(f"service {name!r} is not available in this build")
+    if name == "verifier":
+        from consumers.verifier import VerifierService
+        from kz_stream.verify import Verifier, VerifierConfig
+
+        devices = settings.verifier.devices
+        config = VerifierConfig() if devices is None else VerifierConfig(devices=devices)
+        return VerifierService(ctx, Verifier(config))
+    if name == "proposer":
+        from producers.proposer import ProposerConfig, ProposerService
+        from producers.seeds import SEED_MODULES
+
+        p = settings.proposer
+        return ProposerService(
+            ctx,
+            _backend(p.llm),
+            ProposerConfig(
+                proposals_per_prompt=p.proposals_per_prompt,
+                concurrency=p.concurrency,
+                max_modules=p.max_modules,
+                sampling=_sampling(p.llm),
+                seed_modules=SEED_MODULES if p.seed_modules else (),
+            ),
+        )
+    if name == "coder":
+        from producers.coder import CoderConfig, CoderService
+
+        c = settings.coder
+        return CoderService(
+            ctx,
+            _backend(c.llm),
+            CoderConfig(
+                group_size=c.group_size,
+                backends=c.backends,
+                max_staleness=c.max_staleness,
+                sampling=_sampling(c.llm),
+            ),
+        )
+    if name == "learner":
+        from consumers.learner import LearnerService, LearnerServiceConfig
+        from kz_stream.rl import AlternationConfig
+
+        lc = settings.learner
+        return LearnerService(
+            ctx,
+            lambda role, d: _make_learner(settings, role, d),
+            LearnerServiceConfig(
+                checkpoint_dir=lc.checkpoint_dir,
+                groups_per_step=lc.groups_per_step,
+                group_timeout_s=lc.group_timeout_s,
+                roles=lc.roles,
+                alternation=AlternationConfig(
+                    proposer_steps=lc.proposer_steps,
+                    coder_steps=lc.coder_steps,
+                    rounds=lc.rounds,
+                    order=lc.order,
+                ),
+            ),
+        )
+    raise ValueError(f"unknown service {name!r}")
+
+
+def _backend(llm: Any) -> Any:
+    from kz_stream.llm.factory import create_backend
+
+    return create_backend(llm.kind, model=llm.model, base_url=llm.base_url)
+
+
+def _sampling(llm: Any) -> Any:
+    from kz_stream.llm.base import SamplingParams
+
+    return SamplingParams(max_tokens=llm.max_tokens, temperature=llm.temperature)
+
+
+def _make_learner(settings: Settings, role: str, directory: Any) -> Any:
+    from kz_stream.rl.trainer import CoderLearner, LearnerConfig, ProposerLearner
+
+    lc = settings.learner
+    if lc.model:
+        model_dir = lc.model
+    else:
+        from kz_stream.llm.models import smollm2_dir
+
+        model_dir = str(smollm2_dir())
+    llm = settings.coder.llm if role == "coder" else settings.proposer.llm
+    cfg = LearnerConfig(
+        model=model_dir,
+        output_dir=str(directory),
+        temperature=llm.temperature,
+        learning_rate=lc.learning_rate,
+        lora_r=lc.lora_r,
+        full_finetune=lc.full_finetune,
+        max_staleness=lc.max_staleness,
+    )
+    cls = CoderLearner if role == "coder" else ProposerLearner
+    return cls(cfg, checkpoint_dir=directory)
 
 
 async def run_named_services(settings: Settings, names: Sequence[str]) -> None:
@@ -102,6 +198,46 @@ class RunOptions:
     time_limit_s: float = 3600.0
     checkpoint_dir: str = ".kz/policies"
 
+    def apply(self, settings: Settings) -> Settings:
+        """The settings of a one-process run of this size (the verifier on the CPU path
+        unless a GPU is visible)."""
+        from pathlib import Path
+
+        def llm(cfg: Any) -> Any:
+            return cfg.model_copy(update={"max_tokens": self.max_new_tokens})
+
+        s = settings
+        return s.model_copy(
+            update={
+                "proposer": s.proposer.model_copy(
+                    update={
+                        "proposals_per_prompt": self.proposals_per_prompt,
+                        "seed_modules": self.seed_modules,
+                        "llm": llm(s.proposer.llm),
+                    }
+                ),
+                "coder": s.coder.model_copy(
+                    update={
+                        "group_size": self.group_size,
+                        "backends": self.backends,
+                        "llm": llm(s.coder.llm),
+                    }
+                ),
+                "learner": s.learner.model_copy(
+                    update={
+                        "checkpoint_dir": Path(self.checkpoint_dir),
+                        "groups_per_step": self.groups_per_step,
+                        "proposer_steps": self.steps_per_turn,
+                        "coder_steps": self.steps_per_turn,
+                        "rounds": self.rounds,
+                        "order": self.order,
+                        "learning_rate": 1e-4,
+                        "lora_r": 8,
+                    }
+                ),
+            }
+        )
+
 
 @dataclass
 class RunReport:
@@ -124,75 +260,14 @@ async def run_coevolution(
     alternation schedule is over (or the time limit passes)."""
     import time as _time
 
-    from consumers.learner import LearnerService, LearnerServiceConfig
-    from consumers.recorder import Recorder
-    from consumers.verifier import VerifierService
-    from kz_stream.llm.base import SamplingParams
-    from kz_stream.llm.models import smollm2_dir
-    from kz_stream.llm.transformers_backend import TransformersBackend
-    from kz_stream.rl import AlternationConfig
-    from kz_stream.rl.trainer import CoderLearner, LearnerConfig, ProposerLearner
-    from producers.coder import CoderConfig, CoderService
-    from producers.proposer import ProposerConfig, ProposerService
-    from producers.seeds import SEED_MODULES
-
+    settings = options.apply(settings)
     configure_logging(settings.log_level, json=settings.log_json)
-    model_dir = str(smollm2_dir())
-    sampling = SamplingParams(max_tokens=options.max_new_tokens, temperature=1.0)
     report = RunReport()
     t0 = _time.monotonic()
-
-    def make_learner(role: str, directory: Any) -> Any:
-        cfg = LearnerConfig(
-            model=model_dir,
-            output_dir=str(directory),
-            temperature=1.0,
-            learning_rate=1e-4,
-            lora_r=8,
-            logprob_batch_size=4,
-        )
-        cls = CoderLearner if role == "coder" else ProposerLearner
-        return cls(cfg, checkpoint_dir=directory)
-
     async with open_context(settings) as ctx:
-        proposer_llm = TransformersBackend.from_pretrained(model_dir)
-        coder_llm = TransformersBackend.from_pretrained(model_dir)
-        recorder = Recorder(ctx)
-        proposer = ProposerService(
-            ctx,
-            proposer_llm,
-            ProposerConfig(
-                proposals_per_prompt=options.proposals_per_prompt,
-                sampling=sampling,
-                seed_modules=SEED_MODULES if options.seed_modules else (),
-            ),
-        )
-        coder = CoderService(
-            ctx,
-            coder_llm,
-            CoderConfig(
-                group_size=options.group_size,
-                backends=options.backends,
-                sampling=sampling,
-            ),
-        )
-        verifier = VerifierService(ctx)
-        learner = LearnerService(
-            ctx,
-            make_learner,
-            LearnerServiceConfig(
-                checkpoint_dir=_as_path(options.checkpoint_dir),
-                groups_per_step=options.groups_per_step,
-                alternation=AlternationConfig(
-                    proposer_steps=options.steps_per_turn,
-                    coder_steps=options.steps_per_turn,
-                    rounds=options.rounds,
-                    order=options.order,  # type: ignore[arg-type]
-                ),
-                frontier_every_s=2.0,
-            ),
-        )
-        services: list[Service] = [recorder, verifier, coder, proposer, learner]
+        names = ["recorder", "verifier", "coder", "proposer", "learner"]
+        services = [service_by_name(n, ctx) for n in names]
+        learner: Any = services[-1]
 
         async def supervise() -> None:
             while not learner.finished.is_set():
@@ -217,17 +292,13 @@ async def run_coevolution(
             await run_services(services, http_host=settings.http_host, http_port=settings.http_port)
         finally:
             sup.cancel()
-            await proposer_llm.close()
-            await coder_llm.close()
+            for s in services:
+                backend = getattr(s, "backend", None)
+                if backend is not None:
+                    await backend.close()
         _fill_report(report, learner)
         report.seconds = _time.monotonic() - t0
     return report
-
-
-def _as_path(p: str) -> Any:
-    from pathlib import Path
-
-    return Path(p)
 
 
 def _fill_report(report: RunReport, learner: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import (
@@ -17,7 +17,16 @@ from pydantic_settings import (
 
 from kz_stream.bus import TopicSpec
 
-__all__ = ["Settings", "TopicsConfig", "load_settings"]
+__all__ = [
+    "CoderSettings",
+    "LLMConfig",
+    "LearnerSettings",
+    "ProposerSettings",
+    "Settings",
+    "TopicsConfig",
+    "VerifierSettings",
+    "load_settings",
+]
 
 
 class TopicsConfig(BaseModel):
@@ -44,6 +53,53 @@ class TopicsConfig(BaseModel):
         return [s.name for s in self.specs()]
 
 
+class LLMConfig(BaseModel):
+    """Which engine a generator samples from (see ``kz_stream.llm.create_backend``)."""
+
+    kind: Literal["transformers", "vllm-server", "vllm-engine"] = "transformers"
+    model: str | None = Field(default=None, description="Model dir; None: embedded SmolLM2.")
+    base_url: str | None = Field(default=None, description="vLLM server URL (vllm-server).")
+    max_tokens: int = 512
+    temperature: float = 1.0
+
+
+class ProposerSettings(BaseModel):
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+    proposals_per_prompt: int = 4
+    concurrency: int = 2
+    max_modules: int | None = None
+    seed_modules: bool = True
+
+
+class CoderSettings(BaseModel):
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+    group_size: int = 4
+    backends: tuple[Literal["cuda", "triton"], ...] = ("triton",)
+    max_staleness: int = 1
+
+
+class VerifierSettings(BaseModel):
+    devices: list[int] | None = Field(
+        default=None, description="GPU indices; None: all visible; []: the CPU path."
+    )
+
+
+class LearnerSettings(BaseModel):
+    model: str | None = Field(default=None, description="Base model dir; None: SmolLM2.")
+    checkpoint_dir: Path = Path(".kz/policies")
+    roles: tuple[Literal["proposer", "coder"], ...] = ("proposer", "coder")
+    groups_per_step: int = 4
+    learning_rate: float = 1e-5
+    lora_r: int = 16
+    full_finetune: bool = False
+    max_staleness: int = 4
+    proposer_steps: int = 20
+    coder_steps: int = 20
+    rounds: int = 4
+    order: tuple[Literal["proposer", "coder"], ...] = ("proposer", "coder")
+    group_timeout_s: float = 600.0
+
+
 class Settings(BaseSettings):
     """Everything a service needs to know about its surroundings."""
 
@@ -63,6 +119,10 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = True
     data_dir: Path = Path(".kz")
+    proposer: ProposerSettings = Field(default_factory=ProposerSettings)
+    coder: CoderSettings = Field(default_factory=CoderSettings)
+    verifier: VerifierSettings = Field(default_factory=VerifierSettings)
+    learner: LearnerSettings = Field(default_factory=LearnerSettings)
 
     @classmethod
     def settings_customise_sources(

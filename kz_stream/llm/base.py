@@ -21,10 +21,13 @@ __all__ = [
 
 # What every backend stores in ``Sample.logprobs``; the learner must recompute the same thing.
 LOGPROB_DEFINITION = (
-    "log p(token) under softmax(logits / temperature) of the behaviour policy, i.e. after "
-    "temperature scaling and before top-k / top-p truncation (with top_k=0 and top_p=1.0, "
-    "the defaults, this is exactly the distribution that was sampled); temperature 0 "
-    "(greedy) stores log_softmax(logits)."
+    "log p(token) under the distribution the token was drawn from: softmax of the behaviour "
+    "policy's logits after temperature scaling and then top-k / top-p filtering (vLLM's "
+    "logprobs_mode='processed_logprobs'). With top_k=0 and top_p=1.0, the defaults, this "
+    "is log_softmax(logits / temperature), exactly what TRL's GRPO recomputes; with a "
+    "filter on, the learner's unfiltered recomputation differs, so sample with the "
+    "defaults when the logprobs feed off-policy correction. Greedy decoding "
+    "(temperature 0) stores log_softmax(logits)."
 )
 
 

