@@ -59,6 +59,7 @@ class LearnerService(Service):
         self.steps_done = 0
         self.finished = asyncio.Event()  # the alternation schedule is over
         self.step_log: list[dict[str, object]] = []
+        self._acting = asyncio.Lock()
         self._frontier_at = 0.0
         self._frontier_basis: tuple[int, int] = (-1, -1)
 
@@ -106,10 +107,25 @@ class LearnerService(Service):
         )
 
     async def _follow(self) -> None:
-        async for batch in self.ctx.store.tail(
-            self.state.position, poll_interval=self.config.poll_interval
-        ):
-            self.state.apply_all(batch)
+        ticker = asyncio.create_task(self._tick())
+        try:
+            await self._act()
+            async for batch in self.ctx.store.tail(
+                self.state.position, poll_interval=self.config.poll_interval
+            ):
+                self.state.apply_all(batch)
+                await self._act()
+        finally:
+            ticker.cancel()
+
+    async def _tick(self) -> None:
+        """Acts without new events too: groups time out, and the frontier has a cadence."""
+        while True:
+            await asyncio.sleep(self.config.frontier_every_s)
+            await self._act()
+
+    async def _act(self) -> None:
+        async with self._acting:
             await self.maybe_publish_frontier()
             while await self.maybe_train():
                 pass
