@@ -1,0 +1,195 @@
+"""In-process guard for untrusted Python: an audit hook that blocks and records what the code
+must not do, plus snapshots that detect monkeypatching and stray threads.
+
+Standard library only: the sandbox child imports this before anything else. The hook sees
+Python-level actions only; native code (a CUDA extension) is contained by the OS layer
+(process group, rlimits, network namespace) that the callers set up around the process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+# Audit events that start another program or process.
+_PROCESS_EVENTS = frozenset(
+    {
+        "os.fork",
+        "os.forkpty",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.exec",
+        "os.system",
+        "os.startfile",
+        "subprocess.Popen",
+        "pty.spawn",
+    }
+)
+_NETWORK_EVENTS = frozenset(
+    {
+        "socket.connect",
+        "socket.bind",
+        "socket.sendto",
+        "socket.sendmsg",
+        "socket.getaddrinfo",
+        "socket.gethostbyname",
+        "socket.gethostbyaddr",
+        "urllib.Request",
+    }
+)
+# Events that change the file system at the path in args[0] (or args[0:2]).
+_FS_EVENTS = frozenset(
+    {
+        "os.remove",
+        "os.rmdir",
+        "os.mkdir",
+        "os.rename",
+        "os.chmod",
+        "os.chown",
+        "os.link",
+        "os.symlink",
+        "os.truncate",
+        "os.utime",
+        "shutil.rmtree",
+        "shutil.move",
+        "shutil.copyfile",
+    }
+)
+
+
+class GuardViolation(PermissionError):
+    """Raised inside the guarded code when it attempts a forbidden action."""
+
+
+@dataclass
+class Guard:
+    """Audit-hook policy. ``violations`` lists forbidden attempts, ``writes`` every file write."""
+
+    allow_network: bool = False
+    allow_subprocess: bool = False
+    # Basenames of programs the libraries themselves run (Triton's ptxas, its launcher build).
+    allowed_programs: frozenset[str] = frozenset()
+    write_roots: tuple[str, ...] = ()
+    violations: list[str] = field(default_factory=list)
+    writes: list[str] = field(default_factory=list)
+    active: bool = True
+    _installed: bool = False
+
+    def install(self) -> Guard:
+        """Installs the hook for the rest of the process's life (hooks cannot be removed)."""
+        if not self._installed:
+            sys.addaudithook(self._hook)
+            self._installed = True
+        return self
+
+    def _deny(self, what: str) -> None:
+        self.violations.append(what)
+        raise GuardViolation(f"forbidden in the sandbox: {what}")
+
+    def _writable(self, path: str) -> bool:
+        real = os.path.realpath(path)
+        if real in ("/dev/null", "/dev/zero", "/dev/urandom"):
+            return True
+        return any(real == r or real.startswith(r.rstrip("/") + "/") for r in self.write_roots)
+
+    def _hook(self, event: str, args: tuple[Any, ...]) -> None:
+        if not self.active:
+            return
+        if event in _PROCESS_EVENTS:
+            if self.allow_subprocess:
+                return
+            if event in ("subprocess.Popen", "os.posix_spawn") and self._allowed_program(args):
+                return
+            self._deny(f"{event} {_short(args)}")
+        elif event in _NETWORK_EVENTS:
+            if not self.allow_network:
+                self._deny(f"{event} {_short(args)}")
+        elif event == "open":
+            path, mode, flags = [*args, None, None, None][:3]
+            if not isinstance(path, str | bytes) or not _is_write(mode, flags):
+                return
+            spath = os.fsdecode(path)
+            self.writes.append(spath)
+            if not self._writable(spath):
+                self._deny(f"write to {spath}")
+        elif event in _FS_EVENTS:
+            for p in args[:2]:
+                if isinstance(p, str | bytes) and not self._writable(os.fsdecode(p)):
+                    self._deny(f"{event} {os.fsdecode(p)}")
+
+    def _allowed_program(self, args: tuple[Any, ...]) -> bool:
+        argv = args[1] if len(args) > 1 else None
+        exe = args[0] if args and args[0] else None
+        if exe is None and isinstance(argv, list | tuple) and argv:
+            exe = argv[0]
+        if exe is None and isinstance(argv, str | bytes):
+            exe = argv
+        if exe is None:
+            return False
+        return os.path.basename(os.fsdecode(exe)) in self.allowed_programs
+
+
+def _is_write(mode: Any, flags: Any) -> bool:
+    if isinstance(mode, str) and any(c in mode for c in "wax+"):
+        return True
+    return isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
+
+
+def _short(args: tuple[Any, ...]) -> str:
+    text = repr(args)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+# ---- monkeypatch and thread detection -------------------------------------------------
+
+
+def owner_name(owner: Any) -> str:
+    """"torch.cuda" for a module, "torch.Tensor" for a class."""
+    if isinstance(owner, type):
+        mod = getattr(owner, "__module__", "")
+        return f"{mod}.{owner.__qualname__}" if mod else owner.__qualname__
+    return str(getattr(owner, "__name__", repr(owner)))
+
+
+def snapshot_attributes(modules: Iterable[ModuleType | type]) -> dict[str, int]:
+    """Maps "owner.attr" to id(value) for every attribute of the given modules and classes."""
+    snap: dict[str, int] = {}
+    for owner in modules:
+        name = owner_name(owner)
+        try:
+            items = list(vars(owner).items())
+        except TypeError:
+            continue
+        for attr, value in items:
+            snap[f"{name}.{attr}"] = id(value)
+    return snap
+
+
+_VOLATILE = ("__slotnames__", "__annotations__", "__warningregistry__")
+
+
+def changed_attributes(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """Names whose binding changed or vanished between two snapshots. New names are not
+    reported: lazy submodule imports add them legitimately."""
+    return sorted(k for k, v in before.items()
+                  if after.get(k) != v and not k.endswith(_VOLATILE))
+
+
+def python_thread_ids() -> set[int]:
+    """Ids of every live Python thread, including ones started through ``_thread``."""
+    return set(sys._current_frames())
+
+
+def native_thread_count() -> int:
+    """Number of OS threads in this process (sees threads started by native code too)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()

@@ -1,0 +1,109 @@
+"""Value types of the verifier's public API. Standard library only."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+VERIFIER_VERSION = "kzv-1.0"
+
+Backend = Literal["cuda", "triton"]
+
+
+class Status(StrEnum):
+    """Verdict status; the values equal ``kz_stream.events.VerdictStatus``."""
+
+    CORRECT = "correct"
+    INCORRECT = "incorrect"
+    COMPILE_ERROR = "compile_error"
+    RUNTIME_ERROR = "runtime_error"
+    TIMEOUT = "timeout"
+    OUT_OF_MEMORY = "out_of_memory"
+    HACK = "hack"
+    UNCHECKED = "unchecked"
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A reference module in KernelBench format: ``class Model(nn.Module)``,
+    ``get_inputs()`` and ``get_init_inputs()``."""
+
+    source: str
+    problem_id: str = ""
+
+    @property
+    def key(self) -> str:
+        return sha256(self.source)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An untrusted implementation: the source of ``class ModelNew`` and its backend."""
+
+    source: str
+    backend: Backend
+    kernel_id: str = ""
+
+    @property
+    def key(self) -> str:
+        return sha256(f"{self.backend}\0{self.source}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's judgement of one candidate against one problem.
+
+    ``check`` names the rule that decided a non-correct verdict (e.g. "rel_norm",
+    "input_mutation", "torch_fallback"); ``input_index`` the input set it failed on.
+    ``unchecked`` lists what this machine could not check (e.g. "timing" without a GPU).
+    ``speedup`` is reference time / candidate time (medians); ``speedup_ci`` its 95%
+    bootstrap interval.
+    """
+
+    status: Status
+    reason: str | None = None
+    check: str | None = None
+    input_index: int | None = None
+    max_rel_error: float | None = None
+    speedup: float | None = None
+    speedup_ci: tuple[float, float] | None = None
+    verifier_version: str = VERIFIER_VERSION
+    hardware: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    unchecked: tuple[str, ...] = ()
+
+    @property
+    def correct(self) -> bool:
+        return self.status is Status.CORRECT
+
+    def as_payload_fields(self) -> dict[str, Any]:
+        """The fields of ``kz_stream.events.KernelVerified`` this verdict fills (``unchecked``
+        travels in ``details`` until the payload has a field for it)."""
+        d = self.to_dict()
+        unchecked = d.pop("unchecked")
+        if unchecked:
+            d["details"] = {**d["details"], "unchecked": unchecked}
+        d["speedup_ci"] = tuple(self.speedup_ci) if self.speedup_ci else None
+        return d
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with the field names of ``KernelVerified``."""
+        return {
+            "status": self.status.value,
+            "reason": self.reason,
+            "check": self.check,
+            "input_index": self.input_index,
+            "max_rel_error": self.max_rel_error,
+            "speedup": self.speedup,
+            "speedup_ci": list(self.speedup_ci) if self.speedup_ci else None,
+            "verifier_version": self.verifier_version,
+            "hardware": dict(self.hardware),
+            "details": dict(self.details),
+            "unchecked": list(self.unchecked),
+        }

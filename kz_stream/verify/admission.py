@@ -1,0 +1,175 @@
+"""Problem admission: rejects reference modules that a trivial output would pass.
+
+A module is degenerate when, under the verifier's own correctness check, any of these
+passes on every input set: all zeros, a constant, one of its inputs (the identity), its
+output for another input set (input-independent), or its output under other weights
+(weight-independent). Modules that do not run, give non-finite outputs on their own
+inputs, or are not deterministic are rejected as well. The module runs in a sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kz_stream.verify.sandbox import run_in_sandbox
+
+__all__ = ["Admission", "admission_check"]
+
+_WEIGHT_SEED = 1234
+_INPUT_SEED = 98765
+_CPU_MAX_INPUT_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Whether a reference module may become a problem, and why not."""
+
+    admitted: bool
+    reason: str | None = None
+    detail: str = ""
+
+
+def admission_check(
+    reference_source: str, *, device: str = "cpu", timeout_s: float = 60
+) -> Admission:
+    """Runs the degeneracy checks on ``reference_source`` in a sandboxed process.
+
+    ``reason`` is one of: "interface", "exception", "timeout", "oom", "crash", "forbidden",
+    "nonfinite", "nondeterministic", "zeros", "constant", "identity",
+    "input_independent", "weight_independent".
+    """
+    memory_mb = 16384 if device == "cpu" else None  # an address-space cap breaks CUDA
+    outcome = run_in_sandbox(
+        "kz_stream.verify.admission:_admit",
+        (reference_source, device),
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+    )
+    if outcome.ok:
+        admitted, reason, detail = outcome.value
+        return Admission(bool(admitted), reason, str(detail))
+    return Admission(False, outcome.error_kind, outcome.error_message[-1000:])
+
+
+def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
+    """Sandbox side of ``admission_check``: returns (admitted, reason, detail)."""
+    import torch
+
+    from kz_stream.verify.compare import calibrate, compare_outputs, unstable_limit
+    from kz_stream.verify.inputs import (
+        InputPlan,
+        InputSpec,
+        make_inputs,
+        map_init,
+        nbytes,
+        small_map,
+    )
+    from kz_stream.verify.loader import InterfaceError
+    from kz_stream.verify.reference import (
+        build_model,
+        float64_copy,
+        load_reference,
+        perturb_,
+        run,
+        strict_precision,
+    )
+
+    strict_precision()
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    try:
+        ref = load_reference(source, os.getcwd())
+        init = list(ref.get_init_inputs())
+        torch.manual_seed(_INPUT_SEED)
+        own = list(ref.get_inputs())
+    except InterfaceError as e:
+        return False, "interface", str(e)
+
+    # On the CPU, large modules are checked at scaled-down shapes to bound the run time.
+    size_map: dict[int, int] = {}
+    if device == "cpu" and nbytes(own) > _CPU_MAX_INPUT_BYTES:
+        size_map = small_map(own)
+    scaled_init = map_init(init, size_map)
+    plans = [InputPlan("own", "own", size_map), InputPlan("normal", "normal", size_map),
+             InputPlan("heavy", "heavy", size_map)]
+
+    model = build_model(ref, scaled_init, _WEIGHT_SEED, device)
+    model64 = float64_copy(model)
+    specs = [InputSpec.of(v) for v in own]
+    sets = [make_inputs(specs, p, _INPUT_SEED + i, ref.get_inputs) for i, p in enumerate(plans)]
+    expected, honest = [], []
+    for inputs in sets:
+        expected.append(run(model64, inputs, device, torch.float64))
+        honest.append(run(model, inputs, device))
+    for i, outs in enumerate(honest):
+        for o in outs:
+            if not isinstance(o, torch.Tensor):
+                return False, "interface", f"output of type {type(o).__name__} is not a tensor"
+        if i == 0 and not all(bool(torch.isfinite(o).all()) for o in outs
+                              if o.dtype.is_floating_point):
+            return False, "nonfinite", "non-finite outputs on the module's own inputs"
+    again = run(model, sets[0], device)
+    drift = max(_rel_diff(a, b) for a, b in zip(again, honest[0], strict=True))
+    if drift > unstable_limit(honest[0]):
+        return False, "nondeterministic", f"two runs on the same input differ by {drift:.3g}"
+    tols = [[calibrate(e, h) for e, h in zip(es, hs, strict=True)]
+            for es, hs in zip(expected, honest, strict=True)]
+    worst = max(t.honest_rel_norm for ts in tols for t in ts)
+    if worst > unstable_limit(honest[0]):
+        return False, "unstable", (f"the module in its own precision differs from float64 by "
+                                   f"{worst:.3g}; correctness cannot be calibrated")
+
+    def passes_all(make: Any) -> bool:
+        for i in range(len(sets)):
+            fake = make(i)
+            if fake is None or not compare_outputs(fake, expected[i], honest[i], tols[i]).ok:
+                return False
+        return True
+
+    if passes_all(lambda i: [torch.zeros_like(h) for h in honest[i]]):
+        return False, "zeros", "an all-zero output passes the correctness check"
+    if passes_all(lambda i: [torch.full_like(h, float(e.double().mean()))
+                             if h.is_floating_point() else h.clone()
+                             for h, e in zip(honest[i], expected[i], strict=True)]):
+        return False, "constant", "a constant output passes the correctness check"
+
+    def identity(i: int, k: int) -> list[Any] | None:
+        outs = honest[i]
+        x = sets[i][k]
+        if len(outs) != 1 or not isinstance(x, torch.Tensor) or x.shape != outs[0].shape:
+            return None
+        return [x.to(device=outs[0].device, dtype=outs[0].dtype)]
+
+    for k in range(len(own)):
+        if passes_all(lambda i, k=k: identity(i, k)):
+            return False, "identity", f"returning input {k} unchanged passes the check"
+    if _same_shapes(honest) and passes_all(lambda i: honest[(i + 1) % len(sets)]):
+        return False, "input_independent", "the output for other inputs passes the check"
+    if any(p.dtype.is_floating_point for p in model.parameters()):
+        other = build_model(ref, scaled_init, _WEIGHT_SEED, device)
+        perturb_(other, _WEIGHT_SEED + 31337)
+        other_outs = [run(other, s, device) for s in sets]
+        if passes_all(lambda i: other_outs[i]):
+            return False, "weight_independent", "the output under other weights passes the check"
+    return True, None, f"admitted; checked {len(sets)} input sets on {device}"
+
+
+def _rel_diff(a: Any, b: Any) -> float:
+    import torch
+
+    if not isinstance(a, torch.Tensor) or not a.dtype.is_floating_point:
+        return 0.0 if torch.equal(torch.as_tensor(a), torch.as_tensor(b)) else float("inf")
+    x, y = a.double(), b.double()
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    if not bool((torch.isfinite(x) == torch.isfinite(y)).all()):
+        return float("inf")
+    den = float(torch.linalg.vector_norm(y[finite]))
+    num = float(torch.linalg.vector_norm((x - y)[finite]))
+    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
+def _same_shapes(outs: Sequence[Sequence[Any]]) -> bool:
+    shapes = [tuple(tuple(o.shape) for o in group) for group in outs]
+    return all(s == shapes[0] for s in shapes)

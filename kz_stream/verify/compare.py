@@ -1,0 +1,194 @@
+"""Output comparison against a float64 reference, with bounds calibrated on an honest
+implementation in the output's own precision.
+
+For each output tensor ``e`` (float64 reference) and ``h`` (the reference module run in the
+input dtype, an honest same-precision implementation):
+
+- positions where ``e`` rounded to the output dtype and ``h`` disagree on being finite are
+  "don't care" (the candidate cannot be asked to beat an honest implementation there);
+- non-finite positions both agree on must be reproduced exactly (NaN as NaN, +inf as +inf);
+- finite positions must satisfy a relative-norm bound
+  ``‖c − e‖ / ‖e‖ ≤ max(SAFETY·‖h − e‖/‖e‖, FLOOR·eps)`` and a per-element bound
+  ``|c − e| ≤ atol + rtol·|e|`` with ``rtol = FLOOR·eps`` and
+  ``atol = max(SAFETY·max|h − e|, FLOOR·eps·rms(e))``.
+
+SAFETY leaves room for honest kernels that sum in another order (a naive loop has a larger
+error than a blocked library kernel); it is well below the error of TF32 or bf16 math on
+float32 data, which must fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SAFETY = 32.0
+FLOOR = 16.0
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Calibrated bounds for one output tensor."""
+
+    rel_norm: float
+    atol: float
+    rtol: float
+    honest_rel_norm: float
+    dont_care_fraction: float
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Outcome of comparing a candidate's outputs with the reference on one input set."""
+
+    ok: bool
+    check: str | None = None
+    message: str = ""
+    rel_norm_error: float = 0.0
+    max_abs_error: float = 0.0
+    bad_fraction: float = 0.0
+
+
+def flatten(value: Any) -> list[Any]:
+    """The tensors (and plain numbers) of an output, in order."""
+    if isinstance(value, tuple | list):
+        out: list[Any] = []
+        for v in value:
+            out.extend(flatten(v))
+        return out
+    if isinstance(value, dict):
+        return flatten(list(value.values()))
+    return [value]
+
+
+def as_tensor(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(value)
+
+
+def _same_class(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: both NaN, or both equal infinities, or both finite."""
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    return (nan_a & nan_b) | (~nan_a & ~nan_b & (torch.isfinite(a) == torch.isfinite(b))
+                              & (torch.isfinite(a) | (a == b)))
+
+
+def _eps(dtype: torch.dtype) -> float:
+    if dtype.is_floating_point:
+        return float(torch.finfo(dtype).eps)
+    return 0.0
+
+
+def unstable_limit(outputs: list[Any]) -> float:
+    """The largest honest-vs-float64 error a problem may have and still be checkable."""
+    eps = max((_eps(o.dtype) for o in outputs if isinstance(o, torch.Tensor)), default=0.0)
+    return min(0.05, max(1e-3, 8 * eps))
+
+
+def calibrate(expected: torch.Tensor, honest: torch.Tensor) -> Tolerance:
+    """Bounds for one output from the float64 reference and an honest same-dtype result
+    (computed on ``expected``'s device)."""
+    out_dtype = honest.dtype
+    dev = expected.device
+    e = expected.detach().to(dev, torch.float64)
+    h = honest.detach().to(dev, torch.float64)
+    e_cast = expected.detach().to(out_dtype).to(torch.float64)
+    if e.shape != h.shape:
+        raise ValueError(f"honest output shape {tuple(h.shape)} != reference {tuple(e.shape)}")
+    care = torch.isfinite(e_cast) & torch.isfinite(h)
+    dont_care = (~_same_class(e_cast, h)).sum().item() / max(1, e.numel())
+    eps = _eps(out_dtype)
+    if care.any():
+        ec, hc = e[care], h[care]
+        d = (hc - ec).abs()
+        ref_norm = float(torch.linalg.vector_norm(ec))
+        honest_rel = float(torch.linalg.vector_norm(d)) / ref_norm if ref_norm > 0 else 0.0
+        honest_abs = float(d.max())
+        rms = float(torch.sqrt(torch.mean(ec * ec)))
+    else:
+        honest_rel = honest_abs = rms = 0.0
+    return Tolerance(
+        rel_norm=max(SAFETY * honest_rel, FLOOR * eps),
+        atol=max(SAFETY * honest_abs, FLOOR * eps * rms),
+        rtol=FLOOR * eps,
+        honest_rel_norm=honest_rel,
+        dont_care_fraction=float(dont_care),
+    )
+
+
+def compare_tensor(
+    cand: Any, expected: torch.Tensor, honest: torch.Tensor, tol: Tolerance,
+    device: str | torch.device | None = None,
+) -> Comparison:
+    """Compares one candidate output tensor; see the module docstring for the rules.
+    The arithmetic runs on ``device`` (default: ``expected``'s)."""
+    if not isinstance(cand, torch.Tensor):
+        if isinstance(cand, int | float | bool):
+            cand = torch.as_tensor(cand)
+        else:
+            return Comparison(False, "output_type", f"output is {type(cand).__name__}, "
+                              "expected a tensor")
+    if tuple(cand.shape) != tuple(expected.shape):
+        return Comparison(False, "shape", f"output shape {tuple(cand.shape)} != expected "
+                          f"{tuple(expected.shape)}")
+    if cand.dtype != honest.dtype:
+        return Comparison(False, "dtype", f"output dtype {cand.dtype} != expected {honest.dtype}")
+    dev = torch.device(device) if device is not None else expected.device
+    c = cand.detach().to(dev).to(torch.float64)
+    e = expected.detach().to(dev).to(torch.float64)
+    h = honest.detach().to(dev).to(torch.float64)
+    e_cast = e.to(honest.dtype).to(torch.float64)
+    agree = _same_class(e_cast, h)
+    care_nonfinite = agree & ~torch.isfinite(e_cast)
+    care_finite = agree & torch.isfinite(e_cast)
+    bad_nf = care_nonfinite & ~_same_class(c, e_cast)
+    if bad_nf.any():
+        n = int(bad_nf.sum())
+        return Comparison(False, "nonfinite_mismatch",
+                          f"{n} positions where the reference is NaN/inf differ", float("inf"),
+                          float("inf"), n / c.numel())
+    bad_f = care_finite & ~torch.isfinite(c)
+    if bad_f.any():
+        n = int(bad_f.sum())
+        return Comparison(False, "nonfinite", f"{n} NaN/inf values where the reference is "
+                          "finite", float("inf"), float("inf"), n / c.numel())
+    if not care_finite.any():
+        return Comparison(True)
+    cf, ef = c[care_finite], e[care_finite]
+    d = (cf - ef).abs()
+    ref_norm = float(torch.linalg.vector_norm(ef))
+    err_norm = float(torch.linalg.vector_norm(d))
+    rel = err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else float("inf"))
+    max_abs = float(d.max())
+    over = d > (tol.atol + tol.rtol * ef.abs())
+    frac = float(over.sum()) / max(1, d.numel())
+    if rel > tol.rel_norm:
+        return Comparison(False, "rel_norm", f"relative error {rel:.3g} > bound {tol.rel_norm:.3g}",
+                          rel, max_abs, frac)
+    if over.any():
+        return Comparison(False, "elementwise", f"{int(over.sum())} elements exceed "
+                          f"{tol.atol:.3g} + {tol.rtol:.3g}·|ref| (max abs error {max_abs:.3g})",
+                          rel, max_abs, frac)
+    return Comparison(True, None, "", rel, max_abs, frac)
+
+
+def compare_outputs(
+    cand: list[Any], expected: list[torch.Tensor], honest: list[torch.Tensor],
+    tols: list[Tolerance], device: str | torch.device | None = None,
+) -> Comparison:
+    """Compares every output tensor; the first failure decides, else the worst error."""
+    if len(cand) != len(expected):
+        return Comparison(False, "output_count", f"{len(cand)} outputs, expected {len(expected)}")
+    worst = Comparison(True)
+    for i, (c, e, h, t) in enumerate(zip(cand, expected, honest, tols, strict=True)):
+        r = compare_tensor(c, e, h, t, device)
+        if not r.ok:
+            msg = f"output {i}: {r.message}" if len(cand) > 1 else r.message
+            return Comparison(False, r.check, msg, r.rel_norm_error, r.max_abs_error,
+                              r.bad_fraction)
+        if r.rel_norm_error >= worst.rel_norm_error:
+            worst = r
+    return worst

@@ -1,0 +1,223 @@
+"""Input sets for checking a candidate: the module's own inputs plus sign-mixed and
+heavy-tailed ones, and odd/unaligned and small shapes derived by scaling the module's own
+tensor sizes (and the matching init-input integers, so weight shapes stay consistent).
+
+Every set is drawn from a seed the candidate never sees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+Distribution = Literal["own", "normal", "heavy"]
+SizeMap = dict[int, int]
+
+# Dims below this are left alone when shapes are scaled: they are often kernel sizes,
+# channel counts of 3, head counts and the like, where a change alters the function.
+_MIN_SCALED = 8
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    """One input set: how to draw its values and which sizes to substitute."""
+
+    label: str
+    dist: Distribution
+    size_map: SizeMap = field(default_factory=dict)
+    scale_init: bool = True
+
+
+def _sizes(values: Sequence[Any]) -> set[int]:
+    sizes: set[int] = set()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            sizes.update(int(d) for d in v.shape if int(d) >= _MIN_SCALED)
+    return sizes
+
+
+def odd_map(inputs: Sequence[Any]) -> SizeMap:
+    """Even sizes become the odd size below (1024 → 1023): breaks alignment assumptions."""
+    return {d: d - 1 for d in _sizes(inputs) if d % 2 == 0}
+
+
+def small_map(inputs: Sequence[Any]) -> SizeMap:
+    """Sizes shrink about 8-fold to an odd number (4096 → 513, 16 → 3)."""
+    return {d: max(1, d // 8) | 1 for d in _sizes(inputs)}
+
+
+def batch_only(size_map: SizeMap, inputs: Sequence[Any]) -> SizeMap:
+    """The restriction of ``size_map`` to the leading dims of the tensor inputs."""
+    lead = {int(v.shape[0]) for v in inputs if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return {k: v for k, v in size_map.items() if k in lead}
+
+
+def map_init(init_inputs: Sequence[Any], size_map: SizeMap) -> list[Any]:
+    """Init-input integers that equal a scaled size are scaled with it (in_features etc.)."""
+    out: list[Any] = []
+    for v in init_inputs:
+        if isinstance(v, bool):
+            out.append(v)
+        elif isinstance(v, int) and v in size_map:
+            out.append(size_map[v])
+        elif isinstance(v, tuple | list) and all(isinstance(x, int) for x in v):
+            out.append(type(v)(size_map.get(x, x) for x in v))
+        else:
+            out.append(v)
+    return out
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What an input looks like, enough to draw fresh ones: shape, dtype and value range.
+    Non-tensor inputs are carried as ``value``."""
+
+    is_tensor: bool
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    mean: float = 0.0
+    std: float = 0.0
+    nonneg: bool = False
+    lo: int = 0
+    hi: int = 1
+    value: Any = None
+
+    @staticmethod
+    def of(v: Any) -> InputSpec:
+        if not isinstance(v, torch.Tensor):
+            return InputSpec(False, value=v)
+        dtype = str(v.dtype).removeprefix("torch.")
+        if v.numel() == 0:
+            return InputSpec(True, tuple(v.shape), dtype)
+        if v.dtype.is_floating_point:
+            ref = v.detach().to("cpu", torch.float64)
+            std = float(ref.std()) if ref.numel() > 1 else 0.0
+            return InputSpec(True, tuple(v.shape), dtype, float(ref.mean()), std,
+                             bool((ref >= 0).all()))
+        if v.dtype == torch.bool or v.dtype.is_complex:
+            return InputSpec(True, tuple(v.shape), dtype)
+        return InputSpec(True, tuple(v.shape), dtype, lo=int(v.min()), hi=int(v.max()))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dt = getattr(torch, self.dtype)
+        assert isinstance(dt, torch.dtype)
+        return dt
+
+
+def draw_tensor(
+    spec: InputSpec, shape: tuple[int, ...], dist: Distribution, gen: torch.Generator,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """A fresh tensor of ``shape`` that resembles ``spec`` (dtype, sign, range)."""
+    dtype = spec.torch_dtype
+    if dtype.is_floating_point:
+        scale = max(spec.std, abs(spec.mean), 1e-3)
+        if not math.isfinite(scale):
+            scale = 1.0
+        work = torch.float64 if device == "cpu" else torch.float32
+        x = torch.randn(shape, generator=gen, dtype=work, device=device)
+        if dist == "heavy":
+            # A Gaussian scale mixture (log-normal scale): heavy tails, every moment finite,
+            # clamped so that a float16 input stays finite.
+            w = torch.randn(shape, generator=gen, dtype=work, device=device)
+            x = (x * torch.exp(0.75 * w)).clamp_(-1e3, 1e3)
+        x = x * scale
+        if spec.nonneg:
+            x = x.abs()
+        return x.to(dtype).contiguous()
+    if dtype == torch.bool:
+        return (torch.rand(shape, generator=gen, device=device) < 0.5).contiguous()
+    if dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype, device=device).contiguous()
+    return torch.randint(spec.lo, spec.hi + 1, shape, generator=gen, dtype=torch.int64,
+                         device=device).to(dtype).contiguous()
+
+
+def make_inputs(
+    specs: Sequence[InputSpec], plan: InputPlan, seed: int,
+    get_inputs: Callable[[], Sequence[Any]] | None = None,
+    device: str | torch.device = "cpu",
+) -> list[Any]:
+    """The input set ``plan`` describes, drawn from ``seed``.
+
+    For the "own" distribution at the module's own shapes ``get_inputs`` (the module's own
+    generator) is called under ``seed``; otherwise values are drawn from ``specs``.
+    """
+    if plan.dist == "own" and not plan.size_map and get_inputs is not None:
+        torch.manual_seed(seed)
+        return [v.contiguous().to(device) if isinstance(v, torch.Tensor) else v
+                for v in get_inputs()]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out: list[Any] = []
+    for spec in specs:
+        if spec.is_tensor:
+            shape = tuple(plan.size_map.get(d, d) for d in spec.shape)
+            dist: Distribution = "normal" if plan.dist == "own" else plan.dist
+            out.append(draw_tensor(spec, shape, dist, gen, device))
+        else:
+            out.append(spec.value)
+    return out
+
+
+def default_plans(own: Sequence[Any], *, small_only: bool = False) -> list[InputPlan]:
+    """The input sets to check: own, sign-mixed, heavy-tailed, odd and small shapes.
+
+    ``small_only`` (the CPU interpreter path) keeps only scaled-down shapes.
+    """
+    odd, small = odd_map(own), small_map(own)
+    if small_only:
+        plans = [InputPlan("small-normal", "normal", small),
+                 InputPlan("small-heavy", "heavy", small)]
+        if odd:
+            tiny_odd = {k: max(1, v - 2) | 1 for k, v in small.items()}
+            plans.append(InputPlan("small-odd", "normal", tiny_odd))
+        return plans
+    plans = [InputPlan("own", "own"), InputPlan("normal", "normal"), InputPlan("heavy", "heavy")]
+    if odd:
+        plans.append(InputPlan("odd", "normal", odd))
+    if small:
+        plans.append(InputPlan("small", "heavy", small))
+    return plans
+
+
+def fallbacks(plan: InputPlan, own: Sequence[Any]) -> list[InputPlan]:
+    """Safer versions of a shape-changing plan, tried when the reference rejects it."""
+    if not plan.size_map:
+        return []
+    out = [InputPlan(plan.label, plan.dist, plan.size_map, scale_init=False)]
+    lead = batch_only(plan.size_map, own)
+    if lead and lead != plan.size_map:
+        out.append(InputPlan(plan.label, plan.dist, lead, scale_init=False))
+    return out
+
+
+def to_device(values: Sequence[Any], device: str | torch.device,
+              dtype: torch.dtype | None = None) -> list[Any]:
+    """Moves tensors to ``device``; floating tensors are cast to ``dtype`` when given."""
+    out: list[Any] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if dtype is not None and v.dtype.is_floating_point:
+                v = v.to(device=device, dtype=dtype)
+            else:
+                v = v.to(device)
+        out.append(v)
+    return out
+
+
+def nbytes(values: Sequence[Any]) -> int:
+    """Bytes held by the tensors in ``values`` (each storage counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            key = v.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += v.untyped_storage().nbytes()
+    return total

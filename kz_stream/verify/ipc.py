@@ -1,0 +1,186 @@
+"""Child processes of the verifier (oracle and candidate workers) and their message channel.
+
+A child is started as ``python -m <module> <fd>`` in its own process group, under the
+network-namespace prefix when available, with a private working directory and HOME.
+Messages are pickled dicts over a socketpair; replies carry CPU tensors only. A call
+that exceeds its deadline kills the whole process group.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kz_stream.verify.sandbox import child_env, isolation_prefix, kill_group
+
+
+class ChildTimeout(TimeoutError):
+    """The child did not answer in time; it has been killed."""
+
+
+class ChildDied(RuntimeError):
+    """The child exited or crashed; ``stderr_tail`` says what it printed last."""
+
+    def __init__(self, message: str, stderr_tail: str = "", returncode: int | None = None):
+        super().__init__(message)
+        self.stderr_tail = stderr_tail
+        self.returncode = returncode
+
+
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    if not len(buf):
+        raw = torch.empty(0, dtype=torch.uint8)
+    else:
+        raw = torch.frombuffer(buf, dtype=torch.uint8)
+    return raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles CPU tensors as out-of-band buffers: their bytes go over the socket once,
+    with no torch.save round trip."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+            return NotImplemented
+        t = obj.detach().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
+        return _rebuild_tensor, (pickle.PickleBuffer(raw), str(t.dtype).removeprefix("torch."),
+                                 tuple(t.shape))
+
+
+def send(conn: Connection, obj: Any) -> None:
+    buffers: list[pickle.PickleBuffer] = []
+    f = io.BytesIO()
+    _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+    sizes = [memoryview(b).nbytes for b in buffers]
+    conn.send_bytes(pickle.dumps(sizes))
+    conn.send_bytes(f.getbuffer())
+    for b in buffers:
+        conn.send_bytes(b.raw())
+
+
+def recv(conn: Connection) -> Any:
+    sizes: list[int] = pickle.loads(conn.recv_bytes())
+    head = conn.recv_bytes()
+    bufs = []
+    for n in sizes:
+        buf = bytearray(n)
+        if n:
+            conn.recv_bytes_into(buf)
+        else:
+            conn.recv_bytes()
+        bufs.append(buf)
+    return pickle.loads(head, buffers=bufs)
+
+
+class Child:
+    """One child process and its channel. Not thread-safe: one call at a time."""
+
+    def __init__(self, module: str, args: list[str], *, env: dict[str, str] | None = None,
+                 isolate: bool = True, strong: bool = False,
+                 start_timeout_s: float = 180.0) -> None:
+        self.private = tempfile.mkdtemp(prefix="kz-child-")
+        work = os.path.join(self.private, "work")
+        os.mkdir(work)
+        parent_sock, child_sock = socket.socketpair()
+        self.conn = Connection(os.dup(parent_sock.fileno()))
+        parent_sock.close()
+        self._stderr_path = os.path.join(self.private, "stderr.log")
+        prefix = isolation_prefix(strong) if isolate else ()
+        cmd = [*prefix, sys.executable, "-m", module, str(child_sock.fileno()), *args]
+        e = child_env(self.private, env)
+        e["KZ_PRIVATE_DIR"] = self.private
+        with open(self._stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=work, env=e,
+                pass_fds=(child_sock.fileno(),), start_new_session=True)
+        child_sock.close()
+        self.started = time.monotonic()
+        self.ready: dict[str, Any] | None = None
+        self.start_timeout_s = start_timeout_s
+
+    def wait_ready(self) -> dict[str, Any]:
+        """Blocks until the child reports that it has started (imports, CUDA context)."""
+        if self.ready is None:
+            reply = self._recv(self.start_timeout_s)
+            if not isinstance(reply, dict) or not reply.get("ready"):
+                self.kill()
+                raise ChildDied(f"child failed to start: {reply!r}", self.stderr_tail())
+            self.ready = reply
+        return self.ready
+
+    def call(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Sends one request and returns the reply, or raises ChildTimeout / ChildDied."""
+        self.wait_ready()
+        try:
+            send(self.conn, msg)
+        except (BrokenPipeError, ConnectionResetError, OSError) as e:
+            self.kill()
+            raise ChildDied(f"child is gone: {e}", self.stderr_tail(), self.proc.poll()) from e
+        reply = self._recv(timeout_s)
+        assert isinstance(reply, dict)
+        return reply
+
+    def _recv(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise ChildTimeout(f"no answer within {timeout_s:g} s")
+            try:
+                if self.conn.poll(min(left, 0.5)):
+                    return recv(self.conn)
+            except (EOFError, ConnectionResetError, OSError) as e:
+                rc = self.proc.poll()
+                self.kill()
+                raise ChildDied(f"child exited (code {rc})", self.stderr_tail(), rc) from e
+            if self.proc.poll() is not None:
+                # Drain a reply written just before exit.
+                if self.conn.poll(0):
+                    try:
+                        return recv(self.conn)
+                    except (EOFError, OSError):
+                        pass
+                rc = self.proc.returncode
+                self.kill()
+                raise ChildDied(f"child exited (code {rc})", self.stderr_tail(), rc)
+
+    def stderr_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self._stderr_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - n))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """Kills the process group and removes the private directory."""
+        kill_group(self.proc.pid)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        shutil.rmtree(self.private, ignore_errors=True)

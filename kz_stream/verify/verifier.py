@@ -1,0 +1,844 @@
+"""The verifier: turns (problem, candidate) into a verdict.
+
+Stages: static scan → CUDA build (parallel CPU compilers, cached) → problem preparation in
+the device's oracle (cached per problem) → the GPU stage, one candidate per device at a
+time, in a fresh pre-started worker process: load, correctness on every input set (each run
+twice), launch evidence (op log, profiler, Triton ablation), interleaved timing against
+the oracle, final integrity checks. Without a GPU the same pipeline runs on the CPU with
+the Triton interpreter, CUDA sources are compile-checked, and the verdict lists what it
+could not check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import torch
+
+from kz_stream.verify import astscan
+from kz_stream.verify._types import VERIFIER_VERSION, Candidate, Problem, Status, Verdict
+from kz_stream.verify.build import (
+    Builder,
+    BuildResult,
+    InlineCall,
+    extract_inline_calls,
+    kernel_names,
+)
+from kz_stream.verify.compare import Comparison, Tolerance, compare_outputs
+from kz_stream.verify.hardware import manifest
+from kz_stream.verify.ipc import Child, ChildDied, ChildTimeout
+from kz_stream.verify.timing import bootstrap_ratio_ci, physical_floor_ms, timing_set_count
+
+__all__ = ["Verifier", "VerifierConfig"]
+
+T = TypeVar("T")
+
+_STRICT_PRECISION = {
+    "matmul.allow_tf32": False,
+    "cudnn.allow_tf32": False,
+    "float32_matmul_precision": "highest",
+    "fp16_reduced": False,
+    "bf16_reduced": False,
+}
+
+
+@dataclass
+class VerifierConfig:
+    """Knobs of the verifier. ``devices=None`` uses every visible GPU; ``[]`` forces the
+    CPU path."""
+
+    devices: Sequence[int] | None = None
+    build_jobs: int | None = None
+    cache_dir: str | None = None
+    secret: bytes | None = None
+    timing: bool = True
+    time_budget_s: float = 1.5  # per side, per candidate
+    target_ci: float = 0.01  # stop once the 95% interval's half-width is this relative
+    min_rounds: int = 4
+    max_rounds: int = 16
+    round_ms: float = 40.0  # device time of one timing round, per side
+    call_timeout_s: float = 120.0
+    load_timeout_s: float = 240.0
+    prepare_timeout_s: float = 600.0
+    own_share_min: float = 0.5
+    fallback_policy: Literal["any", "majority"] = "any"
+    floor_margin: float = 0.8
+    worker_memory_fraction: float = 0.4
+    oracle_memory_fraction: float = 0.4
+    strong_isolation: bool = True
+    prewarm: int = 2  # workers started ahead of need, per device
+    problem_cache: int = 16
+    reference_workers: int = 3  # problems whose reference stays loaded for timing, per GPU
+    static_scan: bool = True  # off only to test the run-time layer on its own
+    launch_checks: bool = True  # off only for the A/A timing benchmark (reference vs itself)
+
+
+class _Reject(Exception):
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.reason)
+        self.verdict = verdict
+
+
+@dataclass
+class Prepared:
+    """A problem as the oracle prepared it (CPU tensors), cached by the parent."""
+
+    key: str
+    source: str
+    seed: int
+    sets: list[dict[str, Any]]
+    tolerances: list[list[Tolerance]]
+    specs: list[dict[str, Any]]
+    ref_ops: list[str]
+    static_ops: frozenset[str]
+    flops: int
+    bytes: int
+    input_bytes: int
+    weight_seed: int
+    own_model_key: str
+    notes: list[str]
+    timing_outputs: dict[int, list[Any]] = field(default_factory=dict)
+
+
+class _Lane:
+    """One device: its oracle, a pre-started candidate worker, and the GPU-stage lock."""
+
+    def __init__(self, verifier: Verifier, index: int | None) -> None:
+        self.v = verifier
+        self.index = index
+        self.device = "cpu" if index is None else "cuda"
+        self.lock = asyncio.Lock()
+        self.oracle: Child | None = None
+        self.spares: list[Child] = []
+        self.oracle_keys: set[str] = set()
+        self.timing_keys: dict[str, int] = {}
+        self.busy = 0
+        # A worker running the reference for timing: set up exactly like a candidate's
+        # (same process kind, isolation and warm-up), so the two sides differ only in the
+        # module they run. Kept per problem (a few, least recently used dropped).
+        self.ref_workers: OrderedDict[tuple[str, int], Child] = OrderedDict()
+
+    def _env(self, fraction: float) -> dict[str, str]:
+        env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),
+               "KZ_ORACLE_MEMORY_FRACTION": str(fraction)}
+        if self.index is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.index)
+        return env
+
+    def _spawn_worker(self) -> Child:
+        return Child("kz_stream.verify.worker", [self.device],
+                     env=self._env(self.v.config.worker_memory_fraction),
+                     isolate=True, strong=self.v.config.strong_isolation)
+
+    async def take_worker(self) -> Child:
+        """A started worker (the pre-started spare if there is one); starts the next."""
+        child = self.spares.pop(0) if self.spares else None
+        if child is None or not child.alive:
+            if child is not None:
+                child.kill()
+            child = self._spawn_worker()
+        try:
+            await asyncio.to_thread(child.wait_ready)
+        except ChildDied as e:
+            if self.v.config.strong_isolation and "strong" not in self.v._fallbacks:
+                # The PID/mount namespace may not suit this host's driver: retry without.
+                self.v._fallbacks.add("strong")
+                self.v.config.strong_isolation = False
+                child = self._spawn_worker()
+                await asyncio.to_thread(child.wait_ready)
+            else:
+                raise e
+        self.fill_spares()
+        return child
+
+    def fill_spares(self) -> None:
+        """Starts workers ahead of need (CUDA init and imports take seconds)."""
+        while len(self.spares) < self.v.config.prewarm:
+            self.spares.append(self._spawn_worker())
+
+    async def oracle_call(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        if self.oracle is None or not self.oracle.alive:
+            if self.oracle is not None:
+                self.oracle.kill()
+            self.oracle = Child("kz_stream.verify.oracle", [self.device],
+                                env=self._env(self.v.config.oracle_memory_fraction),
+                                isolate=True, strong=False)
+            self.oracle_keys.clear()
+            self.timing_keys.clear()
+        oracle = self.oracle
+        try:
+            return await asyncio.to_thread(oracle.call, msg, timeout_s)
+        except (ChildDied, ChildTimeout):
+            self.oracle_keys.clear()
+            self.timing_keys.clear()
+            self.oracle = None
+            raise
+
+    async def reference_timer(self, p: Prepared, n_sets: int, seed: int,
+                              timeout_s: float) -> tuple[Child, list[list[Any]]]:
+        """The reference worker for ``p``, with its timing sets ready; and the reference's
+        outputs on those sets (for checking the candidate's timed outputs)."""
+        key = (p.key, n_sets)
+        held = self.ref_workers.get(key)
+        if held is not None and held.alive:
+            self.ref_workers.move_to_end(key)
+            return held, list(p.timing_outputs.values())
+        if held is not None:
+            await asyncio.to_thread(held.kill)
+            del self.ref_workers[key]
+        while len(self.ref_workers) >= self.v.config.reference_workers:
+            _, old = self.ref_workers.popitem(last=False)
+            await asyncio.to_thread(old.kill)
+        child = await self.take_worker()
+        source = p.source + "\n\nModelNew = Model\n"
+        init = next(s["init_args"] for s in p.sets if s["model_key"] == p.own_model_key)
+        sd = next((s["state_dict"] for s in p.sets if s["model_key"] == p.own_model_key
+                   and s.get("state_dict") is not None), None)
+        steps: list[dict[str, Any]] = [
+            {"cmd": "load", "source": source, "builds": []},
+            {"cmd": "model", "key": p.own_model_key, "init_args": init,
+             "weight_seed": p.weight_seed, "state_dict": sd},
+            {"cmd": "time_setup", "specs": p.specs, "seed": seed, "sets": n_sets,
+             "model": p.own_model_key, "return_outputs": True},
+        ]
+        r: dict[str, Any] = {}
+        for msg in steps:
+            r = await asyncio.to_thread(child.call, msg, timeout_s)
+            if not r.get("ok"):
+                child.kill()
+                raise RuntimeError(f"reference timing worker: {r.get('message')}")
+        p.timing_outputs = dict(enumerate(r["outputs"]))
+        self.ref_workers[key] = child
+        return child, r["outputs"]
+
+    def close(self) -> None:
+        for c in (self.oracle, *self.spares, *self.ref_workers.values()):
+            if c is not None:
+                try:
+                    c.call({"cmd": "exit"}, 5) if c.alive and c.ready else None
+                except Exception:
+                    pass
+                c.kill()
+        self.oracle = None
+        self.spares = []
+        self.ref_workers.clear()
+
+
+class Verifier:
+    """Verifies candidates against problems; one GPU stage at a time per device.
+
+    Use as ``async with Verifier() as v: verdict = await v.verify(problem, candidate)``,
+    or ``Verifier().verify_sync(problem, candidate)`` from synchronous code. Workers that
+    crash or hang are discarded and replaced; the verifier itself keeps running.
+    """
+
+    def __init__(self, config: VerifierConfig | None = None) -> None:
+        self.config = config or VerifierConfig()
+        self._secret = self.config.secret or secrets.token_bytes(32)
+        devices = self.config.devices
+        if devices is None:
+            # The service process compares outputs on the GPU, so it needs a CUDA torch too.
+            devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        self.gpu = bool(devices)
+        self._device_ids: list[int | None] = list(devices) if devices else [None]
+        self._lanes: list[_Lane] = []
+        self._builder: Builder | None = None
+        self._prepared: OrderedDict[str, Prepared] = OrderedDict()
+        self._prepare_locks: dict[str, asyncio.Lock] = {}
+        self._fallbacks: set[str] = set()
+        self._loop_thread: _LoopThread | None = None
+
+    # -- lifecycle
+
+    def _ensure(self) -> None:
+        if not self._lanes:
+            self._lanes = [_Lane(self, i) for i in self._device_ids]
+            for lane in self._lanes:
+                lane.fill_spares()
+
+    @property
+    def builder(self) -> Builder:
+        if self._builder is None:
+            self._builder = Builder(self.config.cache_dir, jobs=self.config.build_jobs,
+                                    link=self.gpu)
+        return self._builder
+
+    async def __aenter__(self) -> Verifier:
+        self._ensure()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stops every child process."""
+        for lane in self._lanes:
+            await asyncio.to_thread(lane.close)
+        self._lanes = []
+
+    async def aclose(self) -> None:
+        """Same as ``close``."""
+        await self.close()
+
+    def manifest(self) -> dict[str, Any]:
+        """Hardware and software of this verifier, as stamped on its verdicts."""
+        hw = dict(manifest())
+        hw["mode"] = "gpu" if self.gpu else "cpu"
+        hw["verifier_version"] = VERIFIER_VERSION
+        hw["devices"] = [i for i in self._device_ids if i is not None]
+        return hw
+
+    def verify_sync(self, problem: Problem, candidate: Candidate) -> Verdict:
+        """Blocking ``verify`` for synchronous callers (runs on a private event loop)."""
+        if self._loop_thread is None:
+            self._loop_thread = _LoopThread()
+        return self._loop_thread.run(self.verify(problem, candidate))
+
+    def close_sync(self) -> None:
+        if self._loop_thread is not None:
+            self._loop_thread.run(self.close())
+            self._loop_thread.stop()
+            self._loop_thread = None
+
+    # -- the pipeline
+
+    def _seed(self, key: str) -> int:
+        digest = hmac.new(self._secret, key.encode(), hashlib.sha256).digest()
+        return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+    def _verdict(self, status: Status, reason: str | None = None, **kw: Any) -> Verdict:
+        hw = dict(manifest())
+        hw["mode"] = "gpu" if self.gpu else "cpu"
+        return Verdict(status, reason, verifier_version=VERIFIER_VERSION, hardware=hw, **kw)
+
+    async def verify(self, problem: Problem, candidate: Candidate) -> Verdict:
+        """Checks ``candidate`` against ``problem`` and returns the verdict."""
+        self._ensure()
+        started = time.monotonic()
+        details: dict[str, Any] = {"backend": candidate.backend}
+        try:
+            verdict = await self._verify(problem, candidate, details)
+        except _Reject as r:
+            verdict = r.verdict
+        details["seconds"] = round(time.monotonic() - started, 3)
+        merged = {**details, **verdict.details}
+        return Verdict(verdict.status, verdict.reason, verdict.check, verdict.input_index,
+                       verdict.max_rel_error, verdict.speedup, verdict.speedup_ci,
+                       verdict.verifier_version, verdict.hardware, merged, verdict.unchecked)
+
+    async def _verify(self, problem: Problem, candidate: Candidate,
+                      details: dict[str, Any]) -> Verdict:
+        # 1. Static scan.
+        static_ops = astscan.reference_ops(problem.source)
+        findings = astscan.scan(candidate.source, static_ops)
+        if findings and not self.config.static_scan:
+            details["findings_ignored"] = [f"{f.rule}: {f.message}" for f in findings]
+            findings = [f for f in findings if f.rule == "syntax"]
+        if findings:
+            details["findings"] = [f"{f.rule}: {f.message} (line {f.line})" for f in findings]
+            f = findings[0]
+            if f.rule == "syntax":
+                return self._verdict(Status.COMPILE_ERROR, f.message, check="python_syntax")
+            return self._verdict(Status.HACK, f.message, check=f.rule)
+        # 2. CUDA builds, ahead of the GPU stage.
+        builds: list[BuildResult] = []
+        own_names: list[str] = []
+        if candidate.backend == "cuda":
+            builds = await self._build(candidate, details)
+            for b in builds:
+                own_names += kernel_names(b.call.cuda_sources)
+            own_names += kernel_names(_raw_strings(candidate.source))
+            if not self.gpu:
+                return self._verdict(
+                    Status.UNCHECKED, "no GPU here: the CUDA source compiles (nvcc, "
+                    f"sm_{self.builder.toolchain.arch}); correctness and speed are unchecked",
+                    check="no_gpu", unchecked=("correctness", "anti_cheat_runtime", "timing"))
+        # 3. Problem preparation (cached) and the GPU stage.
+        lane = min(self._lanes, key=lambda ln: ln.busy)
+        lane.busy += 1
+        try:
+            prepared = await self._prepare(lane, problem)
+            if isinstance(prepared, Verdict):
+                return prepared
+            details["problem_notes"] = prepared.notes
+            async with lane.lock:
+                return await self._gpu_stage(lane, prepared, candidate, builds, own_names,
+                                             details)
+        finally:
+            lane.busy -= 1
+
+    async def _build(self, candidate: Candidate, details: dict[str, Any]) -> list[BuildResult]:
+        calls = extract_inline_calls(candidate.source)
+        if calls is None:
+            from kz_stream.verify.sandbox import run_in_sandbox
+
+            out = await asyncio.to_thread(
+                run_in_sandbox, "kz_stream.verify.build:record_inline_calls",
+                (candidate.source,), timeout_s=120)
+            if not out.ok:
+                raise _Reject(self._verdict(
+                    Status.RUNTIME_ERROR if out.error_kind != "timeout" else Status.TIMEOUT,
+                    f"the module's top level failed while recording load_inline: "
+                    f"{out.error_message}", check="load"))
+            calls = [InlineCall.from_kwargs(kw) for kw in out.value]
+        results = list(await asyncio.gather(*(self.builder.build(c) for c in calls)))
+        details["builds"] = [{"name": r.call.name, "layout": r.layout, "seconds":
+                              round(r.seconds, 2), "cache_hit": r.cache_hit,
+                              "attempts": r.attempts} for r in results]
+        for r in results:
+            if not r.ok:
+                raise _Reject(self._verdict(Status.COMPILE_ERROR, _tail(r.log, 3000),
+                                            check="nvcc"))
+        return results
+
+    async def _prepare(self, lane: _Lane, problem: Problem) -> Prepared | Verdict:
+        key = problem.key
+        lock = self._prepare_locks.setdefault(f"{key}:{id(lane)}", asyncio.Lock())
+        async with lock:
+            cached = self._prepared.get(key)
+            if cached is not None and key in lane.oracle_keys:
+                self._prepared.move_to_end(key)
+                return cached
+            seed = self._seed(key)
+            msg = {"cmd": "prepare", "source": problem.source, "key": key, "seed": seed,
+                   "small_only": not self.gpu}
+            try:
+                async with lane.lock:
+                    r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
+            except (ChildDied, ChildTimeout) as e:
+                return self._verdict(Status.UNCHECKED, f"problem: the reference could not be "
+                                     f"evaluated ({e})", check="problem")
+            if not r.get("ok"):
+                return self._verdict(Status.UNCHECKED, f"problem: {r.get('message')}",
+                                     check="problem")
+            lane.oracle_keys.add(key)
+            lane.timing_keys.pop(key, None)
+            if cached is not None:
+                return cached
+            tols = [[Tolerance(**t) for t in s["tolerances"]] for s in r["sets"]]
+            prepared = Prepared(
+                key=key, source=problem.source, seed=seed, sets=r["sets"], tolerances=tols,
+                specs=r["specs"],
+                ref_ops=r["ref_ops"], static_ops=astscan.reference_ops(problem.source),
+                flops=int(r["flops"]), bytes=int(r["bytes"]), input_bytes=int(r["input_bytes"]),
+                weight_seed=int(r["weight_seed"]), own_model_key=str(r["own_model_key"]),
+                notes=list(r["notes"]))
+            self._prepared[key] = prepared
+            while len(self._prepared) > self.config.problem_cache:
+                self._prepared.popitem(last=False)
+            return prepared
+
+    async def _gpu_stage(self, lane: _Lane, p: Prepared, candidate: Candidate,
+                         builds: list[BuildResult], own_names: list[str],
+                         details: dict[str, Any]) -> Verdict:
+        try:
+            worker = await lane.take_worker()
+        except (ChildDied, ChildTimeout) as e:
+            return self._verdict(Status.UNCHECKED, f"verifier: no worker could start ({e})",
+                                 check="infrastructure")
+        try:
+            return await _Stage(self, lane, worker, p, candidate, builds, own_names,
+                                details).run()
+        except _Reject as r:
+            return r.verdict
+        finally:
+            await asyncio.to_thread(worker.kill)
+
+
+class _Stage:
+    """The GPU (or CPU-interpreter) stage for one candidate in one worker."""
+
+    def __init__(self, v: Verifier, lane: _Lane, worker: Child, p: Prepared,
+                 candidate: Candidate, builds: list[BuildResult], own_names: list[str],
+                 details: dict[str, Any]) -> None:
+        self.v, self.lane, self.w, self.p = v, lane, worker, p
+        self.c = candidate
+        self.builds = builds
+        self.own_names = list(own_names)
+        self.details = details
+        self.gpu = v.gpu
+        self.max_rel = 0.0
+        # Comparisons run on the lane's GPU: float64 over large outputs is slow on a CPU.
+        self.dev = f"cuda:{lane.index}" if lane.index is not None else "cpu"
+
+    def reject(self, status: Status, reason: str, check: str, **kw: Any) -> _Reject:
+        return _Reject(self.v._verdict(status, reason, check=check, **kw))
+
+    async def call(self, msg: dict[str, Any], timeout_s: float | None = None,
+                   stage: str = "") -> dict[str, Any]:
+        """A worker request; errors become the verdict they mean."""
+        stage = stage or str(msg["cmd"])
+        try:
+            r = await asyncio.to_thread(self.w.call, msg, timeout_s or self.v.config.call_timeout_s)
+        except ChildTimeout as e:
+            raise self.reject(Status.TIMEOUT, f"{stage}: {e}", stage) from e
+        except ChildDied as e:
+            status = Status.RUNTIME_ERROR
+            if (e.returncode is not None and e.returncode in (-9, 137)) or "out of memory" in (
+                    e.stderr_tail.lower()):
+                status = Status.OUT_OF_MEMORY
+            raise self.reject(status, f"{stage}: worker crashed: {e}; "
+                              f"{_tail(e.stderr_tail, 1500)}", stage) from e
+        if r.get("violations"):
+            raise self.reject(Status.HACK, f"forbidden action: {r['violations'][0]}", "forbidden")
+        if r.get("ok"):
+            return r
+        kind, message = r.get("error"), str(r.get("message", ""))
+        self.details.setdefault("traceback", _tail(str(r.get("traceback", "")), 3000))
+        if kind == "oom":
+            raise self.reject(Status.OUT_OF_MEMORY, f"{stage}: {message}", stage)
+        if kind == "compile_error":
+            raise self.reject(Status.COMPILE_ERROR, f"{stage}: {message}", "triton_compile")
+        if kind == "forbidden":
+            raise self.reject(Status.HACK, f"{stage}: {message}", "forbidden")
+        if not self.gpu and ("cuda" in message.lower() and ("not compiled" in message.lower()
+                                                             or "no nvidia" in message.lower())):
+            raise self.reject(Status.UNCHECKED, f"{stage}: the candidate needs a GPU: {message}",
+                              "no_gpu", unchecked=("correctness", "timing"))
+        raise self.reject(Status.RUNTIME_ERROR, f"{stage}: {message}", stage)
+
+    async def run(self) -> Verdict:
+        p = self.p
+        load = await self.call({"cmd": "load", "source": self.c.source,
+                                "builds": [_build_entry(b) for b in self.builds]},
+                               self.v.config.load_timeout_s)
+        self._integrity(load, "at load")
+        self.own_names += load.get("triton_kernels", [])
+        weights: dict[str, bool] = {}
+        for s in p.sets:
+            if s["model_key"] in weights:
+                continue
+            sd = next((x["state_dict"] for x in p.sets
+                       if x["model_key"] == s["model_key"] and x.get("state_dict") is not None),
+                      None)
+            r = await self.call({"cmd": "model", "key": s["model_key"],
+                                 "init_args": s["init_args"], "weight_seed": p.weight_seed,
+                                 "state_dict": sd}, stage="construct")
+            weights[s["model_key"]] = bool(r["weights_loaded"])
+        self.details["weights_loaded"] = all(weights.values())
+        launches = await self._correctness()
+        unchecked: list[str] = []
+        checks = self.v.config.launch_checks
+        if self.c.backend == "triton" and checks:
+            await self._triton_launches(launches)
+        if self.gpu and checks:
+            await self._profile()
+        else:
+            unchecked += ["device_time_share", "streams", "timing"]
+        speedup: float | None = None
+        ci: tuple[float, float] | None = None
+        if self.gpu and self.v.config.timing:
+            speedup, ci = await self._timing()
+        elif self.gpu:
+            unchecked.append("timing")
+        fin = await self.call({"cmd": "finish"})
+        self._integrity(fin, "after running")
+        if fin.get("threads"):
+            raise self.reject(Status.HACK, "a Python thread started by the candidate is still "
+                              "running", "thread")
+        self.details["native_threads"] = [fin.get("native_threads_at_load"),
+                                          fin.get("native_threads")]
+        return self.v._verdict(Status.CORRECT, None, max_rel_error=self.max_rel,
+                               speedup=speedup, speedup_ci=ci, details=self.details,
+                               unchecked=tuple(unchecked))
+
+    def _integrity(self, r: dict[str, Any], when: str) -> None:
+        changed = [c for c in r.get("changed", []) if not c.startswith("torch.ops.")]
+        if changed:
+            raise self.reject(Status.HACK, f"rebinds {', '.join(changed[:5])} {when}",
+                              "monkeypatch")
+        prec = r.get("precision") or {}
+        off = [k for k, v in _STRICT_PRECISION.items() if k in prec and prec[k] != v]
+        if off:
+            raise self.reject(Status.HACK, f"lowers precision settings ({', '.join(off)}) {when}",
+                              "precision")
+
+    def _msg_run(self, i: int, **extra: Any) -> dict[str, Any]:
+        s = self.p.sets[i]
+        return {"cmd": "run", "inputs": s["inputs"], "out_specs": s["out_specs"],
+                "model": s["model_key"], **extra}
+
+    async def _correctness(self) -> dict[str, int]:
+        p = self.p
+        launches: dict[str, int] = {}
+        for i, s in enumerate(p.sets):
+            r = await self.call(self._msg_run(i, reps=2, log_ops=(i == 0)),
+                                stage=f"run on input set {i} ({s['label']})")
+            launches = r.get("launches", launches)
+            for flag in r.get("flags", []):
+                raise self.reject(Status.HACK, _FLAG_TEXT.get(flag, flag), flag, input_index=i)
+            results: list[Comparison] = []
+            exp, hon = self._reference(i)
+            for out in r["outputs"]:
+                results.append(compare_outputs(out, exp, hon, p.tolerances[i], self.dev))
+            for rep, cmp in enumerate(results):
+                if not cmp.ok:
+                    check = "repeat_mismatch" if rep == 1 and results[0].ok else cmp.check
+                    reason = (f"input set {i} ({s['label']}): {cmp.message}" if check == cmp.check
+                              else f"input set {i}: the second run differs from the first "
+                                   f"({cmp.message})")
+                    raise self.reject(Status.INCORRECT, reason, check or "mismatch",
+                                      input_index=i, max_rel_error=_finite(cmp.rel_norm_error),
+                                      details={"bad_fraction": cmp.bad_fraction})
+                self.max_rel = max(self.max_rel, cmp.rel_norm_error)
+            if i == 0 and self.v.config.launch_checks:
+                self._fallback_ops(r.get("ops", []))
+        return launches
+
+    def _reference(self, i: int) -> tuple[list[Any], list[Any]]:
+        """Expected and honest outputs of set ``i``, cached on the comparison device."""
+        s = self.p.sets[i]
+        key = f"_on_{self.dev}"
+        if key not in s:
+            s[key] = ([t.to(self.dev) for t in s["expected"]],
+                      [t.to(self.dev) for t in s["honest"]])
+        cached: tuple[list[Any], list[Any]] = s[key]
+        return cached
+
+    def _fallback_ops(self, ops: list[str]) -> None:
+        ref = {astscan.canonical_op(o) for o in self.p.ref_ops} | set(self.p.static_ops)
+        mine = {astscan.canonical_op(o) for o in ops}
+        hits = sorted(o for o in mine & ref if o not in astscan.BENIGN_OPS
+                      and o not in astscan._ARITHMETIC)
+        self.details["torch_ops"] = sorted(mine - astscan.BENIGN_OPS)
+        if hits and self.v.config.fallback_policy == "any":
+            raise self.reject(Status.HACK, f"runs the reference's own torch ops: "
+                              f"{', '.join(hits)}", "torch_fallback")
+        if hits:
+            self.details["torch_fallback_ops"] = hits
+
+    async def _triton_launches(self, launches: dict[str, int]) -> None:
+        launched = [k for k, n in launches.items() if n > 0]
+        self.details["launches"] = launches
+        if not launched:
+            raise self.reject(Status.HACK, "none of the candidate's Triton kernels was "
+                              "launched", "no_kernel_launched")
+        s = self.p.sets[0]
+        r = await self.call({"cmd": "ablate", "kernels": launched, "inputs": s["inputs"],
+                             "out_specs": s["out_specs"], "model": s["model_key"]},
+                            stage="ablation")
+        decoys = []
+        for name, out in r["outputs"].items():
+            if out and isinstance(out[0], str):
+                continue
+            exp, hon = self._reference(0)
+            if compare_outputs(out, exp, hon, self.p.tolerances[0], self.dev).ok:
+                decoys.append(name)
+        self.details["decoy_kernels"] = decoys
+        if decoys and len(decoys) == len(launched):
+            raise self.reject(Status.HACK, f"the output is right without kernel(s) "
+                              f"{', '.join(decoys)}: they do not do the work", "decoy_kernel")
+        self.own_names = [n for n in self.own_names if n not in decoys]
+
+    async def _profile(self) -> None:
+        s = self.p.sets[0]
+        r = await self.call({"cmd": "profile", "inputs": s["inputs"], "calls": 2,
+                             "model": s["model_key"]}, stage="profile")
+        kernels = [k for k in r["kernels"] if k.get("cat") == "kernel"]
+        if not kernels:
+            raise self.reject(Status.HACK, "no GPU kernel ran", "no_own_kernels")
+        harness = kernels[0]  # the marker the worker launches first
+        rest = kernels[1:]
+        own = [k for k in rest if _is_own(k["name"], self.own_names)]
+        total = sum(k["us"] for k in rest) or 1e-9
+        share = sum(k["us"] for k in own) / total
+        self.details["own_device_share"] = round(share, 4)
+        self.details["kernels"] = _top_kernels(rest)
+        if not own:
+            raise self.reject(Status.HACK, "none of the candidate's own kernels ran; "
+                              f"device time went to {_top_names(rest)}", "no_own_kernels")
+        if share < self.v.config.own_share_min:
+            raise self.reject(Status.HACK, f"the candidate's kernels did {share:.0%} of the "
+                              f"device time; the rest went to {_top_names(rest)}",
+                              "torch_fallback_time")
+        streams = {k.get("stream") for k in own} - {None}
+        if harness.get("stream") is not None and streams - {harness.get("stream")}:
+            raise self.reject(Status.HACK, "the candidate's kernels run on a side stream",
+                              "side_stream")
+
+    async def _timing(self) -> tuple[float, tuple[float, float]]:
+        cfg, p, lane = self.v.config, self.p, self.lane
+        l2 = 60 << 20
+        n_sets = timing_set_count(p.input_bytes, l2)
+        seed = p.seed + 7
+        try:
+            ref_worker, _ = await lane.reference_timer(p, n_sets, seed, cfg.load_timeout_s)
+        except (ChildDied, ChildTimeout, RuntimeError) as e:
+            raise self.reject(Status.UNCHECKED, f"reference timing failed: {e}",
+                              "problem") from e
+        await self.call({"cmd": "time_setup", "specs": p.specs, "seed": seed, "sets": n_sets,
+                         "model": p.own_model_key}, cfg.load_timeout_s, stage="timing warm-up")
+        # Workers started ahead of need create CUDA contexts and launch warm-up kernels; let
+        # them finish before the timed rounds so they do not land inside one side's rounds
+        # (seen on the H200: A/A deviations of several percent while they started).
+        await asyncio.gather(*(asyncio.to_thread(_ready_quietly, c) for c in lane.spares))
+        ref_ev: list[float] = []
+        ref_host: list[float] = []
+        c_ev: list[float] = []
+        c_host: list[float] = []
+        rng = np.random.default_rng(p.seed ^ 0x5EED)
+        calls = 3
+        kept: dict[int, list[Any]] = {}
+        start = 0
+        t_begin = time.monotonic()
+        rounds = 0
+        speed = (1.0, 0.0, float("inf"))
+        while True:
+            keep = [start + int(rng.integers(0, calls))]
+            order = [True, False] if rounds % 2 == 0 else [False, True]
+            for ref_first in order:
+                if ref_first:
+                    try:
+                        r = await asyncio.to_thread(ref_worker.call, {
+                            "cmd": "time", "calls": calls, "start": start},
+                            cfg.call_timeout_s)
+                    except (ChildDied, ChildTimeout) as e:
+                        raise self.reject(Status.UNCHECKED, f"reference timing failed: {e}",
+                                          "problem") from e
+                    if not r.get("ok"):
+                        raise self.reject(Status.UNCHECKED, f"reference timing failed: "
+                                          f"{r.get('message')}", "problem")
+                    ref_ev += r["event_ms"]
+                    ref_host += r["host_ms"]
+                else:
+                    r = await self.call({"cmd": "time", "calls": calls, "start": start,
+                                         "keep": keep}, stage="timing")
+                    c_ev += r["event_ms"]
+                    c_host += r["host_ms"]
+                    kept.update({int(k): v for k, v in r["outputs"].items()})
+            start += calls
+            rounds += 1
+            # Size rounds to about round_ms of the slower side.
+            slow = max(float(np.median(ref_ev)), float(np.median(c_ev)), 1e-3)
+            calls = int(min(max(cfg.round_ms / slow, 3), 200))
+            if rounds >= 2:
+                speed = bootstrap_ratio_ci(ref_ev, c_ev, iters=500, seed=rounds)
+            spent = time.monotonic() - t_begin
+            half = (speed[2] - speed[1]) / 2 / max(speed[0], 1e-12)
+            if rounds >= cfg.max_rounds or (rounds >= cfg.min_rounds and half <= cfg.target_ci):
+                break
+            if spent > 2 * cfg.time_budget_s and rounds >= 2:
+                break
+        speed = bootstrap_ratio_ci(ref_ev, c_ev, iters=2000, seed=1)
+        med_c = float(np.median(c_ev))
+        med_r = float(np.median(ref_ev))
+        gap_c = float(np.median(np.asarray(c_host) - np.asarray(c_ev)))
+        gap_r = float(np.median(np.asarray(ref_host) - np.asarray(ref_ev)))
+        floor = physical_floor_ms(p.bytes, p.flops)
+        self.details["timing"] = {
+            "candidate_ms": round(med_c, 5), "reference_ms": round(med_r, 5),
+            "samples": [len(ref_ev), len(c_ev)], "rounds": rounds, "sets": n_sets,
+            "host_gap_ms": [round(gap_r, 4), round(gap_c, 4)], "floor_ms": round(floor, 5),
+        }
+        if gap_c - gap_r > max(0.25 * med_c, 0.05):
+            raise self.reject(Status.HACK, f"host time with a device-wide sync exceeds the "
+                              f"event time by {gap_c - gap_r:.3f} ms more than the "
+                              "reference's: work escapes the timed stream",
+                              "unsynchronized_timing")
+        if med_c < cfg.floor_margin * floor:
+            raise self.reject(Status.HACK, f"{med_c:.4f} ms is below the physical floor "
+                              f"{floor:.4f} ms (bytes and FLOPs at H200 peak)", "physical_floor")
+        # Timed calls' outputs must be right too (against the reference's, same inputs).
+        s1 = next((i for i, s in enumerate(p.sets) if s["label"] == "normal"), 0)
+        for j, out in kept.items():
+            ref_out = p.timing_outputs[j % n_sets]
+            loose = [Tolerance(t.rel_norm * 2 + t.honest_rel_norm, t.atol * 2, t.rtol * 2,
+                               t.honest_rel_norm, t.dont_care_fraction)
+                     for t in p.tolerances[s1]]
+            if len(loose) != len(ref_out):
+                loose = [loose[0]] * len(ref_out)
+            cmp = compare_outputs(out, ref_out, ref_out, loose, self.dev)
+            if not cmp.ok:
+                raise self.reject(Status.HACK, f"a timed call returned a wrong output "
+                                  f"({cmp.message})", "timed_output")
+        return speed[0], (speed[1], speed[2])
+
+
+_FLAG_TEXT = {
+    "unsynchronized_output": "the output changed after the call returned: work was left "
+                             "running on another stream or thread",
+    "input_mutation": "the candidate modified an input",
+    "output_aliases_input": "an output shares memory with an input",
+    "output_reuses_earlier_output": "an output shares memory with an earlier call's output "
+                                    "(cached result)",
+    "thread": "the candidate started a Python thread",
+}
+
+
+def _ready_quietly(child: Child) -> None:
+    try:
+        child.wait_ready()
+    except (ChildDied, ChildTimeout):
+        pass  # a spare that fails to start is replaced when it is taken
+
+
+def _build_entry(b: BuildResult) -> dict[str, Any]:
+    return {"key": b.call.key, "name": b.call.name, "layout": b.layout, "path": b.path,
+            "namespace": b.namespace, "functions": list(b.functions),
+            "mod_name": re.sub(r"\W", "_", b.call.name) or "ext"}
+
+
+def _is_own(kernel: str, names: Sequence[str]) -> bool:
+    base = kernel
+    if base.startswith("void "):
+        base = base[5:]
+    base = base.split("(")[0].split("<")[0].strip()
+    base = base.split("::")[-1]
+    return base in names
+
+
+def _top_kernels(kernels: list[dict[str, Any]], n: int = 5) -> list[list[Any]]:
+    agg: dict[str, float] = {}
+    for k in kernels:
+        agg[k["name"][:80]] = agg.get(k["name"][:80], 0.0) + float(k["us"])
+    return [[name, round(us, 2)] for name, us in sorted(agg.items(), key=lambda x: -x[1])[:n]]
+
+
+def _top_names(kernels: list[dict[str, Any]]) -> str:
+    return ", ".join(name for name, _ in _top_kernels(kernels, 3)) or "nothing"
+
+
+def _raw_strings(source: str) -> list[str]:
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and "__global__" in n.value]
+
+
+def _finite(x: float) -> float | None:
+    return x if np.isfinite(x) else None
+
+
+def _tail(text: str, n: int) -> str:
+    return text if len(text) <= n else "…" + text[-n:]
+
+
+class _LoopThread:
+    """An event loop on a daemon thread, for the synchronous wrapper."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)

@@ -1,0 +1,79 @@
+"""The verifier on a GPU: honest kernels pass with a speedup, every cheat is caught.
+
+Run on the H200 (results recorded in docs/verifier.md); skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kz_stream.verify import Candidate, Problem, Status, Verifier, VerifierConfig
+from tests.verify.corpus.cheats import CHEATS
+from tests.verify.corpus.cuda_honest import CUDA_HONEST
+from tests.verify.corpus.problems import PROBLEMS
+from tests.verify.corpus.triton_honest import TRITON_HONEST
+
+pytestmark = pytest.mark.gpu
+
+RUNTIME = ["side_stream_runtime", "fallback_runtime", "fallback_alias", "thread_runtime",
+           "monkeypatch_runtime", "monkeypatch_event", "tf32_flag", "cuda_torch_fallback"]
+
+
+@pytest.fixture(scope="module")
+def gpu_verifier() -> Iterator[Verifier]:
+    v = Verifier(VerifierConfig())
+    yield v
+    v.close_sync()
+
+
+@pytest.fixture(scope="module")
+def gpu_verifier_runtime_only() -> Iterator[Verifier]:
+    v = Verifier(VerifierConfig(static_scan=False))
+    yield v
+    v.close_sync()
+
+
+def _show(v: object) -> str:
+    return repr(v)[:1500]
+
+
+@pytest.mark.parametrize("name", sorted(TRITON_HONEST))
+def test_honest_triton(gpu_verifier: Verifier, name: str) -> None:
+    v = gpu_verifier.verify_sync(Problem(PROBLEMS[name]), Candidate(TRITON_HONEST[name], "triton"))
+    print(f"\nRESULT triton {name}: {v.status.value} speedup={v.speedup} ci={v.speedup_ci} "
+          f"rel={v.max_rel_error} share={v.details.get('own_device_share')} "
+          f"t={v.details.get('seconds')}")
+    assert v.status is Status.CORRECT, _show(v)
+    assert v.speedup is not None and v.speedup_ci is not None
+    assert v.speedup_ci[0] <= v.speedup <= v.speedup_ci[1]
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_HONEST))
+def test_honest_cuda(gpu_verifier: Verifier, name: str) -> None:
+    v = gpu_verifier.verify_sync(Problem(PROBLEMS[name]), Candidate(CUDA_HONEST[name], "cuda"))
+    print(f"\nRESULT cuda {name}: {v.status.value} speedup={v.speedup} ci={v.speedup_ci} "
+          f"rel={v.max_rel_error} builds={v.details.get('builds')} t={v.details.get('seconds')}")
+    assert v.status is Status.CORRECT, _show(v)
+    assert v.speedup is not None
+
+
+@pytest.mark.parametrize("name", sorted(CHEATS))
+def test_cheat(gpu_verifier: Verifier, name: str) -> None:
+    problem, backend, src, checks, _ = CHEATS[name]
+    v = gpu_verifier.verify_sync(Problem(PROBLEMS[problem]), Candidate(src, backend))  # type: ignore[arg-type]
+    print(f"\nRESULT cheat {name}: {v.status.value} {v.check}: {(v.reason or '')[:120]}")
+    assert v.status in (Status.HACK, Status.INCORRECT), _show(v)
+    assert v.check in checks, _show(v)
+
+
+@pytest.mark.parametrize("name", RUNTIME)
+def test_cheat_runtime_layer(gpu_verifier_runtime_only: Verifier, name: str) -> None:
+    problem, backend, src, checks, _ = CHEATS[name]
+    v = gpu_verifier_runtime_only.verify_sync(Problem(PROBLEMS[problem]),
+                                              Candidate(src, backend))  # type: ignore[arg-type]
+    print(f"\nRESULT runtime {name}: {v.status.value} {v.check}: {(v.reason or '')[:120]}")
+    assert v.status in (Status.HACK, Status.INCORRECT), _show(v)
+    assert v.check in checks | {"torch_fallback_time", "no_own_kernels", "monkeypatch",
+                                "timed_output", "unsynchronized_output"}, _show(v)

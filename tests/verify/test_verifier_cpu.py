@@ -1,0 +1,84 @@
+"""The verifier's CPU path: Triton through the interpreter, CUDA compile-checked, and the
+cheats it can catch without a GPU."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from kz_stream.verify import Candidate, Problem, Status, Verifier
+from tests.verify.corpus.cheats import CHEATS
+from tests.verify.corpus.cuda_honest import CUDA_HONEST
+from tests.verify.corpus.problems import PROBLEMS
+from tests.verify.corpus.triton_honest import TRITON_HONEST
+
+# Caught before running: no interpreter time spent.
+STATIC = [n for n, c in CHEATS.items() if c[4] == "cpu"]
+RUNTIME = ["fallback_runtime", "fallback_alias", "thread_runtime", "monkeypatch_event",
+           "tf32_flag"]
+
+
+@pytest.mark.parametrize("name", ["relu", "softmax", "linear_relu"])
+def test_honest_triton_correct(cpu_verifier: Verifier, name: str) -> None:
+    v = cpu_verifier.verify_sync(Problem(PROBLEMS[name]), Candidate(TRITON_HONEST[name], "triton"))
+    assert v.status is Status.CORRECT, (v.check, v.reason, v.details.get("traceback"))
+    assert v.speedup is None and "timing" in v.unchecked
+    assert v.max_rel_error is not None and v.max_rel_error < 1e-5
+    assert v.hardware["mode"] == "cpu" and v.verifier_version
+
+
+@pytest.mark.parametrize("name", STATIC)
+def test_cheat_caught(cpu_verifier: Verifier, name: str) -> None:
+    problem, backend, src, checks, _ = CHEATS[name]
+    v = cpu_verifier.verify_sync(Problem(PROBLEMS[problem]), Candidate(src, backend))  # type: ignore[arg-type]
+    assert v.status in (Status.HACK, Status.INCORRECT), (name, v.status, v.reason)
+    assert v.check in checks, (name, v.check, v.reason)
+
+
+@pytest.mark.parametrize("name", RUNTIME)
+def test_cheat_caught_at_run_time(cpu_verifier_runtime_only: Verifier, name: str) -> None:
+    problem, backend, src, checks, _ = CHEATS[name]
+    v = cpu_verifier_runtime_only.verify_sync(Problem(PROBLEMS[problem]),
+                                              Candidate(src, backend))  # type: ignore[arg-type]
+    assert v.status in (Status.HACK, Status.INCORRECT), (name, v.status, v.reason)
+    assert v.check in checks, (name, v.check, v.reason)
+
+
+def test_syntax_error_is_compile_error(cpu_verifier: Verifier) -> None:
+    v = cpu_verifier.verify_sync(Problem(PROBLEMS["relu"]), Candidate("def (:", "triton"))
+    assert v.status is Status.COMPILE_ERROR
+
+
+def test_runtime_error(cpu_verifier: Verifier) -> None:
+    src = TRITON_HONEST["relu"].replace("y = torch.empty_like(x)", "y = torch.empty_like(x)\n"
+                                        "        raise RuntimeError('boom')")
+    v = cpu_verifier.verify_sync(Problem(PROBLEMS["relu"]), Candidate(src, "triton"))
+    assert v.status is Status.RUNTIME_ERROR and "boom" in (v.reason or "")
+
+
+def test_hang_is_timeout() -> None:
+    from kz_stream.verify import VerifierConfig
+
+    v = Verifier(VerifierConfig(devices=[], call_timeout_s=5, prewarm=0))
+    try:
+        src = TRITON_HONEST["relu"].replace("x = x.contiguous()", "while True: pass")
+        out = v.verify_sync(Problem(PROBLEMS["relu"]), Candidate(src, "triton"))
+        assert out.status is Status.TIMEOUT, out.reason
+    finally:
+        v.close_sync()
+
+
+def test_verdict_payload_fields(cpu_verifier: Verifier) -> None:
+    v = cpu_verifier.verify_sync(Problem(PROBLEMS["relu"]), Candidate(TRITON_HONEST["relu"],
+                                                                     "triton"))
+    fields = v.as_payload_fields()
+    assert fields["status"] == "correct" and "timing" in fields["details"]["unchecked"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_compile_checked_without_gpu(cpu_verifier: Verifier) -> None:
+    v = cpu_verifier.verify_sync(Problem(PROBLEMS["relu"]), Candidate(CUDA_HONEST["relu"], "cuda"))
+    assert v.status is Status.UNCHECKED and v.check == "no_gpu", v.reason
+    assert "compiles" in (v.reason or "") and "correctness" in v.unchecked
