@@ -371,6 +371,57 @@ def _write_heatmap(cmap: Any, path: Path) -> None:
     plt.close(fig)
 
 
+@app.command()
+@_one_line_errors
+def train(
+    config: ConfigOption = None,
+    role: Annotated[
+        list[str] | None, typer.Option(help="Role(s) to train: coder, proposer (default both).")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Base model directory (default SmolLM2).")
+    ] = None,
+    checkpoint_dir: Annotated[Path | None, typer.Option(help="Where policies are written.")] = None,
+    groups_per_step: Annotated[int | None, typer.Option(help="Complete groups per step.")] = None,
+    steps_per_turn: Annotated[int | None, typer.Option(help="Steps per role per round.")] = None,
+    rounds: Annotated[int | None, typer.Option(help="Alternation rounds.")] = None,
+    learning_rate: Annotated[float | None, typer.Option(help="Optimizer learning rate.")] = None,
+    lora_r: Annotated[int | None, typer.Option(help="LoRA rank.")] = None,
+    full_finetune: Annotated[
+        bool | None, typer.Option("--full-finetune/--lora", help="Full fine-tuning or LoRA.")
+    ] = None,
+    max_staleness: Annotated[
+        int | None, typer.Option(help="Drop samples more than this many versions old.")
+    ] = None,
+) -> None:
+    """Runs the learner (CA-GRPO for the Coder, GRPO for the Proposer) against the store,
+    with learner settings overridden from the command line."""
+    from kz_stream.app import run_named_services
+
+    settings = _settings(config)
+    overrides: dict[str, Any] = {
+        "roles": tuple(role) if role else None,
+        "model": model,
+        "checkpoint_dir": checkpoint_dir,
+        "groups_per_step": groups_per_step,
+        "proposer_steps": steps_per_turn,
+        "coder_steps": steps_per_turn,
+        "rounds": rounds,
+        "learning_rate": learning_rate,
+        "lora_r": lora_r,
+        "full_finetune": full_finetune,
+        "max_staleness": max_staleness,
+    }
+    for r in role or []:
+        if r not in ("coder", "proposer"):
+            raise typer.BadParameter(f"unknown role {r!r}; choose coder or proposer")
+    learner = settings.learner.model_copy(
+        update={k: v for k, v in overrides.items() if v is not None}
+    )
+    settings = settings.model_copy(update={"learner": learner})
+    _run(run_named_services(settings, ["learner"]))
+
+
 @app.command("run")
 @_one_line_errors
 def run_loop(

@@ -107,7 +107,20 @@ def read(url: str, type_: str) -> list[dict]:  # type: ignore[type-arg]
 
 def start_learner(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "kz_stream.cli", "serve", "learner"],
+        [
+            sys.executable,
+            "-m",
+            "kz_stream.cli",
+            "train",
+            "--role",
+            "coder",
+            "--steps-per-turn",
+            str(GROUPS),
+            "--rounds",
+            "1",
+            "--groups-per-step",
+            "1",
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=open(log, "wb"),
@@ -138,11 +151,7 @@ def test_a_learner_killed_mid_run_resumes_without_losing_or_repeating_groups(
         "KZ_BUS_URL": "memory://",
         "KZ_LEARNER__MODEL": str(model_dir),
         "KZ_LEARNER__CHECKPOINT_DIR": str(tmp_path / "policies"),
-        "KZ_LEARNER__ROLES": '["coder"]',
         "KZ_LEARNER__ORDER": '["coder"]',
-        "KZ_LEARNER__CODER_STEPS": str(GROUPS),
-        "KZ_LEARNER__ROUNDS": "1",
-        "KZ_LEARNER__GROUPS_PER_STEP": "1",
         "KZ_LEARNER__LEARNING_RATE": "0.01",
         "KZ_LEARNER__LORA_R": "4",
         "KZ_LEARNER__MAX_STALENESS": str(GROUPS),  # all samples are v0: keep them usable
