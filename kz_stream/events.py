@@ -146,6 +146,8 @@ class KernelVerified(Payload):
     hardware: dict[str, Any] = Field(default_factory=dict)
     policy_version: int = 0
     details: dict[str, Any] = Field(default_factory=dict)
+    # What this verifier could not check here (e.g. "timing" on a machine without a GPU).
+    unchecked: list[str] = Field(default_factory=list)
 
 
 class FrontierUpdated(Payload):
@@ -350,16 +352,31 @@ def decode_event(data: bytes | str | Mapping[str, Any]) -> Event:
     """
     if isinstance(data, bytes | str):
         try:
-            obj = orjson.loads(data)
+            obj = _loads(data)
         except orjson.JSONDecodeError as e:
             raise EventDecodeError(f"event: not valid JSON ({e})") from e
     else:
         obj = data
     if not isinstance(obj, dict):
         raise EventDecodeError("event: expected a JSON object")
+    # pydantic's validators are called directly: this runs for every event a consumer
+    # receives, and model_validate's and Event.decode()'s Python wrappers cost ~0.7 us of
+    # its ~10 (measured at 800 B).
     try:
-        event = Event.model_validate(obj)
+        event: Event = _validate_envelope(obj)
     except ValidationError as e:
         raise EventDecodeError(_first_error(e)) from e
-    event.decode()  # validates the payload; raises EventDecodeError naming the field
+    cls = EVENT_TYPES.get(event.type)
+    if cls is not None and event.schema_version == cls.schema_version:
+        # Current version: nothing to upcast, so this is all that decode() would do.
+        try:
+            cls.__pydantic_validator__.validate_python(event.payload)
+        except ValidationError as e:
+            raise EventDecodeError(_first_error(e, prefix="payload")) from e
+    else:
+        event.decode()  # unknown type, upcasts, newer versions: errors name the field
     return event
+
+
+_loads = orjson.loads
+_validate_envelope = Event.__pydantic_validator__.validate_python

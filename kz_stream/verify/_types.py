@@ -83,12 +83,8 @@ class Verdict:
         return self.status is Status.CORRECT
 
     def as_payload_fields(self) -> dict[str, Any]:
-        """The fields of ``kz_stream.events.KernelVerified`` this verdict fills (``unchecked``
-        travels in ``details`` until the payload has a field for it)."""
+        """The fields of ``kz_stream.events.KernelVerified`` this verdict fills."""
         d = self.to_dict()
-        unchecked = d.pop("unchecked")
-        if unchecked:
-            d["details"] = {**d["details"], "unchecked": unchecked}
         d["speedup_ci"] = tuple(self.speedup_ci) if self.speedup_ci else None
         return d
 

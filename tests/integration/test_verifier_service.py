@@ -88,6 +88,7 @@ async def test_kernels_become_verdicts_in_the_store_with_offsets(tmp_path: Path)
         assert good.status is VerdictStatus.CORRECT, good
         assert bad.status is VerdictStatus.INCORRECT and bad.max_rel_error, bad
         assert good.verifier_version and good.hardware
+        assert "timing" in good.unchecked  # no GPU here: the verdict says what it skipped
         # The verdict is the next version of the kernel's stream, caused by the kernel event.
         assert by_kernel[good.kernel_id].stream_version == 1
         assert by_kernel[good.kernel_id].causation_id == honest.event_id  # type: ignore[attr-defined]
