@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from kz_stream.events import KernelVerified
 from kz_stream.verify import Candidate, Problem, Status, Verifier
 from tests.verify.corpus.cheats import CHEATS
 from tests.verify.corpus.cuda_honest import CUDA_HONEST
@@ -15,8 +16,7 @@ from tests.verify.corpus.triton_honest import TRITON_HONEST
 
 # Caught before running: no interpreter time spent.
 STATIC = [n for n, c in CHEATS.items() if c[4] == "cpu"]
-RUNTIME = ["fallback_runtime", "fallback_alias", "thread_runtime", "monkeypatch_event",
-           "tf32_flag"]
+RUNTIME = ["fallback_runtime", "fallback_alias", "thread_runtime", "monkeypatch_event", "tf32_flag"]
 
 
 @pytest.mark.parametrize("name", ["relu", "softmax", "linear_relu"])
@@ -39,8 +39,7 @@ def test_cheat_caught(cpu_verifier: Verifier, name: str) -> None:
 @pytest.mark.parametrize("name", RUNTIME)
 def test_cheat_caught_at_run_time(cpu_verifier_runtime_only: Verifier, name: str) -> None:
     problem, backend, src, checks, _ = CHEATS[name]
-    v = cpu_verifier_runtime_only.verify_sync(Problem(PROBLEMS[problem]),
-                                              Candidate(src, backend))  # type: ignore[arg-type]
+    v = cpu_verifier_runtime_only.verify_sync(Problem(PROBLEMS[problem]), Candidate(src, backend))  # type: ignore[arg-type]
     assert v.status in (Status.HACK, Status.INCORRECT), (name, v.status, v.reason)
     assert v.check in checks, (name, v.check, v.reason)
 
@@ -51,8 +50,9 @@ def test_syntax_error_is_compile_error(cpu_verifier: Verifier) -> None:
 
 
 def test_runtime_error(cpu_verifier: Verifier) -> None:
-    src = TRITON_HONEST["relu"].replace("y = torch.empty_like(x)", "y = torch.empty_like(x)\n"
-                                        "        raise RuntimeError('boom')")
+    src = TRITON_HONEST["relu"].replace(
+        "y = torch.empty_like(x)", "y = torch.empty_like(x)\n        raise RuntimeError('boom')"
+    )
     v = cpu_verifier.verify_sync(Problem(PROBLEMS["relu"]), Candidate(src, "triton"))
     assert v.status is Status.RUNTIME_ERROR and "boom" in (v.reason or "")
 
@@ -70,10 +70,12 @@ def test_hang_is_timeout() -> None:
 
 
 def test_verdict_payload_fields(cpu_verifier: Verifier) -> None:
-    v = cpu_verifier.verify_sync(Problem(PROBLEMS["relu"]), Candidate(TRITON_HONEST["relu"],
-                                                                     "triton"))
+    v = cpu_verifier.verify_sync(
+        Problem(PROBLEMS["relu"]), Candidate(TRITON_HONEST["relu"], "triton")
+    )
     fields = v.as_payload_fields()
-    assert fields["status"] == "correct" and "timing" in fields["details"]["unchecked"]
+    assert fields["status"] == "correct" and "timing" in fields["unchecked"]
+    KernelVerified(kernel_id="k", module_id="m", group_id="g", **fields)  # the payload accepts them
 
 
 @pytest.mark.slow
