@@ -12,7 +12,6 @@ import asyncio
 from collections.abc import Sequence
 
 from kz_stream.bus import BusMessage, offsets_after
-from kz_stream.events import Event
 from kz_stream.runtime import Service, StoreOffsets
 
 __all__ = ["Recorder"]
@@ -49,12 +48,9 @@ class Recorder(Service):
 
     async def record(self, batch: Sequence[BusMessage]) -> None:
         """Appends the batch's events and the offsets after it in one transaction."""
-        seen: set[object] = set()
-        events: list[Event] = []
-        for m in batch:
-            if m.event is not None and m.event.event_id not in seen:
-                seen.add(m.event.event_id)
-                events.append(m.event)
+        # An event id repeated inside the batch (a producer's retry) is appended once and
+        # counted as a duplicate by the store itself.
+        events = [m.event for m in batch if m.event is not None]
         with self.metrics.batch_seconds.time():
             result = await self.ctx.store.append(
                 events, tracking={self.group: offsets_after(batch)}

@@ -13,18 +13,22 @@ the replay together.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 import hashlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import orjson
 from sqlalchemy import (
     JSON,
     BigInteger,
     Column,
+    Connection,
     Float,
     Integer,
     MetaData,
@@ -42,7 +46,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from kz_stream.events import EVENT_TYPES, UPCASTERS, Event, EventDecodeError
-from kz_stream.store._port import EventStore, RecordedEvent, StoreTransaction
+from kz_stream.store._port import AppendResult, EventStore, RecordedEvent, StoreTransaction
+from kz_stream.store._sql import SqlEventStore
 
 __all__ = [
     "TRACKING_KEY",
@@ -57,6 +62,8 @@ __all__ = [
     "tracking_name",
 ]
 
+T = TypeVar("T")
+
 TRACKING_KEY = "global_position"
 DEFAULT_BATCH_SIZE = 5000
 
@@ -68,6 +75,10 @@ class Projection(ABC):
     metadata: ClassVar[MetaData]
     # Event types it consumes; None means all. The store filters, so others cost nothing.
     types: ClassVar[tuple[str, ...] | None] = None
+    # Payload keys apply() reads (at each type's current schema version); None means all.
+    # PostgreSQL then ships only these: reading and parsing whole payloads was most of a
+    # replay. Payloads may still arrive whole (older versions, SQLite): ignore extra keys.
+    payload_fields: ClassVar[tuple[str, ...] | None] = None
 
     @abstractmethod
     async def apply(self, tx: StoreTransaction, batch: Sequence[RecordedEvent]) -> None:
@@ -143,18 +154,143 @@ async def _replay(
     batch_size: int,
     on_batch: OnBatch | None,
 ) -> ReplayStats:
+    """Applies batches in order, one transaction each, with the next batch's Python work
+    (building its events, ``apply``'s fold) overlapping the database work of the one
+    before: that upsert was most of a replay's wall time, the CPU mostly idle during it
+    (measured ~15% faster). A batch opens its transaction only once the previous one has
+    committed (``_AfterCommit``), so batches still take effect one at a time, in order."""
     started = time.perf_counter()
     applied = 0
-    batches = store.read_all(position, batch_size=batch_size, types=projection.types)
-    async for batch in batches:
-        async with store.transaction() as tx:
+    name = tracking_name(projection)
+    async with store.transaction() as probe:
+        dialect = probe.dialect
+
+    async def commit(batch: list[RecordedEvent], previous: asyncio.Task[int] | None) -> int:
+        async with contextlib.AsyncExitStack() as stack:
+            tx = _AfterCommit(store, dialect, previous, stack)
             await projection.apply(tx, batch)
-            position = batch[-1].global_position
-            await tx.set_tracking(tracking_name(projection), {TRACKING_KEY: position})
-        applied += len(batch)
+            last = batch[-1].global_position
+            await tx.set_tracking(name, {TRACKING_KEY: last})
+        return last
+
+    in_flight: list[tuple[asyncio.Task[int], int]] = []  # (commit, events), oldest first
+
+    async def settle_oldest() -> None:
+        nonlocal position, applied
+        task, count = in_flight[0]
+        position = await task
+        in_flight.pop(0)
+        applied += count
         if on_batch is not None:
             on_batch(position)
+
+    with _fewer_collections():
+        try:
+            async for batch in _read(store, projection, position, batch_size):
+                previous = in_flight[-1][0] if in_flight else None
+                in_flight.append((asyncio.create_task(commit(batch, previous)), len(batch)))
+                if len(in_flight) > 1:  # one batch in the database, the next one waiting
+                    await settle_oldest()
+            while in_flight:
+                await settle_oldest()
+        except asyncio.CancelledError:
+            for task, _ in in_flight:
+                task.cancel()
+            raise
+        finally:
+            # On any other error a batch already in the database still commits (or fails on
+            # its own): each one is atomic with its position, so catch_up resumes after it.
+            await asyncio.gather(*(task for task, _ in in_flight), return_exceptions=True)
     return ReplayStats(applied, time.perf_counter() - started, position)
+
+
+class _AfterCommit:
+    """A StoreTransaction that begins (in ``stack``) at its first database call, once the
+    previous batch has committed; a failed previous batch fails this one too.
+
+    Beginning late matters: a SQLite writer takes the database lock at BEGIN, and a batch
+    holding it while waiting for the one before would deadlock with it.
+    """
+
+    def __init__(
+        self,
+        store: EventStore,
+        dialect: str,
+        previous: asyncio.Task[int] | None,
+        stack: contextlib.AsyncExitStack,
+    ) -> None:
+        self._store = store
+        self._dialect = dialect
+        self._previous = previous
+        self._stack = stack
+        self._tx: StoreTransaction | None = None
+
+    @property
+    def dialect(self) -> str:
+        return self._dialect
+
+    async def _begin(self) -> StoreTransaction:
+        if self._tx is None:
+            if self._previous is not None:
+                await asyncio.shield(self._previous)  # raises the previous batch's error
+            self._tx = await self._stack.enter_async_context(self._store.transaction())
+        return self._tx
+
+    async def append(self, events: Sequence[Event]) -> AppendResult:
+        return await (await self._begin()).append(events)
+
+    async def set_tracking(self, name: str, positions: Mapping[str, int]) -> None:
+        await (await self._begin()).set_tracking(name, positions)
+
+    async def get_tracking(self, name: str) -> dict[str, int]:
+        return await (await self._begin()).get_tracking(name)
+
+    async def execute(self, statement: Any, parameters: Any = None) -> Any:
+        return await (await self._begin()).execute(statement, parameters)
+
+    async def run_sync(self, fn: Callable[[Connection], T]) -> T:
+        return await (await self._begin()).run_sync(fn)
+
+
+_GC_GEN0 = 100_000  # the collector's first threshold while replaying (CPython's: 700)
+_replays_running = 0
+_saved_threshold: tuple[int, int, int] = (0, 0, 0)
+
+
+@contextlib.contextmanager
+def _fewer_collections() -> Iterator[None]:
+    """Raises the cyclic collector's first threshold while replays run, then restores it.
+
+    A batch is thousands of live events; at the default threshold the collector ran every
+    700 of their containers and rescanned everything older: half a replay's CPU (measured
+    ~12 vs ~6.5 us per event). Reference counting still frees them; only the rare cycle
+    waits longer. Nested or concurrent replays restore the threshold when the last ends.
+    """
+    global _replays_running, _saved_threshold
+    if _replays_running == 0:
+        _saved_threshold = gc.get_threshold()
+        gen0, gen1, gen2 = _saved_threshold
+        gc.set_threshold(max(gen0, _GC_GEN0), gen1, gen2)
+    _replays_running += 1
+    try:
+        yield
+    finally:
+        _replays_running -= 1
+        if _replays_running == 0:
+            gc.set_threshold(*_saved_threshold)
+
+
+def _read(
+    store: EventStore, projection: Projection, position: int, batch_size: int
+) -> AsyncIterator[list[RecordedEvent]]:
+    fields = projection.payload_fields
+    if fields is not None and isinstance(store, SqlEventStore):
+        # Only the SQL adapter can select payload keys (the EventStore port has no
+        # ``payload_fields`` yet; any other store reads whole payloads, which is correct).
+        return store.read_all(
+            position, batch_size=batch_size, types=projection.types, payload_fields=fields
+        )
+    return store.read_all(position, batch_size=batch_size, types=projection.types)
 
 
 async def projection_hash(store: EventStore, projection: Projection) -> str:
@@ -197,6 +333,9 @@ class KernelsProjection(Projection):
     name = "kernels"
     metadata = _kernels_metadata
     types = ("KernelGenerated", "KernelVerified")
+    payload_fields = (
+        "kernel_id", "module_id", "group_id", "backend", "policy_version", "status", "speedup",
+    )
     table = kernels
 
     async def apply(self, tx: StoreTransaction, batch: Sequence[RecordedEvent]) -> None:

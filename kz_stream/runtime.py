@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import signal
 import threading
@@ -185,6 +186,25 @@ class Service(ABC):
         }
 
 
+# Objects the collector's first generation may gather before it runs (CPython: 700).
+_GC_GEN0 = 100_000
+
+
+def _tune_gc() -> None:
+    """Keeps the cyclic garbage collector out of the hot path of high-rate services.
+
+    A consumer holds thousands of freshly decoded events per batch; with CPython's default
+    thresholds the collector ran every 700 of their containers and rescanned every module,
+    schema and model object from start-up, which measured ~40% of the recorder's CPU. Start-up
+    objects are frozen (never scanned again) and young collections run far less often;
+    reference counting still frees everything that is not in a cycle at once.
+    """
+    gc.collect()
+    gc.freeze()
+    gen0, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(max(gen0, _GC_GEN0), gen1, gen2)
+
+
 async def run_services(
     services: list[Service],
     *,
@@ -197,6 +217,7 @@ async def run_services(
     A service that fails stops the others (one process, one fate), and the error re-raises.
     """
     log = get_logger("kz.runtime")
+    _tune_gc()
     health = HealthServer(http_host, http_port, services)
     health.start()
     log.info("http_listening", port=health.port, services=[s.name for s in services])

@@ -151,15 +151,8 @@ class _KafkaSubscription(ConsumerCore):
                         consumer.seek(tp, records[0].offset)
                 continue
             batch = self._new_batch()
-            add = batch.add
             for tp, records in data.items():
-                topic, partition = tp.topic, tp.partition
-                for r in records:
-                    add(
-                        topic, partition, r.offset, r.key,
-                        r.value if r.value is not None else b"",
-                        dict(r.headers) if r.headers else {},
-                    )
+                batch.add_records(tp.topic, tp.partition, records)
             self._enqueue(batch)
 
     async def _hold(self) -> None:
