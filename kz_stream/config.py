@@ -118,7 +118,6 @@ class Settings(BaseSettings):
     http_port: int = Field(default=0, description="Health and /metrics port; 0 picks a free one.")
     log_level: str = "INFO"
     log_json: bool = True
-    data_dir: Path = Path(".kz")
     proposer: ProposerSettings = Field(default_factory=ProposerSettings)
     coder: CoderSettings = Field(default_factory=CoderSettings)
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)

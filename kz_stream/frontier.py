@@ -101,7 +101,6 @@ class RunState:
     # Proposer groups: proposal group id -> module ids sampled together from one prompt.
     proposals: dict[str, list[str]] = field(default_factory=dict)
     used_proposals: set[str] = field(default_factory=set)
-    training_steps_by_role: dict[str, int] = field(default_factory=dict)
     published: dict[str, PolicyVersionPublished] = field(default_factory=dict)
     loaded: dict[tuple[str, str], int] = field(default_factory=dict)  # (role, replica)
     position: int = 0
@@ -157,7 +156,6 @@ class RunState:
             s = event.decode()
             assert isinstance(s, TrainingStepCompleted)
             self.training_steps += 1
-            self.training_steps_by_role[s.role] = self.training_steps_by_role.get(s.role, 0) + 1
             for gid in s.group_ids:
                 if gid in self.groups:
                     self.groups[gid].used = True

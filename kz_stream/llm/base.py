@@ -147,6 +147,19 @@ class LLMBackend(abc.ABC):
         await self.close()
 
 
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt as vLLM's OpenAI server renders it: chats through the chat
+    template (which holds the special tokens), text tokenized plainly."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt).input_ids)
+    text = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in prompt],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return list(tokenizer(str(text), add_special_tokens=False).input_ids)
+
+
 def uri_to_path(uri: str) -> str:
     """Turns a ``file://`` URI or plain path into a filesystem path."""
     if uri.startswith("file://"):

@@ -29,6 +29,7 @@ from kz_stream.llm.base import (
     Prompt,
     Sample,
     SamplingParams,
+    encode_prompt,
     uri_to_path,
 )
 
@@ -132,16 +133,8 @@ class TransformersBackend(LLMBackend):
         return self._version
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: chats through the chat template, text as vLLM would."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt).input_ids)
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in prompt],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        # The template already holds the special tokens (vLLM's chat endpoint does the same).
-        return list(self.tokenizer(str(text), add_special_tokens=False).input_ids)
+        """Token ids of a prompt, rendered as vLLM's OpenAI server would."""
+        return encode_prompt(self.tokenizer, prompt)
 
     async def generate(
         self, prompts: Sequence[Prompt], *, n: int = 1, sampling: SamplingParams

@@ -22,6 +22,7 @@ from kz_stream.llm.base import (
     Prompt,
     Sample,
     SamplingParams,
+    encode_prompt,
     uri_to_path,
 )
 
@@ -81,12 +82,7 @@ class VLLMEngineBackend(LLMBackend):
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, rendered as vLLM's OpenAI server would."""
-        if isinstance(prompt, str):
-            return list(self._tokenizer(prompt).input_ids)
-        text = self._tokenizer.apply_chat_template(
-            list(prompt), tokenize=False, add_generation_prompt=True
-        )
-        return list(self._tokenizer(str(text), add_special_tokens=False).input_ids)
+        return encode_prompt(self._tokenizer, prompt)
 
     async def generate(
         self, prompts: Sequence[Prompt], *, n: int = 1, sampling: SamplingParams
