@@ -4,11 +4,17 @@ the verdict on ``kz.verdicts``.
 
 A bad kernel is a verdict. A kernel whose module is not in the store (yet) is retried for
 a while and then raised as an infrastructure fault, which the bus dead-letters.
+
+A verdict's event id is derived from the kernel event's id and the verifier version, so a
+kernel verified twice by one verifier version (a consumer that lost its partitions while
+verifying, a redelivery after a crash between commit and offset) is stored once: the
+store skips an event id it holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Sequence
 
 from kz_stream.bus import BusMessage, InfrastructureError, offsets_after
@@ -20,10 +26,18 @@ from kz_stream.events import (
     payload_as,
 )
 from kz_stream.runtime import Service, ServiceContext, StoreOffsets
-from kz_stream.verify import Candidate, Problem, Verifier
+from kz_stream.verify import VERIFIER_VERSION, Candidate, Problem, Verifier
 from kz_stream.verify.events import to_kernel_verified
 
-__all__ = ["VerifierService"]
+__all__ = ["VerifierService", "verdict_event_id"]
+
+_VERDICT_NAMESPACE = uuid.UUID("6d1c7f0e-3b7a-4c55-9a0e-5b2d1f8e9c41")
+
+
+def verdict_event_id(kernel_event_id: uuid.UUID, verifier_version: str = VERIFIER_VERSION
+                     ) -> uuid.UUID:
+    """The event id of the verdict on one kernel event by one verifier version."""
+    return uuid.uuid5(_VERDICT_NAMESPACE, f"{kernel_event_id}/{verifier_version}")
 
 
 class VerifierService(Service):
@@ -107,6 +121,7 @@ class VerifierService(Service):
         version = max([r.event.stream_version for r in history] + [event.stream_version]) + 1
         return new_event(
             payload,
+            event_id=verdict_event_id(event.event_id, verdict.verifier_version),
             stream_id=event.stream_id,
             stream_version=version,
             producer=self.ctx.producer_id,

@@ -568,7 +568,13 @@ class GRPOLearner:
             return self._result(batch, trained=False, losses={})
         t = self.trainer
         k = self.config.micro_batches
-        rows, group_size = self._layout(batch, k)
+        processes, rank = t.accelerator.num_processes, t.accelerator.process_index
+        rows, group_size = self._layout(batch, k, processes)
+        # Data parallel: each process trains on its own whole groups. TRL gathers the
+        # rewards of all processes in process order to compute group advantages, then
+        # keeps this process's slice, so the slices must be contiguous and equal.
+        per_process = len(rows) // processes
+        rows = rows[rank * per_process : (rank + 1) * per_process]
         self.feed.stage(rows)
         t.num_generations = group_size
         # TRL buffers one scored generation batch and slices it over k micro-steps; start
@@ -606,15 +612,18 @@ class GRPOLearner:
         t.state.global_step += 1
         return float(norm)
 
-    def _layout(self, batch: TrainingBatch, micro_batches: int) -> tuple[list[_Row], int]:
+    def _layout(
+        self, batch: TrainingBatch, micro_batches: int, processes: int = 1
+    ) -> tuple[list[_Row], int]:
         size = max(len(g) for g in batch.groups)
         rows: list[_Row] = []
         for g in batch.groups:
             real = [_Row(s, self._prompt_ids(s), filler=False) for s in g.samples]
             rows.extend(real)
             rows.extend(replace(real[0], filler=True) for _ in range(size - len(real)))
-        # Micro-batches must split the batch evenly: pad with whole filler groups.
-        while len(rows) % micro_batches:
+        # Every process takes the same number of whole groups, and its rows split evenly
+        # into micro-batches: pad with whole filler groups.
+        while (len(rows) // size) % processes or (len(rows) // processes) % micro_batches:
             rows.extend(replace(rows[0], filler=True) for _ in range(size))
         return rows, size
 
@@ -667,8 +676,16 @@ class GRPOLearner:
         """
         v = self.version if version is None else version
         root = Path(directory)
-        root.mkdir(parents=True, exist_ok=True)
         final = root / _checkpoint_name(self.role, v)
+        accelerator = self.trainer.accelerator
+        if accelerator.is_main_process:  # data parallel: one writer, the others wait
+            self._write_policy(root, final, v)
+        accelerator.wait_for_everyone()
+        sha = str(json.loads((final / _MANIFEST).read_text())["sha256"])
+        return final.resolve().as_uri(), sha
+
+    def _write_policy(self, root: Path, final: Path, v: int) -> None:
+        root.mkdir(parents=True, exist_ok=True)
         tmp = root / f"{final.name}.tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -699,7 +716,6 @@ class GRPOLearner:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        return final.resolve().as_uri(), sha
 
 
 class CoderLearner(GRPOLearner):

@@ -12,9 +12,10 @@ the torch headers two or three times (host preprocess, ``cudafe++``, ``cicc``, h
   the worker hands the candidate an object whose attributes call ``torch.ops``;
 - ``torch/extension.h`` becomes ``torch/types.h`` when the source uses no pybind;
 - the torch headers and the host-only functions are hidden from the device pass
-  (``#ifndef __CUDA_ARCH__``), so ``cicc`` parses the kernels only. Only done when no
-  kernel is a template (a template kernel is instantiated by the host code it would hide)
-  and no device code names torch types.
+  (``#ifndef __CUDA_ARCH__``), so ``cicc`` parses the kernels only. Template kernels,
+  which the hidden host code would instantiate, are instantiated by a generated reference
+  to each instance the host code names (``scalar_t`` of AT_DISPATCH_FLOATING_TYPES
+  expanded); not done when an instance cannot be named so, or device code names torch.
 
 Any step that does not apply falls back to the next layout, and a failed fast build is
 retried as the plain ``load_inline`` layout, whose errors are the ones reported.
@@ -290,16 +291,78 @@ _TORCH_INCLUDE = re.compile(r"#\s*include\s*[<\"](torch|ATen|c10|pybind11)/")
 _DEVICE_TORCH = re.compile(r"\b(torch|at|c10|TORCH_\w+|AT_\w+)\b")
 
 
+# Template arguments that mean the same in the device pass, where torch is hidden.
+_PLAIN_TARG = re.compile(
+    r"^(?:(?:unsigned\s+|signed\s+)?(?:char|short|int|long(?:\s+long)?)|unsigned|float|double|"
+    r"bool|u?int(?:8|16|32|64)_t|size_t|__half|__nv_bfloat16|half|"
+    r"-?(?:0x[0-9a-fA-F]+|\d+)[uUlL]*|true|false)$")
+# The types each AT_DISPATCH macro gives ``scalar_t``; other dispatch macros are not
+# instantiated by hand (their types need the torch headers hidden from the device pass).
+_DISPATCH_TYPES = {"AT_DISPATCH_FLOATING_TYPES": ("float", "double")}
+
+
+def _split_targs(text: str) -> list[str]:
+    args, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        if ch == "," and depth == 0:
+            args.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [*args, cur.strip()] if cur.strip() else args
+
+
+def _template_instances(kernels: Sequence[str], host: str, constants: set[str]
+                        ) -> list[str] | None:
+    """``NAME<ARGS>`` for every template kernel instance the host code uses, with
+    ``scalar_t`` expanded for AT_DISPATCH_FLOATING_TYPES; None when one cannot be
+    named without the host code (another dispatch macro, a local constant)."""
+    dispatch = set(re.findall(r"\b(AT_DISPATCH_\w+)\s*\(", host))
+    instances: list[str] = []
+    for name in kernels:
+        uses = re.findall(rf"\b{name}\s*<((?:[^<>;{{}}]|<[^<>;{{}}]*>)*)>", host)
+        if not uses:
+            return None  # launched in a way we do not see (a pointer, a macro)
+        for targs in uses:
+            args = _split_targs(targs)
+            expansions = [args]
+            if any(re.search(r"\bscalar_t\b", a) for a in args):
+                if not dispatch or not dispatch <= _DISPATCH_TYPES.keys():
+                    return None
+                types = sorted({t for d in dispatch for t in _DISPATCH_TYPES[d]})
+                expansions = [[re.sub(r"\bscalar_t\b", t, a) for a in args] for t in types]
+            for concrete in expansions:
+                if not all(_PLAIN_TARG.match(a) or a in constants for a in concrete):
+                    return None
+                inst = f"{name}<{', '.join(concrete)}>"
+                if inst not in instances:
+                    instances.append(inst)
+    return instances
+
+
 def _hide_host_code(src: str) -> str | None:
     """The source with torch includes and host-only functions wrapped in
-    ``#ifndef __CUDA_ARCH__``; None when that is not known to be safe."""
+    ``#ifndef __CUDA_ARCH__``; None when that is not known to be safe.
+
+    Template kernels are instantiated by the host code that launches them, which the
+    device pass no longer sees: each instance the host code names is referenced again from
+    a small function both passes see (as ``<<<>>>`` would reference it)."""
     clean = _strip_comments(src)
-    if _TEMPLATE_KERNEL_RE.search(clean):
-        return None
     items = _top_level_items(clean)
     if items is None:
         return None
+    template_kernels = [m.group(1) for item in items
+                        if _TEMPLATE_KERNEL_RE.match(item.strip())
+                        for m in [_GLOBAL_RE.search(item)] if m]
+    if _TEMPLATE_KERNEL_RE.search(clean) and not template_kernels:
+        return None  # a template kernel inside a namespace or another block
     out: list[str] = []
+    host: list[str] = []
+    constants: set[str] = set()
     for item in items:
         text = item.strip()
         if not text:
@@ -319,12 +382,23 @@ def _hide_host_code(src: str) -> str | None:
         device_side = "__global__" in head or "__device__" in head or "__constant__" in text
         if is_function and not device_side:
             out.append(f"#ifndef __CUDA_ARCH__\n{text}\n#endif")
+            host.append(text)
             continue
         if device_side and _DEVICE_TORCH.search(text):
             return None
         if re.match(r"(namespace|extern)\b", text):
             return None  # mixed blocks: not split
+        if not is_function and not device_side:
+            constants.update(re.findall(r"\b(\w+)\s*=", text))
         out.append(text)
+    if template_kernels:
+        defines = set(re.findall(r"#\s*define\s+(\w+)", clean))
+        instances = _template_instances(template_kernels, "\n".join(host),
+                                        constants | defines)
+        if instances is None:
+            return None
+        refs = "".join(f"  (void)&{inst};\n" for inst in instances)
+        out.append(f"__attribute__((unused)) static void __kz_instantiate() {{\n{refs}}}")
     return "\n".join(out) + "\n"
 
 

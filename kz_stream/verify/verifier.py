@@ -368,11 +368,15 @@ class Verifier:
         lane = min(self._lanes, key=lambda ln: ln.busy)
         lane.busy += 1
         try:
+            t0 = time.monotonic()
             prepared = await self._prepare(lane, problem)
+            details["prepare_s"] = round(time.monotonic() - t0, 3)
             if isinstance(prepared, Verdict):
                 return prepared
             details["problem_notes"] = prepared.notes
+            t0 = time.monotonic()
             async with lane.lock:
+                details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
                 return await self._gpu_stage(lane, prepared, candidate, builds, own_names,
                                              details)
         finally:
@@ -479,6 +483,7 @@ class _Stage:
                    stage: str = "") -> dict[str, Any]:
         """A worker request; errors become the verdict they mean."""
         stage = stage or str(msg["cmd"])
+        started = time.monotonic()
         try:
             r = await asyncio.to_thread(self.w.call, msg, timeout_s or self.v.config.call_timeout_s)
         except ChildTimeout as e:
@@ -490,6 +495,9 @@ class _Stage:
                 status = Status.OUT_OF_MEMORY
             raise self.reject(status, f"{stage}: worker crashed: {e}; "
                               f"{_tail(e.stderr_tail, 1500)}", stage) from e
+        finally:  # where a candidate's time goes, per worker request kind
+            spent = self.details.setdefault("stage_s", {})
+            spent[stage] = round(spent.get(stage, 0.0) + time.monotonic() - started, 3)
         if r.get("violations"):
             raise self.reject(Status.HACK, f"forbidden action: {r['violations'][0]}", "forbidden")
         if r.get("ok"):
@@ -539,7 +547,9 @@ class _Stage:
         speedup: float | None = None
         ci: tuple[float, float] | None = None
         if self.gpu and self.v.config.timing:
+            t0 = time.monotonic()
             speedup, ci = await self._timing()
+            self.details["timing_s"] = round(time.monotonic() - t0, 3)
         elif self.gpu:
             unchecked.append("timing")
         fin = await self.call({"cmd": "finish"})

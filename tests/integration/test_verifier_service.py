@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from consumers.verifier import VerifierService
+from consumers.verifier import VerifierService, verdict_event_id
 from kz_stream.app import open_context
+from kz_stream.bus import BusMessage
 from kz_stream.config import Settings, TopicsConfig
 from kz_stream.events import (
     KernelGenerated,
@@ -94,3 +95,36 @@ async def test_kernels_become_verdicts_in_the_store_with_offsets(tmp_path: Path)
         assert by_kernel[good.kernel_id].causation_id == honest.event_id  # type: ignore[attr-defined]
         offsets = await ctx.store.get_tracking(VerifierService.group)
         assert sum(offsets.values()) == 2
+
+
+async def test_a_kernel_delivered_twice_is_stored_with_one_verdict(tmp_path: Path) -> None:
+    # Two consumers can verify one kernel: one that lost its partitions mid-batch, and the
+    # member that took them over. The verdict's event id depends only on the kernel event and
+    # the verifier version, so the second append is a no-op.
+    settings = Settings(
+        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
+        bus_url=f"memory://{uuid.uuid4().hex}",
+    )
+    async with open_context(settings) as ctx:
+        module = new_event(
+            ModuleProposed(module_id="relu", api_set=["torch.relu"], source=problems.RELU,
+                           validation=ModuleValidation(valid=True)),
+            stream_id="module-relu",
+            stream_version=0,
+        )
+        kernel = kernel_event("relu", triton_honest.RELU)
+        await ctx.store.append([module, kernel])  # type: ignore[list-item]
+        message = BusMessage(settings.topics.kernels, 0, 7, None, b"", event=kernel)  # type: ignore[arg-type]
+        async with Verifier(VerifierConfig(devices=[])) as verifier:
+            first = VerifierService(ctx, verifier)
+            second = VerifierService(ctx, verifier)
+            await asyncio.gather(first.verify_batch([message]), second.verify_batch([message]))
+            await first.verify_batch([message])  # a redelivery after the commit
+
+        records = await ctx.store.read_stream(kernel.stream_id)  # type: ignore[attr-defined]
+        verdicts = [r.event for r in records if r.event.type == "KernelVerified"]
+        assert len(verdicts) == 1
+        assert verdicts[0].event_id == verdict_event_id(kernel.event_id)  # type: ignore[attr-defined]
+        assert await ctx.store.get_tracking(VerifierService.group) == {
+            f"{settings.topics.kernels}:0": 8
+        }

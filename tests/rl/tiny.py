@@ -88,7 +88,7 @@ def sample_ids(
     """
     was_training = model.training
     model.eval()
-    ids = torch.tensor([prompt] * n)
+    ids = torch.tensor([prompt] * n, device=next(model.parameters()).device)
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -51,9 +52,36 @@ def test_host_code_hidden_from_device_pass() -> None:
     assert "#ifndef __CUDA_ARCH__\ntorch::Tensor relu_cuda" in hidden
 
 
-def test_template_kernels_not_hidden() -> None:
+def test_template_kernels_instantiated_for_the_device_pass() -> None:
     call = extract_inline_calls(CUDA_HONEST["softmax"])[0]  # type: ignore[index]
-    assert _hide_host_code(call.cuda_sources[0]) is None
+    hidden = _hide_host_code(call.cuda_sources[0])
+    assert hidden is not None
+    # AT_DISPATCH_FLOATING_TYPES launches softmax_rows<scalar_t> for float and double; the
+    # device pass cannot see that launch, so both instances are referenced where it can.
+    tail = hidden[hidden.rindex("#endif") :]
+    assert "(void)&softmax_rows<float>;" in tail and "(void)&softmax_rows<double>;" in tail
+
+
+@pytest.mark.parametrize(
+    ("launch", "expected"),
+    [
+        ("k<float, 256><<<1, 1>>>(x);", ["k<float, 256>"]),
+        ("k<float, BLOCK><<<1, 1>>>(x);", ["k<float, BLOCK>"]),  # a top-level constant
+        ("AT_DISPATCH_FLOATING_TYPES_AND_HALF(t, \"n\", [&] { k<scalar_t, 1><<<1, 1>>>(x); });",
+         None),  # at::Half needs the torch headers the device pass does not see
+        ("const int b = 128; k<float, b><<<1, 1>>>(x);", None),  # a local constant
+    ],
+)
+def test_template_instances_named_or_given_up(launch: str, expected: list[str] | None) -> None:
+    src = ("#include <torch/extension.h>\nconstexpr int BLOCK = 128;\n"
+           "template <typename T, int B> __global__ void k(T* x) { x[threadIdx.x] *= B; }\n"
+           f"void f(torch::Tensor t) {{ float* x = t.data_ptr<float>(); {launch} }}\n")
+    hidden = _hide_host_code(src)
+    if expected is None:
+        assert hidden is None
+    else:
+        assert hidden is not None
+        assert all(f"(void)&{inst};" in hidden for inst in expected)
 
 
 @pytest.mark.slow
@@ -72,3 +100,25 @@ def test_compile_check_and_error(tmp_path: Path) -> None:
     bad = asyncio.run(builder.build(broken))
     assert not bad.ok and "identifier \"w\" is undefined" in bad.log
     assert bad.attempts[-1] == "single:failed"
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_template_kernel_instances_are_in_the_device_code(tmp_path: Path) -> None:
+    """The fast layout of an AT_DISPATCH template kernel holds SASS for float and double."""
+    triton = pytest.importorskip("triton")
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.is_file():
+        pytest.skip("no cuobjdump in the triton package")
+    builder = Builder(tmp_path, link=False, jobs=1)
+    call = extract_inline_calls(CUDA_HONEST["softmax"])[0]  # type: ignore[index]
+    unit = builder._fast_unit(call, hide=True)
+    assert unit is not None
+    text, ns, _ = unit
+    (tmp_path / "t.cu").write_text(text)
+    subprocess.run([builder.toolchain.nvcc, *builder._nvcc_flags(call, ns), "-c",
+                    str(tmp_path / "t.cu"), "-o", str(tmp_path / "t.o")], check=True)
+    sass = subprocess.run([str(cuobjdump), "-sass", str(tmp_path / "t.o")],
+                          capture_output=True, text=True, check=True).stdout
+    functions = {line.split(":")[1].strip() for line in sass.splitlines() if "Function :" in line}
+    assert functions == {"_Z12softmax_rowsIfEvPKT_PS0_i", "_Z12softmax_rowsIdEvPKT_PS0_i"}

@@ -137,7 +137,7 @@ class ModelNew(nn.Module):
         return mod.row_sum(x)
 '''
 
-# A template kernel dispatched with AT_DISPATCH: exercises the fallback layout.
+# A template kernel dispatched with AT_DISPATCH: the fast layout instantiates it by hand.
 SOFTMAX_TEMPLATE = r'''
 import torch
 import torch.nn as nn
