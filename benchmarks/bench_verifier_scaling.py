@@ -6,8 +6,9 @@ the tansu broker; verdicts go to one SQLite store. For each N: verified candidat
 minute in the steady window (from the moment every consumer has stored its first verdict
 until 90% of the kernels are verified), against N = 1 measured in the same run.
 
-With ``--kill``, the largest N's run SIGKILLs one consumer once a third of the kernels are
-verified; its partitions move to the others, and the run checks that every kernel has
+With ``--kill``, the largest N's run SIGKILLs one consumer as soon as its first batch of
+verdicts is stored (more kernels than one batch per consumer leave it work to lose); its
+partitions move to the others, and the run checks that every kernel has
 exactly one verdict in the store (nothing lost, nothing duplicated). Its throughput window
 ends at the kill.
 
@@ -128,10 +129,13 @@ def run_n(n: int, broker_url: str, work: Path, per_gpu: int, cap_s: float,
             done = len({k for k, _, _ in seen})
             print(f"N={n} t={time.time() - t0:5.0f}s verdicts={len(seen)} kernels={done}/"
                   f"{len(ids)}", flush=True)
-            if kill and killed_at is None and done >= len(ids) // 3:
+            victim = f":{procs[-1].pid}"
+            if kill and killed_at is None and any(p.endswith(victim) for _, _, p in seen):
+                # Mid-run: its first batch is stored and the rest of its partitions wait.
                 os.kill(procs[-1].pid, signal.SIGKILL)  # the process only, as a crash would
                 killed_at = time.time()
-                print(f"killed consumer {n - 1} (pid {procs[-1].pid})", flush=True)
+                print(f"killed consumer {n - 1} (pid {procs[-1].pid}) with {done} kernels "
+                      "verified", flush=True)
             if done >= len(ids):
                 break
             if any(p.poll() not in (None, -signal.SIGKILL) for p in procs):
@@ -165,6 +169,7 @@ def run_n(n: int, broker_url: str, work: Path, per_gpu: int, cap_s: float,
         "per_min": rate, "window_s": end - start, "window_verdicts": len(in_window),
         "first_verdict_s": {p: round(ts - t0, 1) for p, ts in firsts.items()},
         "wall_s": time.time() - t0, "killed": killed_at is not None,
+        "verified_after_kill": sum(ts > killed_at for _, ts, _ in seen) if killed_at else 0,
         "exit_codes": [p.returncode for p in procs],
     }
     print(json.dumps({k: v for k, v in result.items() if k != "missing"}), flush=True)
@@ -199,6 +204,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         raw["_machine"] = machine_description()
         raw["_date"] = datetime.now().isoformat()
+        raw["_command"] = "python -m benchmarks.bench_verifier_scaling " + " ".join(sys.argv[1:])
         (out / "verifier_scaling_raw.json").write_text(json.dumps(raw, indent=1))
         for log in work.glob("*.log"):
             (out / log.name).write_bytes(log.read_bytes()[-200_000:])
@@ -216,14 +222,17 @@ def write(raw: dict[str, Any]) -> None:
         m[f"verified_per_min_n{r['n']}"] = metric(
             r["per_min"], "candidates/min (target >= 0.9*N x N=1)", base)
         if r["killed"]:
+            m["kill_run_verified_after_kill"] = metric(float(r["verified_after_kill"]),
+                                                       "kernels")
             m["kill_run_missing"] = metric(float(len(r["missing"])), "kernels (target 0)")
             m["kill_run_duplicates"] = metric(float(r["duplicates"]), "verdicts (target 0)")
     notes = ("one consumer process per GPU (CUDA_VISIBLE_DEVICES), one consumer group on an "
              "8-partition topic on the tansu broker, SQLite store; baseline of N>1: N times "
              "the N=1 rate; steady window from every consumer's first verdict to 90% verified"
              " (to the kill in the kill run)")
-    write_result("verifier_scaling", "python -m benchmarks.bench_verifier_scaling --gpus "
-                 + ",".join(str(r["n"]) for r in runs) + " --kill", m, notes=notes,
+    write_result("verifier_scaling", raw.get("_command", "python -m benchmarks."
+                                                 "bench_verifier_scaling"), m,
+                 notes=notes + (f"; {raw['_note']}" if raw.get("_note") else ""),
                  machine=raw.get("_machine"))
 
 
