@@ -23,6 +23,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+import aiorwlock
 import numpy as np
 import torch
 
@@ -80,6 +81,9 @@ class VerifierConfig:
     prewarm: int = 2  # workers started ahead of need, per device
     problem_cache: int = 16
     reference_workers: int = 3  # problems whose reference stays loaded for timing, per GPU
+    # Candidates in their GPU stage at once, per GPU: their checks overlap (one's CUDA
+    # start-up and Triton JIT with another's kernels); timing is exclusive all the same.
+    candidates_per_gpu: int = 2
     static_scan: bool = True  # off only to test the run-time layer on its own
     launch_checks: bool = True  # off only for the A/A timing benchmark (reference vs itself)
 
@@ -112,13 +116,22 @@ class Prepared:
 
 
 class _Lane:
-    """One device: its oracle, a pre-started candidate worker, and the GPU-stage lock."""
+    """One device: its oracle, pre-started candidate workers, and who may use the GPU.
+
+    ``gpu`` is a write-preferring readers-writer lock: checks (problem preparation,
+    correctness, launch checks, profiling) take it shared and may overlap; timing takes it
+    exclusive, so no other process of this verifier runs kernels on the device while a
+    candidate and its reference are timed. ``slots`` bounds the candidates in their GPU
+    stage at once (memory); the oracle serves one request at a time (``oracle_lock``).
+    """
 
     def __init__(self, verifier: Verifier, index: int | None) -> None:
         self.v = verifier
         self.index = index
         self.device = "cpu" if index is None else "cuda"
-        self.lock = asyncio.Lock()
+        self.gpu = aiorwlock.RWLock()
+        self.slots = asyncio.Semaphore(verifier.config.candidates_per_gpu)
+        self.oracle_lock = asyncio.Lock()
         self.oracle: Child | None = None
         self.spares: list[Child] = []
         self.oracle_keys: set[str] = set()
@@ -375,7 +388,7 @@ class Verifier:
                 return prepared
             details["problem_notes"] = prepared.notes
             t0 = time.monotonic()
-            async with lane.lock:
+            async with lane.slots:
                 details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
                 return await self._gpu_stage(lane, prepared, candidate, builds, own_names,
                                              details)
@@ -418,7 +431,7 @@ class Verifier:
             msg = {"cmd": "prepare", "source": problem.source, "key": key, "seed": seed,
                    "small_only": not self.gpu}
             try:
-                async with lane.lock:
+                async with lane.oracle_lock, lane.gpu.reader_lock:
                     r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
             except (ChildDied, ChildTimeout) as e:
                 return self._verdict(Status.UNCHECKED, f"problem: the reference could not be "
@@ -447,7 +460,8 @@ class Verifier:
                          builds: list[BuildResult], own_names: list[str],
                          details: dict[str, Any]) -> Verdict:
         try:
-            worker = await lane.take_worker()
+            async with lane.gpu.reader_lock:  # a new spare's CUDA start-up is GPU work
+                worker = await lane.take_worker()
         except (ChildDied, ChildTimeout) as e:
             return self._verdict(Status.UNCHECKED, f"verifier: no worker could start ({e})",
                                  check="infrastructure")
@@ -517,6 +531,33 @@ class _Stage:
         raise self.reject(Status.RUNTIME_ERROR, f"{stage}: {message}", stage)
 
     async def run(self) -> Verdict:
+        async with self.lane.gpu.reader_lock:
+            unchecked = await self._checks()
+        speedup: float | None = None
+        ci: tuple[float, float] | None = None
+        if self.gpu and self.v.config.timing:
+            t0 = time.monotonic()
+            async with self.lane.gpu.writer_lock:
+                self.details["timing_wait_s"] = round(time.monotonic() - t0, 3)
+                t0 = time.monotonic()
+                speedup, ci = await self._timing()
+            self.details["timing_s"] = round(time.monotonic() - t0, 3)
+        elif self.gpu:
+            unchecked.append("timing")
+        async with self.lane.gpu.reader_lock:
+            fin = await self.call({"cmd": "finish"})
+        self._integrity(fin, "after running")
+        if fin.get("threads"):
+            raise self.reject(Status.HACK, "a Python thread started by the candidate is still "
+                              "running", "thread")
+        self.details["native_threads"] = [fin.get("native_threads_at_load"),
+                                          fin.get("native_threads")]
+        return self.v._verdict(Status.CORRECT, None, max_rel_error=self.max_rel,
+                               speedup=speedup, speedup_ci=ci, details=self.details,
+                               unchecked=tuple(unchecked))
+
+    async def _checks(self) -> list[str]:
+        """Load, correctness and launch checks; returns what could not be checked."""
         p = self.p
         load = await self.call({"cmd": "load", "source": self.c.source,
                                 "builds": [_build_entry(b) for b in self.builds]},
@@ -544,24 +585,7 @@ class _Stage:
             await self._profile()
         else:
             unchecked += ["device_time_share", "streams", "timing"]
-        speedup: float | None = None
-        ci: tuple[float, float] | None = None
-        if self.gpu and self.v.config.timing:
-            t0 = time.monotonic()
-            speedup, ci = await self._timing()
-            self.details["timing_s"] = round(time.monotonic() - t0, 3)
-        elif self.gpu:
-            unchecked.append("timing")
-        fin = await self.call({"cmd": "finish"})
-        self._integrity(fin, "after running")
-        if fin.get("threads"):
-            raise self.reject(Status.HACK, "a Python thread started by the candidate is still "
-                              "running", "thread")
-        self.details["native_threads"] = [fin.get("native_threads_at_load"),
-                                          fin.get("native_threads")]
-        return self.v._verdict(Status.CORRECT, None, max_rel_error=self.max_rel,
-                               speedup=speedup, speedup_ci=ci, details=self.details,
-                               unchecked=tuple(unchecked))
+        return unchecked
 
     def _integrity(self, r: dict[str, Any], when: str) -> None:
         changed = [c for c in r.get("changed", []) if not c.startswith("torch.ops.")]

@@ -3,6 +3,7 @@ cheats it can catch without a GPU."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 import pytest
@@ -84,3 +85,23 @@ def test_cuda_compile_checked_without_gpu(cpu_verifier: Verifier) -> None:
     v = cpu_verifier.verify_sync(Problem(PROBLEMS["relu"]), Candidate(CUDA_HONEST["relu"], "cuda"))
     assert v.status is Status.UNCHECKED and v.check == "no_gpu", v.reason
     assert "compiles" in (v.reason or "") and "correctness" in v.unchecked
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+async def test_candidates_share_a_device_up_to_its_slots(slots: int) -> None:
+    # Checks of several candidates may overlap on one device (timing alone is exclusive);
+    # with one slot the second candidate waits for the first's whole stage.
+    from kz_stream.verify import VerifierConfig
+
+    problem = Problem(PROBLEMS["relu"])
+    async with Verifier(VerifierConfig(devices=[], candidates_per_gpu=slots)) as v:
+        await v.verify(problem, Candidate(TRITON_HONEST["relu"], "triton"))  # prepares it
+        both = await asyncio.gather(*(
+            v.verify(problem, Candidate(f"# sample {i}\n{TRITON_HONEST['relu']}", "triton"))
+            for i in range(2)))
+    assert [d.status for d in both] == [Status.CORRECT, Status.CORRECT]
+    waits = sorted(d.details["gpu_wait_s"] for d in both)
+    if slots == 2:
+        assert waits[1] < 0.05, waits
+    else:
+        assert waits[0] < 0.05 and waits[1] >= min(d.details["seconds"] for d in both) / 4, waits
