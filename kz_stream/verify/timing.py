@@ -63,7 +63,7 @@ def timing_set_count(input_bytes: int, l2_bytes: int, *, cap_bytes: int = 4 << 3
 
 def timed_calls(
     fn: Callable[[Sequence[Any]], Any], input_sets: Sequence[Sequence[Any]], n: int,
-    flush: L2Flusher, *, start: int = 0, keep: Collection[int] = (),
+    flush: Callable[[], None], *, start: int = 0, keep: Collection[int] = (),
 ) -> tuple[Samples, dict[int, Any]]:
     """Times ``n`` calls of ``fn`` rotating through ``input_sets``; returns the samples and
     the outputs of the calls whose index (counted from ``start``) is in ``keep``."""
