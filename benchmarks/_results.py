@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -111,3 +112,12 @@ def render_docs() -> None:
 
 if __name__ == "__main__":
     render_docs()
+
+
+def main_or_from_raw(main: Callable[[], None], write: Callable[[dict[str, Any]], None]) -> None:
+    """Runs a benchmark's ``main``, or with ``--from-raw FILE`` writes the result files from
+    the raw figures a run elsewhere (the GPU host) saved."""
+    if len(sys.argv) > 2 and sys.argv[1] == "--from-raw":
+        write(json.loads(Path(sys.argv[2]).read_text()))
+    else:
+        main()

@@ -237,7 +237,6 @@ def write(raw: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--from-raw":
-        write(json.loads(Path(sys.argv[2]).read_text()))
-    else:
-        main()
+    from benchmarks._results import main_or_from_raw
+
+    main_or_from_raw(main, write)

@@ -301,21 +301,6 @@ _PLAIN_TARG = re.compile(
 _DISPATCH_TYPES = {"AT_DISPATCH_FLOATING_TYPES": ("float", "double")}
 
 
-def _split_targs(text: str) -> list[str]:
-    args, depth, cur = [], 0, ""
-    for ch in text:
-        if ch == "<":
-            depth += 1
-        elif ch == ">":
-            depth -= 1
-        if ch == "," and depth == 0:
-            args.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    return [*args, cur.strip()] if cur.strip() else args
-
-
 def _template_instances(kernels: Sequence[str], host: str, constants: set[str]
                         ) -> list[str] | None:
     """``NAME<ARGS>`` for every template kernel instance the host code uses, with
@@ -328,7 +313,7 @@ def _template_instances(kernels: Sequence[str], host: str, constants: set[str]
         if not uses:
             return None  # launched in a way we do not see (a pointer, a macro)
         for targs in uses:
-            args = _split_targs(targs)
+            args = _split_params(targs)  # splits at top-level commas as for parameters
             expansions = [args]
             if any(re.search(r"\bscalar_t\b", a) for a in args):
                 if not dispatch or not dispatch <= _DISPATCH_TYPES.keys():
