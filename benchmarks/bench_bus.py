@@ -234,10 +234,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         "are for information (no baseline)."
     )
     write_result("bus", command.strip(), metrics, notes=notes)
-    for name, m in metrics.items():
-        ratio = f"  ratio {m['ratio']:.2f}" if m.get("ratio") else ""
-        base = f"  baseline {m['baseline']:,.0f}" if m.get("baseline") else ""
-        print(f"{name:32s} {m['value']:>12,.0f} {m['unit']}{base}{ratio}")
     print(f"total {time.perf_counter() - t0:.1f}s")
 
 

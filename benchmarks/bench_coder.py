@@ -383,13 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{lb[2]:.2f}, after {la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f} on 2 shared cores."
     )
     command = "python -m benchmarks.bench_coder " + " ".join(argv or sys.argv[1:])
-    path = write_result("coder", command.strip(), metrics, notes=notes, out_dir=args.out)
-    print(f"results: {path}")
-    for name, m in metrics.items():
-        print(
-            f"{name}: {m['value']:.2f} {m['unit']}"
-            + (f" (ratio {m['ratio']:.3f})" if m["ratio"] else "")
-        )
+    write_result("coder", command.strip(), metrics, notes=notes, out_dir=args.out)
     return 0
 
 

@@ -172,11 +172,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "files; concurrency C vs. one request at a time."
     )
     write_result("generation", command.strip(), metrics, notes=notes)
-    for name, m in metrics.items():
-        print(
-            f"{name}: {m['value']:.2f} {m['unit']}"
-            + (f" (ratio {m['ratio']:.2f})" if m["ratio"] else "")
-        )
     return 0
 
 

@@ -59,13 +59,12 @@ from kz_stream.infra import LocalBroker, LocalPostgres
 from kz_stream.projections import KernelsProjection
 from kz_stream.store import upgrade
 from kz_stream.store._schema import EVENT_COLUMNS
-from kz_stream.store._sql import _page_query
+from kz_stream.store._sql import _COPY_TYPES, _page_query
 
 GROUP = "kz-recorder"  # consumers.recorder.Recorder.group
 TOPIC_KEYS = ("modules", "kernels", "verdicts", "frontier", "policy")
 MAX_BATCH = 5000  # what the recorder asks the bus for
-COPY_TYPES = ["uuid", "text", "int4", "text", "int8", "timestamptz", "text", "text", "uuid",
-              "jsonb"]
+COPY_TYPES = list(_COPY_TYPES)  # the store's own COPY column types, for the raw baseline
 RAW_COPY = f"COPY events_raw ({', '.join(EVENT_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
 RAW_TRACK = (
     "INSERT INTO tracking_raw (name, key, position) VALUES (%s, %s, %s) "
@@ -463,10 +462,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"average (1/5/15 min) {load_before} before, {load_after} after: the 2 cores are "
         "shared with other work, so rates move with it; the CPU per event moves less."
     )
-    for name, m in metrics.items():
-        ratio = f"  ratio {m['ratio']:.2f}" if m.get("ratio") else ""
-        base = f"  baseline {m['baseline']:,.1f}" if m.get("baseline") else ""
-        print(f"{name:44s} {m['value']:>10,.1f} {m['unit']}{base}{ratio}")
     print(f"total {time.perf_counter() - t0:.0f} s; load {load_after}")
     if not args.dry_run:
         write_result("recorder", command.strip(), metrics, notes=notes)

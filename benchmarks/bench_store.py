@@ -39,9 +39,9 @@ from kz_stream.infra import LocalPostgres
 from kz_stream.projections import KernelsProjection, rebuild
 from kz_stream.store import SqlEventStore, upgrade
 from kz_stream.store._schema import EVENT_COLUMNS
+from kz_stream.store._sql import _COPY_TYPES
 
-COPY_TYPES = ["uuid", "text", "int4", "text", "int8", "timestamptz", "text", "text", "uuid",
-              "jsonb"]
+COPY_TYPES = list(_COPY_TYPES)  # the store's own COPY column types, for the raw baseline
 SOURCE_LINE = "    y = torch.relu(x @ self.weight.t() + self.bias)  # fused later\n"
 
 

@@ -1,7 +1,8 @@
 """Timing stability of the verifier's timing loop, for the A/A investigation (GPU only).
 
 The A/A benchmark showed systematic per-process biases of up to +-48% on GEMM and
-layer-norm modules, and one module's GEMM timed 0.069 and 0.116 ms on two sets of buffers
+layer-norm modules (benchmarks/results/raw/verifier_2026-11-29.json), and in a diagnostic
+run (log not kept) one GEMM timed 0.069 and 0.116 ms on two sets of buffers
 in one process. This measures, per module, the spread (max - min) / min of the median
 event time over K independent sets of model and input buffers, in one process and in K
 fresh processes, for two L2 flushes:
@@ -97,7 +98,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
-    raw: dict[str, Any] = {}
+    raw: dict[str, Any] = {
+        "_command": "python -m benchmarks.bench_timing " + " ".join(sys.argv[1:])}
     for name in args.modules.split(","):
         for kind in ("zero", "read"):
             with ctx.Pool(1) as pool:
@@ -132,7 +134,7 @@ def write(raw: dict[str, Any]) -> None:
             max(read), "fraction (max over modules)", max(zero))
         m[f"median_spread_{scope}_read_flush"] = metric(
             statistics.median(read), "fraction (median over modules)", statistics.median(zero))
-    write_result("timing", "python -m benchmarks.bench_timing", m,
+    write_result("timing", raw.get("_command", "python -m benchmarks.bench_timing"), m,
                  notes="spread (max-min)/min of a module's median event time over independent "
                        "buffer sets; baseline: the zeroing L2 flush, same run; modules: "
                        + ", ".join(names), machine=raw.get("_machine"))

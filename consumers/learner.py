@@ -107,16 +107,25 @@ class LearnerService(Service):
         )
 
     async def _follow(self) -> None:
-        ticker = asyncio.create_task(self._tick())
+        # The ticker and the tail run side by side; a failure in either stops both and is
+        # raised (a ticker that died quietly would stop timed training for good).
+        both = {asyncio.create_task(self._tick()), asyncio.create_task(self._tail())}
         try:
-            await self._act()
-            async for batch in self.ctx.store.tail(
-                self.state.position, poll_interval=self.config.poll_interval
-            ):
-                self.state.apply_all(batch)
-                await self._act()
+            done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
         finally:
-            ticker.cancel()
+            for task in both:
+                task.cancel()
+            await asyncio.gather(*both, return_exceptions=True)
+
+    async def _tail(self) -> None:
+        await self._act()
+        async for batch in self.ctx.store.tail(
+            self.state.position, poll_interval=self.config.poll_interval
+        ):
+            self.state.apply_all(batch)
+            await self._act()
 
     async def _tick(self) -> None:
         """Acts without new events too: groups time out, and the frontier has a cadence."""

@@ -132,9 +132,11 @@ class VerifierService(Service):
     async def verify_batch(self, batch: Sequence[BusMessage]) -> None:
         """Verifies a batch concurrently (the pool bounds the parallelism), then commits the
         verdicts and the offsets after the batch in one transaction."""
-        kernels = [
-            m.event for m in batch if m.event is not None and m.event.type == "KernelGenerated"
-        ]
+        # One verification per kernel event, even if a producer's retry delivered it twice.
+        kernels = list({
+            m.event.event_id: m.event
+            for m in batch if m.event is not None and m.event.type == "KernelGenerated"
+        }.values())
         verdicts = await asyncio.gather(*(self._verify_one(e) for e in kernels))
         await self.ctx.store.append(verdicts, tracking={self.group: offsets_after(batch)})
         await self.ctx.bus.publish_many(self.ctx.settings.topics.verdicts, verdicts)

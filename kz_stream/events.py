@@ -18,11 +18,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any, ClassVar, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# One enum for verdicts: the verify core's, which imports only the standard library (the
+# core runs on GPU hosts without pydantic).
+from kz_stream.verify._types import Status as VerdictStatus
 
 __all__ = [
     "EVENT_TYPES",
@@ -116,17 +119,6 @@ class KernelGenerated(Payload):
     sampling: dict[str, Any] = Field(default_factory=dict)
     policy_version: int = 0
     completion: Completion | None = None
-
-
-class VerdictStatus(StrEnum):
-    CORRECT = "correct"
-    INCORRECT = "incorrect"
-    COMPILE_ERROR = "compile_error"
-    RUNTIME_ERROR = "runtime_error"
-    TIMEOUT = "timeout"
-    OUT_OF_MEMORY = "out_of_memory"
-    HACK = "hack"
-    UNCHECKED = "unchecked"  # the verifier could not run this check here (e.g. no GPU)
 
 
 class KernelVerified(Payload):

@@ -50,12 +50,14 @@ import os
 import shutil
 import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from accelerate.utils import gather_object
 from datasets import Dataset
 from peft import LoraConfig, PeftModel
 from transformers import (
@@ -586,8 +588,11 @@ class GRPOLearner:
         total = 0.0
         try:
             for i in range(k):
-                t.accelerator.gradient_state._set_sync_gradients(i == k - 1)
-                loss = t.training_step(t.model_wrapped, inputs, None)  # type: ignore[no-untyped-call]
+                last = i == k - 1
+                t.accelerator.gradient_state._set_sync_gradients(last)
+                # Data parallel: all-reduce gradients once, on the last micro-step.
+                with nullcontext() if last else t.accelerator.no_sync(t.model_wrapped):
+                    loss = t.training_step(t.model_wrapped, inputs, None)  # type: ignore[no-untyped-call]
                 total += float(loss)
             grad_norm = self._apply_gradients()
         except BaseException:
@@ -646,7 +651,10 @@ class GRPOLearner:
     def _result(
         self, batch: TrainingBatch, *, trained: bool, losses: dict[str, float]
     ) -> StepResult:
-        rewards = dict(self.reward.last) if trained else {}
+        rewards: dict[str, float] = {}
+        if trained:  # each process scored its own slice of the batch
+            for part in gather_object([self.reward.last]):
+                rewards.update(part)
         self.reward.last = {}
         return StepResult(
             role=self.role,

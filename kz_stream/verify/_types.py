@@ -13,7 +13,7 @@ Backend = Literal["cuda", "triton"]
 
 
 class Status(StrEnum):
-    """Verdict status; the values equal ``kz_stream.events.VerdictStatus``."""
+    """Verdict status (``kz_stream.events.VerdictStatus`` is this enum)."""
 
     CORRECT = "correct"
     INCORRECT = "incorrect"
@@ -22,7 +22,7 @@ class Status(StrEnum):
     TIMEOUT = "timeout"
     OUT_OF_MEMORY = "out_of_memory"
     HACK = "hack"
-    UNCHECKED = "unchecked"
+    UNCHECKED = "unchecked"  # the verifier could not run this check here (e.g. no GPU)
 
 
 def sha256(text: str) -> str:

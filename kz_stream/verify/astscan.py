@@ -12,6 +12,7 @@ and the profiler) back this up where static analysis cannot see.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -401,6 +402,7 @@ def _string_constants(tree: ast.AST) -> list[str]:
 # ---- public entry points -----------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)  # a group brings many candidates per problem
 def reference_ops(reference_source: str) -> frozenset[str]:
     """Canonical names of the compute ops a reference module calls (statically)."""
     try:

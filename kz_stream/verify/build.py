@@ -40,6 +40,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
+from kz_stream.verify._types import VERIFIER_VERSION
+
 __all__ = [
     "BuildResult",
     "Builder",
@@ -94,19 +96,29 @@ class InlineCall:
         )
 
     @property
+    def module_name(self) -> str:
+        """The extension's module (and ``.so``) name in the ``load_inline`` layout."""
+        return re.sub(r"\W", "_", self.name) or "ext"
+
+    @property
     def key(self) -> str:
         h = hashlib.sha256()
-        for part in (self.cpp_sources, self.cuda_sources, self.functions, self.extra_cflags,
+        # The name too: the load_inline layout compiles it in and names the module by it.
+        for part in (self.name, self.cpp_sources, self.cuda_sources, self.functions,
+                     self.extra_cflags,
                      self.extra_cuda_cflags, self.extra_ldflags, self.extra_include_paths):
             h.update(repr(part).encode())
         return h.hexdigest()
 
 
-_LOAD_INLINE_PARAMS = ("name", "cpp_sources", "cuda_sources", "functions", "extra_cflags",
+LOAD_INLINE_PARAMS = ("name", "cpp_sources", "cuda_sources", "functions", "extra_cflags",
                        "extra_cuda_cflags", "extra_ldflags", "extra_include_paths")
 
 
-class _ConstEnv(ast.NodeVisitor):
+_UNKNOWN = object()
+
+
+class _ConstEnv:
     """Module-level names bound to values computable from literals alone."""
 
     def __init__(self) -> None:
@@ -115,7 +127,7 @@ class _ConstEnv(ast.NodeVisitor):
     def value(self, node: ast.AST) -> Any:
         if isinstance(node, ast.Constant):
             return node.value
-        if isinstance(node, ast.Name) and node.id in self.env:
+        if isinstance(node, ast.Name) and self.env.get(node.id, _UNKNOWN) is not _UNKNOWN:
             return self.env[node.id]
         if isinstance(node, ast.List | ast.Tuple):
             return [self.value(e) for e in node.elts]
@@ -139,14 +151,31 @@ class _ConstEnv(ast.NodeVisitor):
             return str(self.value(node.func.value)).join(self.value(node.args[0]))
         raise ValueError(f"not a constant: {ast.dump(node)[:80]}")
 
-    def visit_Assign(self, node: ast.Assign) -> None:
-        try:
-            v = self.value(node.value)
-        except (ValueError, TypeError, KeyError):
-            return
-        for t in node.targets:
-            if isinstance(t, ast.Name):
+    def bind(self, stmt: ast.stmt) -> None:
+        """Applies one top-level statement: a plain assignment of a computable value binds
+        its names; any other binding of a name (``+=``, a loop, an import, a non-constant
+        value) makes it unknown, so an argument using it sends the caller to recording."""
+        if isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets):
+            try:
+                v = self.value(stmt.value)
+            except (ValueError, TypeError, KeyError):
+                v = _UNKNOWN
+            for t in stmt.targets:
+                assert isinstance(t, ast.Name)
                 self.env[t.id] = v
+            return
+        if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            # Its body's names are its own, except those it declares global.
+            self.env[stmt.name] = _UNKNOWN
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Global):
+                    self.env.update(dict.fromkeys(node.names, _UNKNOWN))
+            return
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
+                self.env[node.id] = _UNKNOWN
+            elif isinstance(node, ast.alias):
+                self.env[(node.asname or node.name).split(".")[0]] = _UNKNOWN
 
 
 def _is_load_inline(func: ast.expr) -> bool:
@@ -164,20 +193,20 @@ def extract_inline_calls(source: str) -> list[InlineCall] | None:
     except SyntaxError:
         return None
     consts = _ConstEnv()
-    for stmt in tree.body:  # only top-level bindings: what runs before the call
-        consts.visit(stmt)
+    for stmt in tree.body:  # top-level bindings (a function's locals are not visible)
+        consts.bind(stmt)
     calls: list[InlineCall] = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and _is_load_inline(node.func)):
             continue
         kwargs: dict[str, Any] = {}
         try:
-            for param, arg in zip(_LOAD_INLINE_PARAMS, node.args, strict=False):
+            for param, arg in zip(LOAD_INLINE_PARAMS, node.args, strict=False):
                 kwargs[param] = consts.value(arg)
             for kw in node.keywords:
                 if kw.arg is None:
                     return None
-                if kw.arg in _LOAD_INLINE_PARAMS:
+                if kw.arg in LOAD_INLINE_PARAMS:
                     kwargs[kw.arg] = consts.value(kw.value)
         except (ValueError, TypeError, KeyError):
             return None
@@ -194,8 +223,8 @@ def record_inline_calls(source: str) -> list[dict[str, Any]]:
     recorded: list[dict[str, Any]] = []
 
     def fake(*args: Any, **kwargs: Any) -> Any:
-        kw = dict(zip(_LOAD_INLINE_PARAMS, args, strict=False))
-        kw.update({k: v for k, v in kwargs.items() if k in _LOAD_INLINE_PARAMS})
+        kw = dict(zip(LOAD_INLINE_PARAMS, args, strict=False))
+        kw.update({k: v for k, v in kwargs.items() if k in LOAD_INLINE_PARAMS})
         recorded.append(kw)
 
         def missing(*_: Any, **__: Any) -> Any:
@@ -578,8 +607,10 @@ class BuildResult:
     attempts: list[str] = field(default_factory=list)
 
     def manifest(self) -> dict[str, Any]:
-        return {"layout": self.layout, "path": self.path, "namespace": self.namespace,
-                "functions": list(self.functions), "name": self.call.name}
+        """What a worker needs to hand the candidate this build instead of compiling."""
+        return {"key": self.call.key, "name": self.call.name, "layout": self.layout,
+                "path": self.path, "namespace": self.namespace,
+                "functions": list(self.functions), "mod_name": self.call.module_name}
 
 
 class Builder:
@@ -726,7 +757,8 @@ class Builder:
     async def build(self, call: InlineCall) -> BuildResult:
         """Builds (or compile-checks) one call; identical calls in flight share one build."""
         key = hashlib.sha256(
-            f"{call.key}{self.toolchain.fingerprint}{self.link}{self.fast}".encode()).hexdigest()
+            f"{call.key}{self.toolchain.fingerprint}{self.link}{self.fast}{VERIFIER_VERSION}"
+            .encode()).hexdigest()
         if key in self._inflight:
             return await asyncio.shield(self._inflight[key])
         fut: asyncio.Future[BuildResult] = asyncio.get_running_loop().create_future()
@@ -773,7 +805,9 @@ class Builder:
                     if path is not None:
                         final = str(entry / os.path.basename(path))
                         shutil.move(path, final)
-                    done.write_text(f"{layout}\n{ns or ''}\n{final or ''}")
+                    tmp = done.with_suffix(f".tmp-{os.getpid()}")
+                    tmp.write_text(f"{layout}\n{ns or ''}\n{final or ''}")
+                    os.replace(tmp, done)  # another builder sharing the cache reads it whole
                     return BuildResult(True, call, layout, final, ns, call.functions, log,
                                        time.monotonic() - started, False, attempts)
                 if layout == "single" and _errors_within(log, span):
@@ -799,7 +833,7 @@ class Builder:
 
     async def _build_inline(self, call: InlineCall, work: Path
                             ) -> tuple[bool, str, str | None, str | None]:
-        name = re.sub(r"\W", "_", call.name) or "ext"
+        name = call.module_name
         main_src, cu_src = self._inline_units(call)
         (work / "main.cpp").write_text(main_src)
         jobs = [self._run([self.toolchain.cxx, *self._cxx_flags(call, name), "-c", "main.cpp",

@@ -63,12 +63,6 @@ def flatten(value: Any) -> list[Any]:
     return [value]
 
 
-def as_tensor(value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    return torch.as_tensor(value)
-
-
 def _same_class(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise: both NaN, or both equal infinities, or both finite."""
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)

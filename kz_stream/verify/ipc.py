@@ -107,7 +107,6 @@ class Child:
                 cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=work, env=e,
                 pass_fds=(child_sock.fileno(),), start_new_session=True)
         child_sock.close()
-        self.started = time.monotonic()
         self.ready: dict[str, Any] | None = None
         self.start_timeout_s = start_timeout_s
 

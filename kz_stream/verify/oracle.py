@@ -1,7 +1,7 @@
-"""The oracle: a persistent process per device that holds reference modules. It draws the
-input sets from the verifier's secret seeds, computes the float64 expected outputs and the
-honest same-precision outputs the tolerances are calibrated on, and times the reference
-for the interleaved timing rounds. Candidates never run here.
+"""The oracle: a persistent process per device that evaluates reference modules. It draws
+the input sets from the verifier's secret seeds, and computes the float64 expected outputs
+and the honest same-precision outputs the tolerances are calibrated on. (The reference is
+timed in a worker set up like a candidate's, not here.) Candidates never run here.
 
 Run as ``python -m kz_stream.verify.oracle <fd> <device>``.
 """
@@ -11,14 +11,12 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from torch import nn
 
 from kz_stream.verify.compare import calibrate, flatten, unstable_limit
 from kz_stream.verify.inputs import (
@@ -40,30 +38,13 @@ from kz_stream.verify.reference import (
     run,
     strict_precision,
 )
-from kz_stream.verify.timing import L2Flusher, timed_calls
-
-_CACHE = 4  # reference problems kept loaded
-
-
-class Loaded:
-    """A reference problem held by the oracle."""
-
-    def __init__(self, ref: ReferenceModule, model: nn.Module) -> None:
-        self.ref = ref
-        self.model = model
-        self.timing_sets: list[list[Any]] = []
-        self.flusher: L2Flusher | None = None
 
 
 class Oracle:
+    """Evaluates reference problems: input sets, float64 expected outputs, tolerances."""
+
     def __init__(self, device: str) -> None:
         self.device = device
-        self.problems: OrderedDict[str, Loaded] = OrderedDict()
-
-    def _get(self, key: str) -> Loaded:
-        p = self.problems[key]
-        self.problems.move_to_end(key)
-        return p
 
     def prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Input sets, expected and honest outputs, tolerances and cost figures."""
@@ -116,9 +97,6 @@ class Oracle:
         except Exception:
             out = model(*own_args)
         moved = nbytes(own_args) + nbytes(flatten(out))
-        self.problems[key] = Loaded(ref, model)
-        while len(self.problems) > _CACHE:
-            self.problems.popitem(last=False)
         return {"ok": True, "sets": sets, "specs": [asdict(s) for s in specs],
                 "ref_ops": sorted(oplog.ops), "flops": flops, "bytes": moved,
                 "input_bytes": nbytes(own_args), "weight_seed": weight_seed,
@@ -153,39 +131,6 @@ class Oracle:
             "unstable": unstable,
         }
 
-    def time_setup(self, msg: dict[str, Any]) -> dict[str, Any]:
-        p = self._get(str(msg["key"]))
-        specs = [InputSpec(**s) for s in msg["specs"]]
-        plan = InputPlan("timing", "normal")
-        p.timing_sets = [make_inputs(specs, plan, int(msg["seed"]) + i, device=self.device)
-                         for i in range(int(msg["sets"]))]
-        p.flusher = L2Flusher(torch.device(self.device))
-        outputs = []
-        with torch.no_grad():
-            for args in p.timing_sets:
-                outputs.append([o.detach().to("cpu") if isinstance(o, torch.Tensor) else o
-                                for o in flatten(p.model(*args))])
-        torch.cuda.synchronize()
-        return {"ok": True, "outputs": outputs, "l2_bytes": p.flusher.l2_bytes}
-
-    def time(self, msg: dict[str, Any]) -> dict[str, Any]:
-        p = self._get(str(msg["key"]))
-        assert p.flusher is not None
-
-        def call(args: Any) -> Any:
-            with torch.no_grad():
-                return p.model(*args)
-
-        samples, _ = timed_calls(call, p.timing_sets, int(msg["calls"]), p.flusher,
-                                 start=int(msg.get("start", 0)))
-        return {"ok": True, "event_ms": samples.event_ms, "host_ms": samples.host_ms}
-
-    def drop(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self.problems.pop(str(msg["key"]), None)
-        if self.device != "cpu":
-            torch.cuda.empty_cache()
-        return {"ok": True}
-
 
 def main() -> None:
     conn = Connection(int(sys.argv[1]))
@@ -204,8 +149,7 @@ def main() -> None:
           write_roots=(os.environ.get("KZ_PRIVATE_DIR", os.getcwd()), "/dev/shm")).install()
     oracle = Oracle(device)
     handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-        "prepare": oracle.prepare, "time_setup": oracle.time_setup, "time": oracle.time,
-        "drop": oracle.drop,
+        "prepare": oracle.prepare,
     }
     send(conn, {"ready": True, "pid": os.getpid(), "device": device})
     while True:

@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import re
 import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import aiorwlock
@@ -111,8 +110,13 @@ class Prepared:
     input_bytes: int
     weight_seed: int
     own_model_key: str
+    init_args: list[Any]
     notes: list[str]
-    timing_outputs: dict[int, list[Any]] = field(default_factory=dict)
+
+    def state_dict(self, model_key: str) -> dict[str, Any] | None:
+        """The weights of the model built with ``model_key``'s init args (sent once)."""
+        return next((s["state_dict"] for s in self.sets if s["model_key"] == model_key
+                     and s.get("state_dict") is not None), None)
 
 
 class _Lane:
@@ -129,18 +133,20 @@ class _Lane:
         self.v = verifier
         self.index = index
         self.device = "cpu" if index is None else "cuda"
+        self.l2_bytes = (torch.cuda.get_device_properties(index).L2_cache_size
+                         if index is not None else 60 << 20)
         self.gpu = aiorwlock.RWLock()
         self.slots = asyncio.Semaphore(verifier.config.candidates_per_gpu)
         self.oracle_lock = asyncio.Lock()
         self.oracle: Child | None = None
         self.spares: list[Child] = []
-        self.oracle_keys: set[str] = set()
-        self.timing_keys: dict[str, int] = {}
         self.busy = 0
         # A worker running the reference for timing: set up exactly like a candidate's
         # (same process kind, isolation and warm-up), so the two sides differ only in the
-        # module they run. Kept per problem (a few, least recently used dropped).
-        self.ref_workers: OrderedDict[tuple[str, int], Child] = OrderedDict()
+        # module they run. Kept per problem (a few, least recently used dropped), with the
+        # reference's outputs on its timing sets.
+        self.ref_workers: OrderedDict[tuple[str, int], tuple[Child, list[list[Any]]]] = (
+            OrderedDict())
 
     def _env(self, fraction: float) -> dict[str, str]:
         env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),
@@ -154,8 +160,9 @@ class _Lane:
                      env=self._env(self.v.config.worker_memory_fraction),
                      isolate=True, strong=self.v.config.strong_isolation)
 
-    async def take_worker(self) -> Child:
-        """A started worker (the pre-started spare if there is one); starts the next."""
+    async def take_worker(self, *, fill: bool = True) -> Child:
+        """A started worker (the pre-started spare if there is one); starts the next unless
+        ``fill`` is false."""
         child = self.spares.pop(0) if self.spares else None
         if child is None or not child.alive:
             if child is not None:
@@ -172,7 +179,8 @@ class _Lane:
                 await asyncio.to_thread(child.wait_ready)
             else:
                 raise e
-        self.fill_spares()
+        if fill:
+            self.fill_spares()
         return child
 
     def fill_spares(self) -> None:
@@ -187,56 +195,51 @@ class _Lane:
             self.oracle = Child("kz_stream.verify.oracle", [self.device],
                                 env=self._env(self.v.config.oracle_memory_fraction),
                                 isolate=True, strong=False)
-            self.oracle_keys.clear()
-            self.timing_keys.clear()
         oracle = self.oracle
         try:
             return await asyncio.to_thread(oracle.call, msg, timeout_s)
         except (ChildDied, ChildTimeout):
-            self.oracle_keys.clear()
-            self.timing_keys.clear()
             self.oracle = None
             raise
 
     async def reference_timer(self, p: Prepared, n_sets: int, seed: int,
                               timeout_s: float) -> tuple[Child, list[list[Any]]]:
         """The reference worker for ``p``, with its timing sets ready; and the reference's
-        outputs on those sets (for checking the candidate's timed outputs)."""
+        outputs on those sets (for checking the candidate's timed outputs). Runs under the
+        exclusive timing lock, so it starts no spare workers (their start-up is GPU work)."""
         key = (p.key, n_sets)
         held = self.ref_workers.get(key)
-        if held is not None and held.alive:
+        if held is not None and held[0].alive:
             self.ref_workers.move_to_end(key)
-            return held, list(p.timing_outputs.values())
+            return held
         if held is not None:
-            await asyncio.to_thread(held.kill)
+            await asyncio.to_thread(held[0].kill)
             del self.ref_workers[key]
         while len(self.ref_workers) >= self.v.config.reference_workers:
-            _, old = self.ref_workers.popitem(last=False)
+            _, (old, _) = self.ref_workers.popitem(last=False)
             await asyncio.to_thread(old.kill)
-        child = await self.take_worker()
-        source = p.source + "\n\nModelNew = Model\n"
-        init = next(s["init_args"] for s in p.sets if s["model_key"] == p.own_model_key)
-        sd = next((s["state_dict"] for s in p.sets if s["model_key"] == p.own_model_key
-                   and s.get("state_dict") is not None), None)
+        child = await self.take_worker(fill=False)
         steps: list[dict[str, Any]] = [
-            {"cmd": "load", "source": source, "builds": []},
-            {"cmd": "model", "key": p.own_model_key, "init_args": init,
-             "weight_seed": p.weight_seed, "state_dict": sd},
+            {"cmd": "load", "source": p.source + "\n\nModelNew = Model\n", "builds": []},
+            {"cmd": "model", "key": p.own_model_key, "init_args": p.init_args,
+             "weight_seed": p.weight_seed, "state_dict": p.state_dict(p.own_model_key)},
             {"cmd": "time_setup", "specs": p.specs, "seed": seed, "sets": n_sets,
              "model": p.own_model_key, "return_outputs": True},
         ]
         r: dict[str, Any] = {}
-        for msg in steps:
-            r = await asyncio.to_thread(child.call, msg, timeout_s)
-            if not r.get("ok"):
-                child.kill()
-                raise RuntimeError(f"reference timing worker: {r.get('message')}")
-        p.timing_outputs = dict(enumerate(r["outputs"]))
-        self.ref_workers[key] = child
-        return child, r["outputs"]
+        try:
+            for msg in steps:
+                r = await asyncio.to_thread(child.call, msg, timeout_s)
+                if not r.get("ok"):
+                    raise RuntimeError(f"reference timing worker: {r.get('message')}")
+        except BaseException:
+            child.kill()
+            raise
+        self.ref_workers[key] = (child, r["outputs"])
+        return self.ref_workers[key]
 
     def close(self) -> None:
-        for c in (self.oracle, *self.spares, *self.ref_workers.values()):
+        for c in (self.oracle, *self.spares, *(c for c, _ in self.ref_workers.values())):
             if c is not None:
                 try:
                     c.call({"cmd": "exit"}, 5) if c.alive and c.ready else None
@@ -331,9 +334,8 @@ class Verifier:
         return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
     def _verdict(self, status: Status, reason: str | None = None, **kw: Any) -> Verdict:
-        hw = dict(manifest())
-        hw["mode"] = "gpu" if self.gpu else "cpu"
-        return Verdict(status, reason, verifier_version=VERIFIER_VERSION, hardware=hw, **kw)
+        return Verdict(status, reason, verifier_version=VERIFIER_VERSION,
+                       hardware=self.manifest(), **kw)
 
     async def verify(self, problem: Problem, candidate: Candidate) -> Verdict:
         """Checks ``candidate`` against ``problem`` and returns the verdict."""
@@ -345,10 +347,7 @@ class Verifier:
         except _Reject as r:
             verdict = r.verdict
         details["seconds"] = round(time.monotonic() - started, 3)
-        merged = {**details, **verdict.details}
-        return Verdict(verdict.status, verdict.reason, verdict.check, verdict.input_index,
-                       verdict.max_rel_error, verdict.speedup, verdict.speedup_ci,
-                       verdict.verifier_version, verdict.hardware, merged, verdict.unchecked)
+        return replace(verdict, details={**details, **verdict.details})
 
     async def _verify(self, problem: Problem, candidate: Candidate,
                       details: dict[str, Any]) -> Verdict:
@@ -421,40 +420,44 @@ class Verifier:
 
     async def _prepare(self, lane: _Lane, problem: Problem) -> Prepared | Verdict:
         key = problem.key
-        lock = self._prepare_locks.setdefault(f"{key}:{id(lane)}", asyncio.Lock())
-        async with lock:
-            cached = self._prepared.get(key)
-            if cached is not None and key in lane.oracle_keys:
-                self._prepared.move_to_end(key)
-                return cached
-            seed = self._seed(key)
-            msg = {"cmd": "prepare", "source": problem.source, "key": key, "seed": seed,
-                   "small_only": not self.gpu}
-            try:
-                async with lane.oracle_lock, lane.gpu.reader_lock:
-                    r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
-            except (ChildDied, ChildTimeout) as e:
-                return self._verdict(Status.UNCHECKED, f"problem: the reference could not be "
-                                     f"evaluated ({e})", check="problem")
-            if not r.get("ok"):
-                return self._verdict(Status.UNCHECKED, f"problem: {r.get('message')}",
-                                     check="problem")
-            lane.oracle_keys.add(key)
-            lane.timing_keys.pop(key, None)
-            if cached is not None:
-                return cached
-            tols = [[Tolerance(**t) for t in s["tolerances"]] for s in r["sets"]]
-            prepared = Prepared(
-                key=key, source=problem.source, seed=seed, sets=r["sets"], tolerances=tols,
-                specs=r["specs"],
-                ref_ops=r["ref_ops"], static_ops=astscan.reference_ops(problem.source),
-                flops=int(r["flops"]), bytes=int(r["bytes"]), input_bytes=int(r["input_bytes"]),
-                weight_seed=int(r["weight_seed"]), own_model_key=str(r["own_model_key"]),
-                notes=list(r["notes"]))
-            self._prepared[key] = prepared
-            while len(self._prepared) > self.config.problem_cache:
-                self._prepared.popitem(last=False)
-            return prepared
+        lock = self._prepare_locks.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                return await self._prepare_locked(lane, problem)
+        finally:
+            if not lock.locked():  # a problem seen once must not hold a lock forever
+                self._prepare_locks.pop(key, None)
+
+    async def _prepare_locked(self, lane: _Lane, problem: Problem) -> Prepared | Verdict:
+        key = problem.key
+        cached = self._prepared.get(key)
+        if cached is not None:  # CPU tensors and figures: good for any device's lane
+            self._prepared.move_to_end(key)
+            return cached
+        seed = self._seed(key)
+        msg = {"cmd": "prepare", "source": problem.source, "key": key, "seed": seed,
+               "small_only": not self.gpu}
+        try:
+            async with lane.oracle_lock, lane.gpu.reader_lock:
+                r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
+        except (ChildDied, ChildTimeout) as e:
+            return self._verdict(Status.UNCHECKED, f"problem: the reference could not be "
+                                 f"evaluated ({e})", check="problem")
+        if not r.get("ok"):
+            return self._verdict(Status.UNCHECKED, f"problem: {r.get('message')}",
+                                 check="problem")
+        tols = [[Tolerance(**t) for t in s["tolerances"]] for s in r["sets"]]
+        prepared = Prepared(
+            key=key, source=problem.source, seed=seed, sets=r["sets"], tolerances=tols,
+            specs=r["specs"],
+            ref_ops=r["ref_ops"], static_ops=astscan.reference_ops(problem.source),
+            flops=int(r["flops"]), bytes=int(r["bytes"]), input_bytes=int(r["input_bytes"]),
+            weight_seed=int(r["weight_seed"]), own_model_key=str(r["own_model_key"]),
+            init_args=list(r["init_args"]), notes=list(r["notes"]))
+        self._prepared[key] = prepared
+        while len(self._prepared) > self.config.problem_cache:
+            self._prepared.popitem(last=False)
+        return prepared
 
     async def _gpu_stage(self, lane: _Lane, p: Prepared, candidate: Candidate,
                          builds: list[BuildResult], own_names: list[str],
@@ -542,6 +545,8 @@ class _Stage:
                 t0 = time.monotonic()
                 speedup, ci = await self._timing()
             self.details["timing_s"] = round(time.monotonic() - t0, 3)
+            async with self.lane.gpu.reader_lock:  # none were started while timing
+                self.lane.fill_spares()
         elif self.gpu:
             unchecked.append("timing")
         async with self.lane.gpu.reader_lock:
@@ -560,7 +565,7 @@ class _Stage:
         """Load, correctness and launch checks; returns what could not be checked."""
         p = self.p
         load = await self.call({"cmd": "load", "source": self.c.source,
-                                "builds": [_build_entry(b) for b in self.builds]},
+                                "builds": [b.manifest() for b in self.builds]},
                                self.v.config.load_timeout_s)
         self._integrity(load, "at load")
         self.own_names += load.get("triton_kernels", [])
@@ -568,12 +573,10 @@ class _Stage:
         for s in p.sets:
             if s["model_key"] in weights:
                 continue
-            sd = next((x["state_dict"] for x in p.sets
-                       if x["model_key"] == s["model_key"] and x.get("state_dict") is not None),
-                      None)
             r = await self.call({"cmd": "model", "key": s["model_key"],
                                  "init_args": s["init_args"], "weight_seed": p.weight_seed,
-                                 "state_dict": sd}, stage="construct")
+                                 "state_dict": p.state_dict(s["model_key"])},
+                                stage="construct")
             weights[s["model_key"]] = bool(r["weights_loaded"])
         self.details["weights_loaded"] = all(weights.values())
         launches = await self._correctness()
@@ -703,11 +706,11 @@ class _Stage:
 
     async def _timing(self) -> tuple[float, tuple[float, float]]:
         cfg, p, lane = self.v.config, self.p, self.lane
-        l2 = 60 << 20
-        n_sets = timing_set_count(p.input_bytes, l2)
+        n_sets = timing_set_count(p.input_bytes, lane.l2_bytes)
         seed = p.seed + 7
         try:
-            ref_worker, _ = await lane.reference_timer(p, n_sets, seed, cfg.load_timeout_s)
+            ref_worker, ref_outputs = await lane.reference_timer(p, n_sets, seed,
+                                                                 cfg.load_timeout_s)
         except (ChildDied, ChildTimeout, RuntimeError) as e:
             raise self.reject(Status.UNCHECKED, f"reference timing failed: {e}",
                               "problem") from e
@@ -785,11 +788,12 @@ class _Stage:
                               f"{floor:.4f} ms (bytes and FLOPs at H200 peak)", "physical_floor")
         # Timed calls' outputs must be right too (against the reference's, same inputs).
         s1 = next((i for i, s in enumerate(p.sets) if s["label"] == "normal"), 0)
-        for j, out in kept.items():
-            ref_out = p.timing_outputs[j % n_sets]
-            loose = [Tolerance(t.rel_norm * 2 + t.honest_rel_norm, t.atol * 2, t.rtol * 2,
+        loose_all = [Tolerance(t.rel_norm * 2 + t.honest_rel_norm, t.atol * 2, t.rtol * 2,
                                t.honest_rel_norm, t.dont_care_fraction)
                      for t in p.tolerances[s1]]
+        for j, out in kept.items():
+            ref_out = ref_outputs[j % n_sets]
+            loose = loose_all
             if len(loose) != len(ref_out):
                 loose = [loose[0]] * len(ref_out)
             cmp = compare_outputs(out, ref_out, ref_out, loose, self.dev)
@@ -815,12 +819,6 @@ def _ready_quietly(child: Child) -> None:
         child.wait_ready()
     except (ChildDied, ChildTimeout):
         pass  # a spare that fails to start is replaced when it is taken
-
-
-def _build_entry(b: BuildResult) -> dict[str, Any]:
-    return {"key": b.call.key, "name": b.call.name, "layout": b.layout, "path": b.path,
-            "namespace": b.namespace, "functions": list(b.functions),
-            "mod_name": re.sub(r"\W", "_", b.call.name) or "ext"}
 
 
 def _is_own(kernel: str, names: Sequence[str]) -> bool:

@@ -44,11 +44,8 @@ class State:
     def __init__(self, device: str) -> None:
         self.device = device
         self.cuda = device != "cpu"
-        self.module: ModuleType | None = None
-        self.model: torch.nn.Module | None = None
         self.models: dict[str, torch.nn.Module] = {}
         self.model_cls: Any = None
-        self.weights_loaded: dict[str, bool] = {}
         self.kernels: dict[str, Any] = {}  # Triton kernel objects by name
         self.launches: dict[str, int] = {}
         self.disabled: set[str] = set()
@@ -109,8 +106,6 @@ def _precision_flags() -> dict[str, Any]:
     }
 
 
-_STRICT_FLAGS: dict[str, Any] = {}
-
 
 # ---- extension loading ---------------------------------------------------------------------
 
@@ -132,20 +127,18 @@ def _install_prebuilt(builds: list[dict[str, Any]]) -> None:
 
     import torch.utils.cpp_extension as cpp_ext
 
-    from kz_stream.verify.build import InlineCall
+    from kz_stream.verify.build import LOAD_INLINE_PARAMS, InlineCall
 
     by_key = {b["key"]: b for b in builds}
-    by_name = {b["name"]: b for b in builds}
 
     def load_inline(*args: Any, **kwargs: Any) -> Any:
-        names = ("name", "cpp_sources", "cuda_sources", "functions", "extra_cflags",
-                 "extra_cuda_cflags", "extra_ldflags", "extra_include_paths")
-        kw = dict(zip(names, args, strict=False))
+        kw = dict(zip(LOAD_INLINE_PARAMS, args, strict=False))
         kw.update(kwargs)
         call = InlineCall.from_kwargs(kw)
-        b = by_key.get(call.key) or by_name.get(call.name)
-        if b is None:
-            raise RuntimeError(f"extension {call.name!r} was not built ahead of time")
+        b = by_key.get(call.key)
+        if b is None:  # the sources read before running differ from the ones passed now
+            raise RuntimeError(f"extension {call.name!r}: load_inline was called with "
+                               "arguments that differ from those built ahead of time")
         if b.get("layout") == "load_inline":
             loader = importlib.machinery.ExtensionFileLoader(b["mod_name"], b["path"])
             spec = importlib.util.spec_from_file_location(b["mod_name"], b["path"],
@@ -206,7 +199,6 @@ def _load(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     state.threads = _guard.python_thread_ids()
     state.native_threads = _guard.native_thread_count()
     module = load_source(msg["source"], "kz_candidate", os.getcwd())
-    state.module = module
     (state.model_cls,) = require(module, "ModelNew")
     _wrap_triton(state, module)
     changed = _tampered(state.snapshot)
@@ -231,7 +223,6 @@ def _model(state: State, msg: dict[str, Any]) -> dict[str, Any]:
             model.load_state_dict({k: v.to(state.device) for k, v in ref_sd.items()})
             loaded = True
     state.models[msg["key"]] = model
-    state.weights_loaded[msg["key"]] = loaded
     return {"ok": True, "weights_loaded": loaded,
             "param_count": sum(p.numel() for p in model.parameters())}
 

@@ -122,3 +122,22 @@ def test_template_kernel_instances_are_in_the_device_code(tmp_path: Path) -> Non
                           capture_output=True, text=True, check=True).stdout
     functions = {line.split(":")[1].strip() for line in sass.splitlines() if "Function :" in line}
     assert functions == {"_Z12softmax_rowsIfEvPKT_PS0_i", "_Z12softmax_rowsIdEvPKT_PS0_i"}
+
+
+def test_extract_reads_top_level_bindings_only() -> None:
+    head = "from torch.utils.cpp_extension import load_inline\nflags = ['-O3']\n"
+    call = "m = load_inline(name='x', cpp_sources='', cuda_sources='k', extra_cuda_cflags=flags)\n"
+    inside = head + "def f():\n    flags = ['-G']\n    return flags\n" + call
+    calls = extract_inline_calls(inside)
+    assert calls is not None and calls[0].extra_cuda_cflags == ("-O3",)
+    # A rebinding the reader cannot follow sends the caller to recording (by running it).
+    assert extract_inline_calls(head + "flags += ['-G']\n" + call) is None
+    assert extract_inline_calls(head + "for flags in [['-G']]:\n    pass\n" + call) is None
+
+
+def test_build_key_includes_the_extension_name() -> None:
+    # load_inline compiles the name in and names the module by it: a build of "a" cannot
+    # serve a call named "b".
+    a = InlineCall(name="a", cpp_sources=(), cuda_sources=("k",), functions=("f",))
+    b = InlineCall(name="b", cpp_sources=(), cuda_sources=("k",), functions=("f",))
+    assert a.key != b.key
