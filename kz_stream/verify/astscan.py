@@ -17,6 +17,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kz_stream.verify.build import strip_cpp_comments
+
 __all__ = ["Finding", "canonical_op", "reference_ops", "scan"]
 
 
@@ -380,8 +382,7 @@ _CPP_TORCH_CALL = re.compile(r"\b(?:torch|at)::(?:native::|cuda::|nn::functional
 def _scan_cpp(sources: Iterable[str], ref_ops: frozenset[str]) -> list[Finding]:
     findings: list[Finding] = []
     for src in sources:
-        clean = re.sub(r"/\*.*?\*/", " ", src, flags=re.S)
-        clean = re.sub(r"//[^\n]*", "", clean)
+        clean = strip_cpp_comments(src)
         for pat, rule, msg in _CPP_RULES:
             m = pat.search(clean)
             if m:
@@ -394,9 +395,10 @@ def _scan_cpp(sources: Iterable[str], ref_ops: frozenset[str]) -> list[Finding]:
     return findings
 
 
-def _string_constants(tree: ast.AST) -> list[str]:
+def string_constants(tree: ast.AST) -> list[str]:
+    """Every string literal in ``tree`` (where embedded C++ and CUDA sources live)."""
     return [n.value for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and isinstance(n.value, str) and "\n" in n.value]
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
 # ---- public entry points -----------------------------------------------------------------
@@ -446,7 +448,7 @@ def scan(candidate_source: str, ref_ops: Iterable[str] = ()) -> list[Finding]:
         if op in refs and op not in BENIGN_OPS and op not in _ARITHMETIC:
             findings.append(Finding("torch_fallback", f"calls .{m}() (the reference's {op})",
                                     line))
-    findings += _scan_cpp(_string_constants(tree), refs)
+    findings += _scan_cpp([t for t in string_constants(tree) if "\n" in t], refs)
     seen: set[tuple[str, str]] = set()
     unique = []
     for f in findings:

@@ -254,13 +254,14 @@ def kernel_names(sources: Sequence[str]) -> list[str]:
     """Names of the ``__global__`` functions defined in CUDA sources."""
     names: list[str] = []
     for src in sources:
-        for m in _GLOBAL_RE.finditer(_strip_comments(src)):
+        for m in _GLOBAL_RE.finditer(strip_cpp_comments(src)):
             if m.group(1) not in names:
                 names.append(m.group(1))
     return names
 
 
-def _strip_comments(src: str) -> str:
+def strip_cpp_comments(src: str) -> str:
+    """C/C++ source without its comments."""
     src = re.sub(r"/\*.*?\*/", " ", src, flags=re.S)
     return re.sub(r"//[^\n]*", "", src)
 
@@ -365,7 +366,7 @@ def _hide_host_code(src: str) -> str | None:
     Template kernels are instantiated by the host code that launches them, which the
     device pass no longer sees: each instance the host code names is referenced again from
     a small function both passes see (as ``<<<>>>`` would reference it)."""
-    clean = _strip_comments(src)
+    clean = strip_cpp_comments(src)
     items = _top_level_items(clean)
     if items is None:
         return None
@@ -506,7 +507,7 @@ def _wrapper(name: str, ret: str, params: str) -> str | None:
 def _signatures(call: InlineCall) -> dict[str, tuple[str, str]] | None:
     """(return type, parameter text) of each exported function, from its definition or
     declaration; None if one is not found or is overloaded."""
-    text = _strip_comments("\n".join(call.cuda_sources + call.cpp_sources))
+    text = strip_cpp_comments("\n".join(call.cuda_sources + call.cpp_sources))
     sigs: dict[str, tuple[str, str]] = {}
     for fn in call.functions:
         pat = re.compile(r"(^|[;}\n])\s*((?:[\w:]+(?:<[^;{()]*>)?[\s\*&]+)+?)"

@@ -842,14 +842,14 @@ def _top_names(kernels: list[dict[str, Any]]) -> str:
 
 
 def _raw_strings(source: str) -> list[str]:
+    """The string literals of a candidate that define CUDA kernels."""
     import ast
 
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []
-    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
-            and isinstance(n.value, str) and "__global__" in n.value]
+    return [t for t in astscan.string_constants(tree) if "__global__" in t]
 
 
 def _finite(x: float) -> float | None:

@@ -15,8 +15,8 @@ from tests.verify.corpus.cuda_honest import CUDA_HONEST
 from tests.verify.corpus.problems import PROBLEMS
 from tests.verify.corpus.triton_honest import TRITON_HONEST
 
-# Caught before running: no interpreter time spent.
-STATIC = [n for n, c in CHEATS.items() if c[4] == "cpu"]
+# Every cheat the CPU path can catch (statically, or at run time through the interpreter).
+CPU_CHEATS = [n for n, c in CHEATS.items() if c[4] == "cpu"]
 RUNTIME = ["fallback_runtime", "fallback_alias", "thread_runtime", "monkeypatch_event", "tf32_flag"]
 
 
@@ -29,7 +29,7 @@ def test_honest_triton_correct(cpu_verifier: Verifier, name: str) -> None:
     assert v.hardware["mode"] == "cpu" and v.verifier_version
 
 
-@pytest.mark.parametrize("name", STATIC)
+@pytest.mark.parametrize("name", CPU_CHEATS)
 def test_cheat_caught(cpu_verifier: Verifier, name: str) -> None:
     problem, backend, src, checks, _ = CHEATS[name]
     v = cpu_verifier.verify_sync(Problem(PROBLEMS[problem]), Candidate(src, backend))  # type: ignore[arg-type]
