@@ -2,17 +2,21 @@
 
 The A/A benchmark showed systematic per-process biases of up to +-48% on GEMM and
 layer-norm modules (benchmarks/results/raw/verifier_2026-11-29.json), and in a diagnostic
-run (log not kept) one GEMM timed 0.069 and 0.116 ms on two sets of buffers
-in one process. This measures, per module, the spread (max - min) / min of the median
-event time over K independent sets of model and input buffers, in one process and in K
-fresh processes, for two L2 flushes:
+run (log not kept) one GEMM timed 0.069 and 0.116 ms on two sets of buffers in one
+process. This measures, per module, the spread (max - min) / min of the median time per
+call over K independent sets of model and input buffers, in one process and in K fresh
+processes, for four variants of the loop:
 
-- ``zero``: zero a buffer twice the L2 size (what ``kz_stream.verify.timing.L2Flusher``
-  does, as Triton's ``do_bench``): leaves L2 full of dirty lines;
-- ``read``: sum the same buffer: leaves L2 full of clean lines, so no write-back lands in
-  the timed call.
+- flush ``zero`` (zero a buffer twice the L2 size, as Triton's ``do_bench``; leaves L2
+  full of dirty lines) or ``read`` (sum it; leaves clean lines);
+- ``pad`` off (the start event is recorded on an idle GPU, so the host's launch overhead
+  falls between the events) or on (a GPU spin covers the issuing of the call).
 
-The baseline of each spread is the ``zero`` flush's, measured in the same run.
+The spread is reported for the event time (what the verifier ranks on) and, as
+``call_ms``, for max(event time, issue time) (a rule tried and dropped: it lets host noise
+back in).
+
+The baseline is the earlier loop (``zero``, no pad), measured in the same run.
 Run: ``python -m benchmarks.bench_timing [--modules linear_relu,bmm,...] [--out DIR]``.
 """
 
@@ -25,48 +29,42 @@ import multiprocessing as mp
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODULES = ["linear_relu", "bmm", "layernorm", "matmul", "relu", "max_dim"]
+MODULES = ["linear_relu", "bmm", "layernorm", "matmul", "relu", "small_matmul"]
 
 
-def flusher(kind: str) -> Callable[[], None]:
-    """The L2 flush of ``kind`` on the current CUDA device."""
-    import torch
-
-    from kz_stream.verify.timing import L2Flusher
-
-    zero = L2Flusher(torch.device("cuda"))
-    if kind == "zero":
-        return zero
-    sink = torch.empty((), dtype=torch.int64, device="cuda")
-
-    def read() -> None:
-        torch.sum(zero.buf, dim=0, dtype=torch.int64, out=sink)
-
-    return read
+VARIANTS = [("zero", False), ("read", False), ("zero", True), ("read", True)]
 
 
-def median_times(name: str, kind: str, buffer_sets: int, calls: int) -> list[float]:
-    """Median event time (ms) of ``name`` on each of ``buffer_sets`` sets of buffers."""
+def variant_name(flush: str, pad: bool) -> str:
+    return f"{flush}{'+pad' if pad else ''}"
+
+
+def median_times(name: str, buffer_sets: int, calls: int) -> dict[str, dict[str, list[float]]]:
+    """Per variant: the median call, device and issue time (ms) of ``name`` on each of
+    ``buffer_sets`` sets of buffers."""
     import torch
 
     from benchmarks.bench_verifier import aa_modules
-    from kz_stream.verify.timing import timed_calls
+    from kz_stream.verify.reference import strict_precision
+    from kz_stream.verify.timing import L2Flusher, pad_cycles_for, timed_calls
 
+    strict_precision()  # as the verifier's workers run
     path = Path(tempfile.mkdtemp(prefix="kz-timing-")) / f"{name}.py"
     path.write_text(aa_modules()[name])
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    flush = flusher(kind)
-    out, keep = [], []
+    flushers = {f: L2Flusher(torch.device("cuda"), f) for f in ("zero", "read")}  # type: ignore[arg-type]
+    out: dict[str, dict[str, list[float]]] = {
+        variant_name(f, p): {"call_ms": [], "event_ms": [], "issue_ms": []} for f, p in VARIANTS}
+    keep = []
     for k in range(buffer_sets):
         torch.manual_seed(k)
         model = mod.Model(*mod.get_init_inputs()).cuda()
@@ -77,12 +75,19 @@ def median_times(name: str, kind: str, buffer_sets: int, calls: int) -> list[flo
             for args in sets:
                 model(*args)
             torch.cuda.synchronize()
-            samples, _ = timed_calls(lambda a, m=model: m(*a), sets, calls, flush)
-        out.append(statistics.median(samples.event_ms))
+            pad = pad_cycles_for(lambda m=model, a=sets[0]: m(*a))
+            for f, p in VARIANTS:
+                samples, _ = timed_calls(lambda a, m=model: m(*a), sets, calls, flushers[f],
+                                         pad_cycles=pad if p else 0)
+                o = out[variant_name(f, p)]
+                o["call_ms"].append(statistics.median(
+                    max(e, i) for e, i in zip(samples.event_ms, samples.issue_ms, strict=True)))
+                o["event_ms"].append(statistics.median(samples.event_ms))
+                o["issue_ms"].append(statistics.median(samples.issue_ms))
     return out
 
 
-def _in_process(args: tuple[str, str, int, int]) -> list[float]:
+def _in_process(args: tuple[str, int, int]) -> dict[str, dict[str, list[float]]]:
     return median_times(*args)
 
 
@@ -93,33 +98,48 @@ def spread(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modules", default=",".join(MODULES))
-    ap.add_argument("--sets", type=int, default=4, help="buffer sets (and fresh processes)")
-    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--sets", type=int, default=4, help="buffer sets in one process")
+    ap.add_argument("--fresh", type=int, default=3, help="fresh processes")
+    ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     raw: dict[str, Any] = {
         "_command": "python -m benchmarks.bench_timing " + " ".join(sys.argv[1:])}
     for name in args.modules.split(","):
-        for kind in ("zero", "read"):
+        _save(raw, args.out)  # a run cut short keeps the modules it measured
+        with ctx.Pool(1) as pool:
+            one = pool.map(_in_process, [(name, args.sets, args.calls)])[0]
+        fresh: list[dict[str, dict[str, list[float]]]] = []
+        for _ in range(args.fresh):
             with ctx.Pool(1) as pool:
-                one = pool.map(_in_process, [(name, kind, args.sets, args.calls)])[0]
-            fresh = []
-            for _ in range(args.sets):
-                with ctx.Pool(1) as pool:
-                    fresh += pool.map(_in_process, [(name, kind, 1, args.calls)])[0]
-            raw[f"{name}/{kind}"] = {"one_process_ms": one, "fresh_processes_ms": fresh,
-                                     "one_process_spread": spread(one),
-                                     "fresh_processes_spread": spread(fresh)}
-            print(f"{name:12s} {kind}: in one process {spread(one):.3f} {one}; "
-                  f"fresh processes {spread(fresh):.3f} {fresh}", flush=True)
-    if args.out:
+                fresh += pool.map(_in_process, [(name, 1, args.calls)])
+        for f, p in VARIANTS:
+            v = variant_name(f, p)
+            fr = [x[v]["call_ms"][0] for x in fresh]
+            fr_ev = [x[v]["event_ms"][0] for x in fresh]
+            raw[f"{name}/{v}"] = {
+                "one_process_ms": one[v]["call_ms"], "fresh_processes_ms": fr,
+                "one_process_event_ms": one[v]["event_ms"],
+                "fresh_processes_event_ms": fr_ev,
+                "one_process_issue_ms": one[v]["issue_ms"],
+                "one_process_spread": spread(one[v]["call_ms"]),
+                "fresh_processes_spread": spread(fr)}
+            print(f"{name:12s} {v:9s}: event time, one process "
+                  f"{spread(one[v]['event_ms']):.3f} {[round(x, 4) for x in one[v]['event_ms']]}"
+                  f", fresh processes {spread(fr_ev):.3f} {[round(x, 4) for x in fr_ev]}; "
+                  f"issue {[round(x, 4) for x in one[v]['issue_ms']]}", flush=True)
+    _save(raw, args.out)
+    write(raw)
+
+
+def _save(raw: dict[str, Any], out: str | None) -> None:
+    if out:
         from benchmarks._results import machine_description
 
-        raw["_machine"] = machine_description()
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "timing_raw.json").write_text(json.dumps(raw, indent=1))
-    write(raw)
+        raw.setdefault("_machine", machine_description())
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "timing_raw.json").write_text(json.dumps(raw, indent=1))
 
 
 def write(raw: dict[str, Any]) -> None:
@@ -127,17 +147,32 @@ def write(raw: dict[str, Any]) -> None:
 
     m: dict[str, dict[str, Any]] = {}
     names = sorted({k.split("/")[0] for k in raw if not k.startswith("_")})
-    for scope in ("one_process", "fresh_processes"):
-        zero = [raw[f"{n}/zero"][f"{scope}_spread"] for n in names]
-        read = [raw[f"{n}/read"][f"{scope}_spread"] for n in names]
-        m[f"max_spread_{scope}_read_flush"] = metric(
-            max(read), "fraction (max over modules)", max(zero))
-        m[f"median_spread_{scope}_read_flush"] = metric(
-            statistics.median(read), "fraction (median over modules)", statistics.median(zero))
+
+    def spreads(variant: str, key: str) -> list[float]:
+        return [spread(raw[f"{n}/{variant}"][key]) for n in names
+                if key in raw[f"{n}/{variant}"]]
+
+    # Event time (what the verifier ranks on), across buffer sets in one process; and the
+    # dropped max(event, issue) rule, in one process and in fresh processes.
+    for key, label in (("one_process_event_ms", "event_one_process"),
+                       ("fresh_processes_event_ms", "event_fresh_processes"),
+                       ("one_process_ms", "max_event_issue_one_process"),
+                       ("fresh_processes_ms", "max_event_issue_fresh_processes")):
+        base = spreads("zero", key)
+        if not base:
+            continue  # an earlier run did not keep this figure
+        for f, p in VARIANTS[1:]:
+            v = variant_name(f, p)
+            xs = spreads(v, key)
+            m[f"max_spread_{label}_{v}"] = metric(
+                max(xs), "fraction (max over modules)", max(base))
+            m[f"median_spread_{label}_{v}"] = metric(
+                statistics.median(xs), "fraction (median over modules)",
+                statistics.median(base))
     write_result("timing", raw.get("_command", "python -m benchmarks.bench_timing"), m,
-                 notes="spread (max-min)/min of a module's median event time over independent "
-                       "buffer sets; baseline: the zeroing L2 flush, same run; modules: "
-                       + ", ".join(names), machine=raw.get("_machine"))
+                 notes="spread (max-min)/min of a module's median time per call over "
+                       "independent buffer sets; baseline: zeroing flush without pad, same "
+                       "run; modules: " + ", ".join(names), machine=raw.get("_machine"))
 
 
 if __name__ == "__main__":

@@ -91,12 +91,16 @@ def _vary_cuda(src: str, i: int) -> str:
 # ---- (a) A/A ------------------------------------------------------------------------------
 
 
-async def bench_aa(quick: bool) -> dict[str, Any]:
+async def bench_aa(quick: bool, loop: str = "padded", save: Any = None) -> dict[str, Any]:
+    """``loop``: ``padded`` (the verifier's loop) or ``unpadded`` (the earlier one: zeroing
+    flush, start event recorded on an idle GPU), for comparison in the same run."""
     from kz_stream.verify import Candidate, Problem, Verifier, VerifierConfig
 
     mods = aa_modules()
     mods = dict(list(mods.items())[: 4 if quick else 20])
-    cfg = VerifierConfig(static_scan=False, launch_checks=False)
+    cfg = VerifierConfig(static_scan=False, launch_checks=False,
+                         l2_flush="read" if loop == "padded" else "zero",
+                         timing_pad=loop == "padded")
     out: dict[str, Any] = {}
     async with Verifier(cfg) as v:
         for name, src in mods.items():
@@ -104,9 +108,12 @@ async def bench_aa(quick: bool) -> dict[str, Any]:
             t = verdict.details.get("timing", {})
             out[name] = {"status": verdict.status.value, "speedup": verdict.speedup,
                          "ci": verdict.speedup_ci, "ref_ms": t.get("reference_ms"),
+                         "device_ms": t.get("device_ms"),
                          "samples": t.get("samples"), "reason": verdict.reason}
             print(f"A/A {name}: {verdict.status.value} {verdict.speedup} {verdict.speedup_ci} "
                   f"{t.get('reference_ms')} ms {verdict.reason or ''}", flush=True)
+            if save is not None:
+                save({"aa": out, "_aa_loop": loop})  # a run cut short keeps these
     return out
 
 
@@ -289,6 +296,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="abcd")
+    ap.add_argument("--aa-loop", default="padded", choices=["padded", "unpadded"])
     ap.add_argument("--note", default="", help="appended to the result's notes")
     ap.add_argument("--from-raw", nargs="*", default=None,
                     help="merge raw JSON files of earlier runs and write the result")
@@ -317,7 +325,8 @@ def main() -> None:
         raw["builds"] = bench_builds(args.quick)
         save()
     if "a" in args.parts:
-        raw["aa"] = asyncio.run(bench_aa(args.quick))
+        raw["aa"] = asyncio.run(bench_aa(args.quick, args.aa_loop, save))
+        raw["_aa_loop"] = args.aa_loop
         save()
     if "b" in args.parts:
         raw["throughput"] = asyncio.run(bench_throughput(args.quick, cache, save))

@@ -1,11 +1,18 @@
 """Timing primitives shared by the reference (oracle) and candidate processes, and the
 statistics the verifier draws from them.
 
-Each timed call: flush L2 (zero a buffer twice its size), synchronise the device, record a
-start event, call, record an end event, synchronise the device (so work on any stream is
-waited for), and read both the event time and the host time around it. Inputs rotate
-through enough fresh sets that they do not fit in L2 together. The two processes are timed
-in alternating rounds on the same GPU, so clock and thermal drift hit both alike.
+Each timed call: flush L2 (stream a buffer twice its size through it), synchronise the
+device, queue a short GPU spin (the pad), record a start event, call, record an end event,
+synchronise the device (so work on any stream is waited for), and read the event time, the
+host time around it and the host time it took to issue the call. The pad keeps the GPU busy
+while the host issues the call, so the event time is the call's device time and not the
+host's launch overhead (tens of microseconds per call here, and different between
+processes: without the pad the A/A p90 was 6-24%; benchmarks/bench_timing.py).
+Both sides get the pad sized on the reference, so a candidate that works on the host for
+longer than the reference takes to issue its call leaves the GPU idle inside its own timed
+region, and pays for it. Inputs rotate through enough fresh sets that they do not fit in
+L2 together. The two processes are timed in alternating rounds on the same GPU, so clock
+and thermal drift hit both alike.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -24,6 +31,7 @@ import torch
 _perf_counter = time.perf_counter
 _Event = torch.cuda.Event
 _synchronize = torch.cuda.synchronize
+_sleep = torch.cuda._sleep
 
 # Measured on this workplace's H200s (device-to-device copy counting reads and writes;
 # a bf16 8192^3 matrix product on random data).
@@ -31,25 +39,66 @@ H200_BANDWIDTH = 4.3e12  # bytes/s
 H200_PEAK_FLOPS = 790e12  # FLOP/s
 
 
+FlushMode = Literal["read", "zero"]
+
+
 @dataclass(frozen=True)
 class Samples:
-    """Per-call times of one timing round, in milliseconds."""
+    """Per-call times of one timing round, in milliseconds: device time between the
+    events, host time with a device-wide sync (less the pad), host time to issue."""
 
     event_ms: list[float]
     host_ms: list[float]
+    issue_ms: list[float]
 
 
 class L2Flusher:
-    """Zeroes a buffer twice the size of L2 before each timed call."""
+    """Evicts L2 before each timed call by streaming a buffer twice its size through it.
 
-    def __init__(self, device: torch.device) -> None:
+    ``read`` sums the buffer and leaves L2 full of clean lines; ``zero`` writes it (as
+    Triton's ``do_bench`` does) and leaves dirty lines whose write-back can land in the
+    timed call.
+    """
+
+    def __init__(self, device: torch.device, mode: FlushMode = "read") -> None:
         props = torch.cuda.get_device_properties(device)
         l2 = int(getattr(props, "L2_cache_size", 0) or 50 << 20)
         self.l2_bytes = l2
-        self.buf = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+        self.mode = mode
+        self.buf = torch.zeros(2 * l2 // 4, dtype=torch.int32, device=device)
+        self.sink = torch.empty((), dtype=torch.int64, device=device)
 
     def __call__(self) -> None:
-        self.buf.zero_()
+        if self.mode == "zero":
+            self.buf.zero_()
+        else:
+            torch.sum(self.buf, dim=0, dtype=torch.int64, out=self.sink)
+
+
+def spin_cycles_per_ms() -> float:
+    """GPU clock cycles per millisecond of ``torch.cuda._sleep``, measured now."""
+    s = _Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    e = _Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    _sleep(100_000)  # type: ignore[no-untyped-call]  # wakes the clocks up
+    s.record()
+    _sleep(2_000_000)  # type: ignore[no-untyped-call]
+    e.record()
+    _synchronize()
+    return 2_000_000 / max(float(s.elapsed_time(e)), 1e-3)
+
+
+def pad_for(fn: Callable[[], Any]) -> tuple[int, float]:
+    """The GPU spin (cycles, ms) that covers the host's issuing of ``fn``: twice its
+    longest issue time over three calls, between 0.05 and 5 ms."""
+    issue = 0.0
+    for _ in range(3):
+        _synchronize()
+        t0 = _perf_counter()
+        fn()
+        issue = max(issue, (_perf_counter() - t0) * 1e3)
+        _synchronize()
+    pad_ms = min(max(2.0 * issue, 0.05), 5.0)
+    return int(pad_ms * spin_cycles_per_ms()), pad_ms
 
 
 def timing_set_count(input_bytes: int, l2_bytes: int, *, cap_bytes: int = 4 << 30) -> int:
@@ -64,30 +113,39 @@ def timing_set_count(input_bytes: int, l2_bytes: int, *, cap_bytes: int = 4 << 3
 def timed_calls(
     fn: Callable[[Sequence[Any]], Any], input_sets: Sequence[Sequence[Any]], n: int,
     flush: Callable[[], None], *, start: int = 0, keep: Collection[int] = (),
+    pad_cycles: int = 0,
 ) -> tuple[Samples, dict[int, Any]]:
     """Times ``n`` calls of ``fn`` rotating through ``input_sets``; returns the samples and
-    the outputs of the calls whose index (counted from ``start``) is in ``keep``."""
+    the outputs of the calls whose index (counted from ``start``) is in ``keep``.
+    ``pad_cycles`` of GPU spin precede each start event (0: none)."""
     ev_ms: list[float] = []
     host_ms: list[float] = []
+    issue_ms: list[float] = []
     kept: dict[int, Any] = {}
     for j in range(start, start + n):
         args = input_sets[j % len(input_sets)]
         flush()
         _synchronize()
+        p = _Event(enable_timing=True)  # type: ignore[no-untyped-call]
         s = _Event(enable_timing=True)  # type: ignore[no-untyped-call]
         e = _Event(enable_timing=True)  # type: ignore[no-untyped-call]
         t0 = _perf_counter()
+        p.record()
+        if pad_cycles:
+            _sleep(pad_cycles)  # type: ignore[no-untyped-call]
         s.record()
         out = fn(args)
+        t_issued = _perf_counter()
         e.record()
         _synchronize()
         t1 = _perf_counter()
         ev_ms.append(float(s.elapsed_time(e)))
-        host_ms.append((t1 - t0) * 1e3)
+        host_ms.append((t1 - t0) * 1e3 - float(p.elapsed_time(s)))
+        issue_ms.append((t_issued - t0) * 1e3)
         if j in keep:
             kept[j] = out
         del out
-    return Samples(ev_ms, host_ms), kept
+    return Samples(ev_ms, host_ms, issue_ms), kept
 
 
 def bootstrap_ratio_ci(

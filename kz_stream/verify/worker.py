@@ -27,7 +27,7 @@ from kz_stream.verify.compare import flatten  # noqa: E402
 from kz_stream.verify.inputs import InputPlan, InputSpec, make_inputs, to_device  # noqa: E402
 from kz_stream.verify.ipc import recv, send  # noqa: E402
 from kz_stream.verify.oplog import OpLog  # noqa: E402
-from kz_stream.verify.timing import L2Flusher, timed_calls  # noqa: E402
+from kz_stream.verify.timing import L2Flusher, pad_for, timed_calls  # noqa: E402
 
 try:
     import triton
@@ -56,6 +56,7 @@ class State:
         self.held_bytes = 0
         self.timing_sets: list[list[Any]] = []
         self.flusher: L2Flusher | None = None
+        self.pad_cycles = 0
         self.timing_key = ""
         self.guard: _guard.Guard | None = None
 
@@ -379,7 +380,7 @@ def _time_setup(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     plan = InputPlan("timing", "normal")
     state.timing_sets = [make_inputs(specs, plan, int(msg["seed"]) + i, device=state.device)
                          for i in range(int(msg["sets"]))]
-    state.flusher = L2Flusher(torch.device(state.device))
+    state.flusher = L2Flusher(torch.device(state.device), msg.get("flush", "read"))
     state.timing_key = str(msg["model"])
     # Warm-up: compiles and autotunes outside the timed region.
     outputs = []
@@ -391,7 +392,17 @@ def _time_setup(state: State, msg: dict[str, Any]) -> dict[str, Any]:
         elif i >= 1:
             break
     _sync(state)
-    return {"ok": True, "outputs": outputs}
+    args0 = state.timing_sets[0]
+    # The candidate gets the reference's pad: host work longer than the reference takes to
+    # issue its call leaves the GPU idle inside the candidate's timed region, and counts.
+    pad_ms = 0.0
+    if "pad_cycles" in msg:
+        state.pad_cycles = int(msg["pad_cycles"])
+    elif msg.get("pad", True):
+        state.pad_cycles, pad_ms = pad_for(lambda: _call(state, args0, state.timing_key))
+    else:
+        state.pad_cycles = 0
+    return {"ok": True, "outputs": outputs, "pad_cycles": state.pad_cycles, "pad_ms": pad_ms}
 
 
 def _time(state: State, msg: dict[str, Any]) -> dict[str, Any]:
@@ -400,11 +411,11 @@ def _time(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     samples, kept = timed_calls(lambda a: _call(state, list(a), state.timing_key),
                                 state.timing_sets,
                                 int(msg["calls"]), state.flusher, start=int(msg.get("start", 0)),
-                                keep=keep)
+                                keep=keep, pad_cycles=state.pad_cycles)
     outputs = {j: [o.detach().to("cpu") if isinstance(o, torch.Tensor) else o
                    for o in flatten(v)] for j, v in kept.items()}
     return {"ok": True, "event_ms": samples.event_ms, "host_ms": samples.host_ms,
-            "outputs": outputs}
+            "issue_ms": samples.issue_ms, "outputs": outputs}
 
 
 def _finish(state: State, msg: dict[str, Any]) -> dict[str, Any]:
