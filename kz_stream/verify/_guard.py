@@ -9,6 +9,7 @@ Python-level actions only; native code (a CUDA extension) is contained by the OS
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Iterable
@@ -74,17 +75,24 @@ class Guard:
 
     allow_network: bool = False
     allow_subprocess: bool = False
-    # Basenames of programs the libraries themselves run (Triton's ptxas, its launcher build).
+    # Programs the libraries themselves run (Triton's ptxas, its launcher build), by name.
+    # ``install`` resolves them to the real files they name at that moment (on PATH, and
+    # Triton's bundled tools); later, a run is allowed only if it resolves to one of those
+    # files, so a candidate's own ``./gcc`` (or a PATH pointing at it) is refused.
     allowed_programs: frozenset[str] = frozenset()
+    program_dirs: tuple[str, ...] = ()  # extra trusted places to look for them
     write_roots: tuple[str, ...] = ()
     violations: list[str] = field(default_factory=list)
     writes: list[str] = field(default_factory=list)
     active: bool = True
     _installed: bool = False
+    _allowed_files: frozenset[str] = frozenset()
 
     def install(self) -> Guard:
         """Installs the hook for the rest of the process's life (hooks cannot be removed)."""
         if not self._installed:
+            self._allowed_files = trusted_program_files(self.allowed_programs,
+                                                        self.program_dirs)
             sys.addaudithook(self._hook)
             self._installed = True
         return self
@@ -125,15 +133,54 @@ class Guard:
                     self._deny(f"{event} {os.fsdecode(p)}")
 
     def _allowed_program(self, args: tuple[Any, ...]) -> bool:
+        # subprocess.Popen: (executable, args, cwd, env); os.posix_spawn: (path, argv, env).
+        popen = len(args) >= 4
         argv = args[1] if len(args) > 1 else None
         exe = args[0] if args and args[0] else None
         if exe is None and isinstance(argv, list | tuple) and argv:
             exe = argv[0]
         if exe is None and isinstance(argv, str | bytes):
             exe = argv
-        if exe is None:
+        if not isinstance(exe, str | bytes | os.PathLike):
             return False
-        return os.path.basename(os.fsdecode(exe)) in self.allowed_programs
+        cwd = args[2] if popen else None
+        env = args[3] if popen else (args[2] if len(args) > 2 else None)
+        found = resolve_program(os.fsdecode(exe), cwd, env if isinstance(env, dict) else None)
+        return found is not None and found in self._allowed_files
+
+
+def resolve_program(exe: str, cwd: Any = None, env: dict[Any, Any] | None = None) -> str | None:
+    """The real file that running ``exe`` would execute: a bare name is looked up on the
+    PATH the new process gets, a path is taken from ``cwd``; None if there is none."""
+    if os.sep not in exe:
+        path = os.pathsep.join(os.get_exec_path(env))
+        hit = shutil.which(exe, path=path)
+        return os.path.realpath(hit) if hit else None
+    base = os.fsdecode(cwd) if isinstance(cwd, str | bytes) else os.getcwd()
+    full = os.path.join(base, exe)
+    return os.path.realpath(full) if os.path.isfile(full) else None
+
+
+def trusted_program_files(names: Iterable[str], dirs: Iterable[str] = ()) -> frozenset[str]:
+    """The real files ``names`` resolve to now: on PATH, in ``dirs``, in Triton's bundled
+    tool folder, ``/sbin`` and ``/usr/sbin`` (Triton runs ``/sbin/ldconfig``), and the
+    tools named by ``CC`` and ``TRITON_*_PATH``."""
+    names = frozenset(names)
+    places = [*dirs, "/sbin", "/usr/sbin"]
+    triton_file = getattr(sys.modules.get("triton"), "__file__", None)
+    if isinstance(triton_file, str):
+        places.append(os.path.join(os.path.dirname(triton_file), "backends", "nvidia", "bin"))
+    found: set[str] = set()
+    for name in names:
+        for hit in (shutil.which(name), *(shutil.which(name, path=d) for d in places)):
+            if hit:
+                found.add(os.path.realpath(hit))
+    for var in ("CC", *(k for k in os.environ if k.startswith("TRITON_") and
+                        k.endswith("_PATH"))):
+        value = os.environ.get(var)
+        if value and os.path.basename(value) in names and os.path.isfile(value):
+            found.add(os.path.realpath(value))
+    return frozenset(found)
 
 
 def _is_write(mode: Any, flags: Any) -> bool:

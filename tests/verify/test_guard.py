@@ -1,0 +1,78 @@
+"""The guard allows the programs the libraries run by the file they are, not by name.
+
+Each case runs in a fresh interpreter: an audit hook cannot be removed once installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("true") is None, reason="needs the `true` program")
+
+_PROBE = r"""
+import json, os, subprocess, sys
+from kz_stream.verify._guard import Guard, GuardViolation
+home = sys.argv[1]
+
+def attempt(*args, **kw):
+    try:
+        subprocess.run(*args, check=True, **kw)
+        return "ran"
+    except GuardViolation:
+        return "refused"
+
+fake = os.path.join(home, "true")
+with open(fake, "w") as f:
+    f.write("#!/bin/sh\necho pwned\n")
+os.chmod(fake, 0o755)
+os.symlink(os.path.realpath(sys.argv[2]), os.path.join(home, "link"))
+Guard(allowed_programs=frozenset({"true"}), write_roots=(home,)).install()
+out = {
+    "by_name": attempt(["true"]),
+    "by_real_path": attempt([sys.argv[2]]),
+    "own_file": attempt(["./true"], cwd=home),
+    "own_file_absolute": attempt([fake]),
+    "own_file_first_on_path": attempt(["true"],
+                                      env={"PATH": home + os.pathsep + os.environ["PATH"]}),
+    "link_to_real": attempt(["./link"], cwd=home),
+    "other_program": attempt(["ls"]),
+}
+print(json.dumps(out))
+"""
+
+
+def _probe(tmp_path: Path) -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    real = shutil.which("true")
+    assert real is not None
+    done = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path), real], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_allowed_program_runs_by_name_and_by_its_real_path(tmp_path: Path) -> None:
+    out = _probe(tmp_path)
+    assert out["by_name"] == "ran"
+    assert out["by_real_path"] == "ran"
+    assert out["link_to_real"] == "ran"  # a link to the real file runs the real file
+
+
+def test_a_file_of_the_same_name_written_by_the_candidate_is_refused(tmp_path: Path) -> None:
+    out = _probe(tmp_path)
+    assert out["own_file"] == "refused"
+    assert out["own_file_absolute"] == "refused"
+    assert out["own_file_first_on_path"] == "refused"
+
+
+def test_programs_not_named_are_refused(tmp_path: Path) -> None:
+    assert _probe(tmp_path)["other_program"] == "refused"
