@@ -195,20 +195,25 @@ def main() -> None:
             kill = args.kill and n == max(counts) and n > 1
             raw["runs"].append(run_n(n, f"kafka://{broker.bootstrap}", work, args.per_gpu,
                                      args.cap_s * (1.6 if kill else 1.0), kill, backends))
+            _save(raw, args.out, work)  # a run cut short keeps the counts it finished
     finally:
         broker.stop()
-    if args.out:
-        from benchmarks._results import machine_description
-
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        raw["_machine"] = machine_description()
-        raw["_date"] = datetime.now().isoformat()
-        raw["_command"] = "python -m benchmarks.bench_verifier_scaling " + " ".join(sys.argv[1:])
-        (out / "verifier_scaling_raw.json").write_text(json.dumps(raw, indent=1))
-        for log in work.glob("*.log"):
-            (out / log.name).write_bytes(log.read_bytes()[-200_000:])
     write(raw)
+
+
+def _save(raw: dict[str, Any], out_dir: str | None, work: Path) -> None:
+    if not out_dir:
+        return
+    from benchmarks._results import machine_description
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw.setdefault("_machine", machine_description())
+    raw.setdefault("_date", datetime.now().isoformat())
+    raw["_command"] = "python -m benchmarks.bench_verifier_scaling " + " ".join(sys.argv[1:])
+    (out / "verifier_scaling_raw.json").write_text(json.dumps(raw, indent=1))
+    for log in work.glob("*.log"):
+        (out / log.name).write_bytes(log.read_bytes()[-200_000:])
 
 
 def write(raw: dict[str, Any]) -> None:
