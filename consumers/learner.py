@@ -160,7 +160,7 @@ class LearnerService(Service):
             correlation_id=self.ctx.settings.run_id,
         )
         await self.ctx.store.append([event], tracking={self.tracking_name: self._tracking()})
-        self.state.apply(event)
+        self.state.apply_own(event)
         await self.ctx.bus.publish(self.ctx.settings.topics.frontier, event, key="frontier")
         self.metrics.published("FrontierUpdated")
         self._frontier_at, self._frontier_basis = now, basis
@@ -279,7 +279,7 @@ class LearnerService(Service):
             events.append(announcement)
         await self.ctx.store.append(events, tracking={self.tracking_name: self._tracking()})
         for e in events:
-            self.state.apply(e)
+            self.state.apply_own(e)
         self.steps_done += 1
         if announcement is not None:
             await self._announce(announcement)

@@ -11,6 +11,7 @@ import itertools
 import math
 import statistics
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -107,11 +108,23 @@ class RunState:
     frontier_version: int = 0
     training_steps: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    # Events this process applied as it stored them (``apply_own``), not yet read back.
+    applied_ahead: set[uuid.UUID] = field(default_factory=set)
 
     def apply_all(self, records: Iterable[RecordedEvent]) -> None:
+        """Applies stored events in order; one already applied by ``apply_own`` is skipped,
+        so reading back what this process wrote counts it once."""
         for r in records:
-            self.apply(r.event, recorded_at=r.recorded_at.timestamp())
+            if r.event.event_id in self.applied_ahead:
+                self.applied_ahead.discard(r.event.event_id)
+            else:
+                self.apply(r.event, recorded_at=r.recorded_at.timestamp())
             self.position = max(self.position, r.global_position)
+
+    def apply_own(self, event: Event) -> None:
+        """Applies an event this process has just stored, ahead of reading it back."""
+        self.apply(event)
+        self.applied_ahead.add(event.event_id)
 
     def apply(self, event: Event, *, recorded_at: float | None = None) -> None:
         self.counts[event.type] = self.counts.get(event.type, 0) + 1

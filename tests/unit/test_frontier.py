@@ -81,6 +81,23 @@ def test_a_group_named_by_a_training_step_is_not_ready_again() -> None:
     assert state.ready_groups(now=1.0) == []
 
 
+def test_an_event_applied_as_it_was_stored_counts_once_when_read_back() -> None:
+    from datetime import UTC, datetime
+
+    from kz_stream.store import RecordedEvent
+
+    state = RunState()
+    step = new_event(TrainingStepCompleted(role="coder", step=1, policy_version=1,
+                                           group_ids=[]), stream_id="s", stream_version=0)
+    state.apply_own(step)
+    assert state.training_steps == 1
+    state.apply_all([RecordedEvent(7, datetime.now(UTC), step)])
+    assert state.training_steps == 1
+    assert state.counts["TrainingStepCompleted"] == 1
+    assert state.position == 7
+    assert state.applied_ahead == set()  # nothing is held once read back
+
+
 def test_module_correctness_is_the_mean_over_decided_samples() -> None:
     state = state_of(
         module("m", ["torch.relu"]),
