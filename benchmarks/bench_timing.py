@@ -52,7 +52,7 @@ def median_times(name: str, buffer_sets: int, calls: int) -> dict[str, dict[str,
 
     from benchmarks.bench_verifier import aa_modules
     from kz_stream.verify.reference import strict_precision
-    from kz_stream.verify.timing import L2Flusher, pad_cycles_for, timed_calls
+    from kz_stream.verify.timing import L2Flusher, pad_for, timed_calls
 
     strict_precision()  # as the verifier's workers run
     path = Path(tempfile.mkdtemp(prefix="kz-timing-")) / f"{name}.py"
@@ -75,7 +75,7 @@ def median_times(name: str, buffer_sets: int, calls: int) -> dict[str, dict[str,
             for args in sets:
                 model(*args)
             torch.cuda.synchronize()
-            pad = pad_cycles_for(lambda m=model, a=sets[0]: m(*a))
+            pad, _ = pad_for(lambda m=model, a=sets[0]: m(*a))
             for f, p in VARIANTS:
                 samples, _ = timed_calls(lambda a, m=model: m(*a), sets, calls, flushers[f],
                                          pad_cycles=pad if p else 0)

@@ -108,7 +108,6 @@ async def bench_aa(quick: bool, loop: str = "padded", save: Any = None) -> dict[
             t = verdict.details.get("timing", {})
             out[name] = {"status": verdict.status.value, "speedup": verdict.speedup,
                          "ci": verdict.speedup_ci, "ref_ms": t.get("reference_ms"),
-                         "device_ms": t.get("device_ms"),
                          "samples": t.get("samples"), "reason": verdict.reason}
             print(f"A/A {name}: {verdict.status.value} {verdict.speedup} {verdict.speedup_ci} "
                   f"{t.get('reference_ms')} ms {verdict.reason or ''}", flush=True)

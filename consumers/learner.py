@@ -124,7 +124,8 @@ class LearnerService(Service):
         async for batch in self.ctx.store.tail(
             self.state.position, poll_interval=self.config.poll_interval
         ):
-            self.state.apply_all(batch)
+            async with self._acting:  # not between an append of ours and its apply_own
+                self.state.apply_all(batch)
             await self._act()
 
     async def _tick(self) -> None:

@@ -8,6 +8,7 @@ Python-level actions only; native code (a CUDA extension) is contained by the OS
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -133,7 +134,8 @@ class Guard:
                     self._deny(f"{event} {os.fsdecode(p)}")
 
     def _allowed_program(self, args: tuple[Any, ...]) -> bool:
-        # subprocess.Popen: (executable, args, cwd, env); os.posix_spawn: (path, argv, env).
+        # subprocess.Popen: (executable, args, cwd, env); os.posix_spawn[p]: (path, argv,
+        # env). Anything this cannot read exactly as the new process will is refused.
         popen = len(args) >= 4
         argv = args[1] if len(args) > 1 else None
         exe = args[0] if args and args[0] else None
@@ -141,24 +143,51 @@ class Guard:
             exe = argv[0]
         if exe is None and isinstance(argv, str | bytes):
             exe = argv
-        if not isinstance(exe, str | bytes | os.PathLike):
+        if type(exe) not in (str, bytes) and not isinstance(exe, os.PathLike):
             return False
-        cwd = args[2] if popen else None
-        env = args[3] if popen else (args[2] if len(args) > 2 else None)
-        found = resolve_program(os.fsdecode(exe), cwd, env if isinstance(env, dict) else None)
-        return found is not None and found in self._allowed_files
+        name = os.fsdecode(exe)  # type: ignore[arg-type]
+        if popen:
+            cwd, env = args[2], args[3]
+        else:
+            # posix_spawnp searches this process's PATH and posix_spawn none, and the event
+            # does not say which: only a path naming the file is allowed (subprocess only
+            # uses posix_spawn for those).
+            if os.sep not in name:
+                return False
+            cwd, env = None, None
+        found = resolve_program(name, cwd, env)
+        if found is None or found[1] not in self._allowed_files:
+            return False
+        # A link placed where the candidate may write can be re-pointed after this check:
+        # the folder it sits in counts, not the file it points to.
+        folder = os.path.dirname(found[0])
+        return not self._writable(os.path.join(folder, "x"))
 
 
-def resolve_program(exe: str, cwd: Any = None, env: dict[Any, Any] | None = None) -> str | None:
-    """The real file that running ``exe`` would execute: a bare name is looked up on the
-    PATH the new process gets, a path is taken from ``cwd``; None if there is none."""
+def resolve_program(exe: str, cwd: Any = None, env: Any = None) -> tuple[str, str] | None:
+    """(the path, the real file) that running ``exe`` from ``cwd`` with ``env`` executes: a
+    bare name is looked up on the new process's PATH, a relative path from ``cwd``. None if
+    there is none, or if it cannot be told for certain: a PATH with relative entries, an
+    environment that is not a plain dict of strings, a cwd of another type."""
+    if cwd is not None:
+        if type(cwd) not in (str, bytes) and not isinstance(cwd, os.PathLike):
+            return None
+        cwd = os.fsdecode(os.fspath(cwd))
     if os.sep not in exe:
-        path = os.pathsep.join(os.get_exec_path(env))
+        if env is None or env is os.environ:
+            path = os.environ.get("PATH", os.defpath)
+        elif type(env) is dict and all(type(k) in (str, bytes) and type(v) in (str, bytes)
+                                       for k, v in env.items()):
+            path = os.pathsep.join(os.get_exec_path(env))
+        else:
+            return None
+        dirs = path.split(os.pathsep)
+        if any(not os.path.isabs(d) for d in dirs):
+            return None  # resolved from the new process's cwd, which may differ from ours
         hit = shutil.which(exe, path=path)
-        return os.path.realpath(hit) if hit else None
-    base = os.fsdecode(cwd) if isinstance(cwd, str | bytes) else os.getcwd()
-    full = os.path.join(base, exe)
-    return os.path.realpath(full) if os.path.isfile(full) else None
+        return (os.path.abspath(hit), os.path.realpath(hit)) if hit else None
+    full = os.path.join(cwd if cwd is not None else os.getcwd(), exe)
+    return (os.path.abspath(full), os.path.realpath(full)) if os.path.isfile(full) else None
 
 
 def trusted_program_files(names: Iterable[str], dirs: Iterable[str] = ()) -> frozenset[str]:
@@ -168,6 +197,9 @@ def trusted_program_files(names: Iterable[str], dirs: Iterable[str] = ()) -> fro
     names = frozenset(names)
     places = [*dirs, "/sbin", "/usr/sbin"]
     triton_file = getattr(sys.modules.get("triton"), "__file__", None)
+    if triton_file is None:  # not imported (the oracle): locate it without importing it
+        spec = importlib.util.find_spec("triton")
+        triton_file = spec.origin if spec is not None else None
     if isinstance(triton_file, str):
         places.append(os.path.join(os.path.dirname(triton_file), "backends", "nvidia", "bin"))
     found: set[str] = set()

@@ -781,8 +781,8 @@ class _Stage:
                     kept.update({int(k): v for k, v in r["outputs"].items()})
             start += calls
             rounds += 1
-            # Size rounds to about round_ms of the slower side.
-            slow = max(float(np.median(ref_ev)), float(np.median(c_ev)), 1e-3)
+            # Size rounds to about round_ms of the slower side (each call also waits out the pad).
+            slow = max(float(np.median(ref_ev)), float(np.median(c_ev)), 1e-3) + ref.pad_ms
             calls = int(min(max(cfg.round_ms / slow, 3), 200))
             if rounds >= 2:
                 speed = bootstrap_ratio_ci(ref_ev, c_ev, iters=500, seed=rounds)

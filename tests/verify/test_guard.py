@@ -17,13 +17,20 @@ import pytest
 pytestmark = pytest.mark.skipif(shutil.which("true") is None, reason="needs the `true` program")
 
 _PROBE = r"""
-import json, os, subprocess, sys
+import collections, json, os, pathlib, subprocess, sys
 from kz_stream.verify._guard import Guard, GuardViolation
 home = sys.argv[1]
 
 def attempt(*args, **kw):
     try:
         subprocess.run(*args, check=True, **kw)
+        return "ran"
+    except GuardViolation:
+        return "refused"
+
+def spawn(fn, *args):
+    try:
+        os.waitpid(fn(*args), 0)
         return "ran"
     except GuardViolation:
         return "refused"
@@ -43,6 +50,11 @@ out = {
                                       env={"PATH": home + os.pathsep + os.environ["PATH"]}),
     "link_to_real": attempt(["./link"], cwd=home),
     "other_program": attempt(["ls"]),
+    "own_file_pathlike_cwd": attempt(["./true"], cwd=pathlib.Path(home)),
+    "relative_path_entry": attempt(["true"], cwd=home, env={"PATH": "."}),
+    "env_not_a_dict": attempt(["true"], env=collections.UserDict({"PATH": home})),
+    "posix_spawn_bare_name": spawn(os.posix_spawn, "true", ["true"], dict(os.environ)),
+    "posix_spawn_real_path": spawn(os.posix_spawn, sys.argv[2], ["true"], dict(os.environ)),
 }
 print(json.dumps(out))
 """
@@ -64,7 +76,7 @@ def test_allowed_program_runs_by_name_and_by_its_real_path(tmp_path: Path) -> No
     out = _probe(tmp_path)
     assert out["by_name"] == "ran"
     assert out["by_real_path"] == "ran"
-    assert out["link_to_real"] == "ran"  # a link to the real file runs the real file
+    assert out["posix_spawn_real_path"] == "ran"
 
 
 def test_a_file_of_the_same_name_written_by_the_candidate_is_refused(tmp_path: Path) -> None:
@@ -72,6 +84,18 @@ def test_a_file_of_the_same_name_written_by_the_candidate_is_refused(tmp_path: P
     assert out["own_file"] == "refused"
     assert out["own_file_absolute"] == "refused"
     assert out["own_file_first_on_path"] == "refused"
+    assert out["own_file_pathlike_cwd"] == "refused"
+    # A link in a writable place could be re-pointed between the check and the exec.
+    assert out["link_to_real"] == "refused"
+
+
+def test_runs_whose_program_cannot_be_told_for_certain_are_refused(tmp_path: Path) -> None:
+    out = _probe(tmp_path)
+    assert out["relative_path_entry"] == "refused"  # the child resolves it from its cwd
+    assert out["env_not_a_dict"] == "refused"  # could report one PATH and use another
+    # posix_spawn runs a bare name from the cwd, posix_spawnp from this PATH: the audit
+    # event does not tell them apart.
+    assert out["posix_spawn_bare_name"] == "refused"
 
 
 def test_programs_not_named_are_refused(tmp_path: Path) -> None:
