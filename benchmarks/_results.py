@@ -92,6 +92,8 @@ def _fmt(x: Any) -> str:
     if x is None:
         return "–"
     if isinstance(x, float):
+        if 0 < abs(x) < 1e-3:
+            return f"{x:.2e}"  # a tolerance check's small differences, not 0.000
         return f"{x:,.3f}" if abs(x) < 100 else f"{x:,.0f}"
     return str(x)
 
