@@ -91,16 +91,12 @@ def _vary_cuda(src: str, i: int) -> str:
 # ---- (a) A/A ------------------------------------------------------------------------------
 
 
-async def bench_aa(quick: bool, loop: str = "padded", save: Any = None) -> dict[str, Any]:
-    """``loop``: ``padded`` (the verifier's loop) or ``unpadded`` (the earlier one: zeroing
-    flush, start event recorded on an idle GPU), for comparison in the same run."""
+async def bench_aa(quick: bool, save: Any = None) -> dict[str, Any]:
     from kz_stream.verify import Candidate, Problem, Verifier, VerifierConfig
 
     mods = aa_modules()
     mods = dict(list(mods.items())[: 4 if quick else 20])
-    cfg = VerifierConfig(static_scan=False, launch_checks=False,
-                         l2_flush="read" if loop == "padded" else "zero",
-                         timing_pad=loop == "padded")
+    cfg = VerifierConfig(static_scan=False, launch_checks=False)
     out: dict[str, Any] = {}
     async with Verifier(cfg) as v:
         for name, src in mods.items():
@@ -112,7 +108,7 @@ async def bench_aa(quick: bool, loop: str = "padded", save: Any = None) -> dict[
             print(f"A/A {name}: {verdict.status.value} {verdict.speedup} {verdict.speedup_ci} "
                   f"{t.get('reference_ms')} ms {verdict.reason or ''}", flush=True)
             if save is not None:
-                save({"aa": out, "_aa_loop": loop})  # a run cut short keeps these
+                save({"aa": out})  # a run cut short keeps these
     return out
 
 
@@ -295,7 +291,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="abcd")
-    ap.add_argument("--aa-loop", default="padded", choices=["padded", "unpadded"])
     ap.add_argument("--note", default="", help="appended to the result's notes")
     ap.add_argument("--from-raw", nargs="*", default=None,
                     help="merge raw JSON files of earlier runs and write the result")
@@ -324,8 +319,7 @@ def main() -> None:
         raw["builds"] = bench_builds(args.quick)
         save()
     if "a" in args.parts:
-        raw["aa"] = asyncio.run(bench_aa(args.quick, args.aa_loop, save))
-        raw["_aa_loop"] = args.aa_loop
+        raw["aa"] = asyncio.run(bench_aa(args.quick, save))
         save()
     if "b" in args.parts:
         raw["throughput"] = asyncio.run(bench_throughput(args.quick, cache, save))

@@ -81,7 +81,6 @@ class Guard:
     # Triton's bundled tools); later, a run is allowed only if it resolves to one of those
     # files, so a candidate's own ``./gcc`` (or a PATH pointing at it) is refused.
     allowed_programs: frozenset[str] = frozenset()
-    program_dirs: tuple[str, ...] = ()  # extra trusted places to look for them
     write_roots: tuple[str, ...] = ()
     violations: list[str] = field(default_factory=list)
     writes: list[str] = field(default_factory=list)
@@ -92,8 +91,7 @@ class Guard:
     def install(self) -> Guard:
         """Installs the hook for the rest of the process's life (hooks cannot be removed)."""
         if not self._installed:
-            self._allowed_files = trusted_program_files(self.allowed_programs,
-                                                        self.program_dirs)
+            self._allowed_files = trusted_program_files(self.allowed_programs)
             sys.addaudithook(self._hook)
             self._installed = True
         return self
@@ -190,18 +188,16 @@ def resolve_program(exe: str, cwd: Any = None, env: Any = None) -> tuple[str, st
     return (os.path.abspath(full), os.path.realpath(full)) if os.path.isfile(full) else None
 
 
-def trusted_program_files(names: Iterable[str], dirs: Iterable[str] = ()) -> frozenset[str]:
-    """The real files ``names`` resolve to now: on PATH, in ``dirs``, in Triton's bundled
-    tool folder, ``/sbin`` and ``/usr/sbin`` (Triton runs ``/sbin/ldconfig``), and the
-    tools named by ``CC`` and ``TRITON_*_PATH``."""
+def trusted_program_files(names: Iterable[str]) -> frozenset[str]:
+    """The real files ``names`` resolve to now: on PATH, in Triton's bundled tool folder,
+    ``/sbin`` and ``/usr/sbin`` (Triton runs ``/sbin/ldconfig``), and the tools named by
+    ``CC`` and ``TRITON_*_PATH``."""
     names = frozenset(names)
-    places = [*dirs, "/sbin", "/usr/sbin"]
-    triton_file = getattr(sys.modules.get("triton"), "__file__", None)
-    if triton_file is None:  # not imported (the oracle): locate it without importing it
-        spec = importlib.util.find_spec("triton")
-        triton_file = spec.origin if spec is not None else None
-    if isinstance(triton_file, str):
-        places.append(os.path.join(os.path.dirname(triton_file), "backends", "nvidia", "bin"))
+    places = ["/sbin", "/usr/sbin"]
+    # find_spec locates Triton without importing it (the oracle does not import it).
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.origin:
+        places.append(os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin"))
     found: set[str] = set()
     for name in names:
         for hit in (shutil.which(name), *(shutil.which(name, path=d) for d in places)):

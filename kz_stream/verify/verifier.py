@@ -38,12 +38,7 @@ from kz_stream.verify.build import (
 from kz_stream.verify.compare import Comparison, Tolerance, compare_outputs
 from kz_stream.verify.hardware import manifest
 from kz_stream.verify.ipc import Child, ChildDied, ChildTimeout
-from kz_stream.verify.timing import (
-    FlushMode,
-    bootstrap_ratio_ci,
-    physical_floor_ms,
-    timing_set_count,
-)
+from kz_stream.verify.timing import bootstrap_ratio_ci, physical_floor_ms, timing_set_count
 
 __all__ = ["Verifier", "VerifierConfig"]
 
@@ -73,8 +68,6 @@ class VerifierConfig:
     min_rounds: int = 4
     max_rounds: int = 16
     round_ms: float = 40.0  # device time of one timing round, per side
-    l2_flush: FlushMode = "read"  # "zero" only to compare with the earlier flush
-    timing_pad: bool = True  # off only to compare with the earlier, unpadded loop
     call_timeout_s: float = 120.0
     load_timeout_s: float = 240.0
     prepare_timeout_s: float = 600.0
@@ -162,8 +155,7 @@ class _Lane:
         # (same process kind, isolation and warm-up), so the two sides differ only in the
         # module they run. Kept per problem (a few, least recently used dropped), with the
         # reference's outputs on its timing sets.
-        self.ref_workers: OrderedDict[tuple[str, int], RefTimer] = (
-            OrderedDict())
+        self.ref_workers: OrderedDict[tuple[str, int], RefTimer] = OrderedDict()
 
     def _env(self, fraction: float) -> dict[str, str]:
         env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),
@@ -241,8 +233,7 @@ class _Lane:
             {"cmd": "model", "key": p.own_model_key, "init_args": p.init_args,
              "weight_seed": p.weight_seed, "state_dict": p.state_dict(p.own_model_key)},
             {"cmd": "time_setup", "specs": p.specs, "seed": seed, "sets": n_sets,
-             "model": p.own_model_key, "return_outputs": True,
-             "flush": self.v.config.l2_flush, "pad": self.v.config.timing_pad},
+             "model": p.own_model_key, "return_outputs": True},
         ]
         r: dict[str, Any] = {}
         try:
@@ -729,14 +720,12 @@ class _Stage:
         seed = p.seed + 7
         try:
             ref = await lane.reference_timer(p, n_sets, seed, cfg.load_timeout_s)
-            ref_worker, ref_outputs = ref.child, ref.outputs
         except (ChildDied, ChildTimeout, RuntimeError) as e:
             raise self.reject(Status.UNCHECKED, f"reference timing failed: {e}",
                               "problem") from e
         await self.call({"cmd": "time_setup", "specs": p.specs, "seed": seed, "sets": n_sets,
-                         "model": p.own_model_key, "flush": cfg.l2_flush,
-                         "pad_cycles": ref.pad_cycles}, cfg.load_timeout_s,
-                        stage="timing warm-up")
+                         "model": p.own_model_key, "pad_cycles": ref.pad_cycles},
+                        cfg.load_timeout_s, stage="timing warm-up")
         # Workers started ahead of need create CUDA contexts and launch warm-up kernels; let
         # them finish before the timed rounds so they do not land inside one side's rounds
         # (seen on the H200: A/A deviations of several percent while they started).
@@ -760,7 +749,7 @@ class _Stage:
             for ref_first in order:
                 if ref_first:
                     try:
-                        r = await asyncio.to_thread(ref_worker.call, {
+                        r = await asyncio.to_thread(ref.child.call, {
                             "cmd": "time", "calls": calls, "start": start},
                             cfg.call_timeout_s)
                     except (ChildDied, ChildTimeout) as e:
@@ -824,7 +813,7 @@ class _Stage:
                                t.honest_rel_norm, t.dont_care_fraction)
                      for t in p.tolerances[s1]]
         for j, out in kept.items():
-            ref_out = ref_outputs[j % n_sets]
+            ref_out = ref.outputs[j % n_sets]
             loose = loose_all
             if len(loose) != len(ref_out):
                 loose = [loose[0]] * len(ref_out)

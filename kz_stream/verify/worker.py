@@ -380,7 +380,7 @@ def _time_setup(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     plan = InputPlan("timing", "normal")
     state.timing_sets = [make_inputs(specs, plan, int(msg["seed"]) + i, device=state.device)
                          for i in range(int(msg["sets"]))]
-    state.flusher = L2Flusher(torch.device(state.device), msg.get("flush", "read"))
+    state.flusher = L2Flusher(torch.device(state.device))
     state.timing_key = str(msg["model"])
     # Warm-up: compiles and autotunes outside the timed region.
     outputs = []
@@ -398,10 +398,8 @@ def _time_setup(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     pad_ms = 0.0
     if "pad_cycles" in msg:
         state.pad_cycles = int(msg["pad_cycles"])
-    elif msg.get("pad", True):
-        state.pad_cycles, pad_ms = pad_for(lambda: _call(state, args0, state.timing_key))
     else:
-        state.pad_cycles = 0
+        state.pad_cycles, pad_ms = pad_for(lambda: _call(state, args0, state.timing_key))
     return {"ok": True, "outputs": outputs, "pad_cycles": state.pad_cycles, "pad_ms": pad_ms}
 
 
