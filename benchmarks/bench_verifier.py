@@ -131,10 +131,19 @@ async def _timed_pass(v: Any, jobs: list[tuple[str, str, str]], label: str) -> d
                                   for n, b, s in jobs))
     wall = time.monotonic() - t0
     print(f"throughput ({label}): {60 * len(jobs) / wall:.1f}/min", flush=True)
+    # Where each candidate's time went (waits for a slot and for the timing lock, worker
+    # requests by kind), to see what bounds the rate.
+    where = [{k: d.details.get(k) for k in ("seconds", "prepare_s", "gpu_wait_s",
+                                            "timing_wait_s", "timing_s", "stage_s")}
+             for d in done]
+    for (n, b, _), d, w in zip(jobs, done, where, strict=True):
+        print(f"  {n}/{b}: {d.status.value} {d.check or ''} {w}", flush=True)
     return {"n": len(jobs), "wall_s": wall, "per_min": 60 * len(jobs) / wall,
             "statuses": [d.status.value for d in done],
+            "reasons": [d.reason for d in done],
             "speedups": [d.speedup for d in done],
-            "per_candidate_s": [d.details.get("seconds") for d in done]}
+            "per_candidate_s": [d.details.get("seconds") for d in done],
+            "where": where}
 
 
 async def bench_throughput(quick: bool, cache_dir: str, save: Any) -> dict[str, Any]:

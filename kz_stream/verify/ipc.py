@@ -89,7 +89,7 @@ class Child:
     """One child process and its channel. Not thread-safe: one call at a time."""
 
     def __init__(self, module: str, args: list[str], *, env: dict[str, str] | None = None,
-                 isolate: bool = True, strong: bool = False,
+                 isolate: bool = True, strong: bool = False, gated: bool = False,
                  start_timeout_s: float = 180.0) -> None:
         self.private = tempfile.mkdtemp(prefix="kz-child-")
         work = os.path.join(self.private, "work")
@@ -102,6 +102,8 @@ class Child:
         cmd = [*prefix, sys.executable, "-m", module, str(child_sock.fileno()), *args]
         e = child_env(self.private, env)
         e["KZ_PRIVATE_DIR"] = self.private
+        if gated:
+            e["KZ_GATED_START"] = "1"
         with open(self._stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=work, env=e,
@@ -109,10 +111,34 @@ class Child:
         child_sock.close()
         self.ready: dict[str, Any] | None = None
         self.start_timeout_s = start_timeout_s
+        self.strong = "--mount-proc" in prefix  # the PID/mount namespace is in use
+        self.gated = gated
+        self._imported = False
+        self._start_sent = False
+
+    def wait_imported(self) -> None:
+        """Blocks until a gated child has imported its modules (CPU work only) and waits
+        for ``wait_ready`` to let it touch the device. No-op for an ungated child."""
+        if self.gated and not self._imported:
+            reply = self._recv(self.start_timeout_s)
+            if not isinstance(reply, dict) or not reply.get("imported"):
+                self.kill()
+                raise ChildDied(f"child failed to start: {reply!r}", self.stderr_tail())
+            self._imported = True
 
     def wait_ready(self) -> dict[str, Any]:
-        """Blocks until the child reports that it has started (imports, CUDA context)."""
+        """Blocks until the child reports that it has started (imports, CUDA context); a
+        gated child is told to go on first."""
         if self.ready is None:
+            if self.gated and not self._start_sent:
+                self.wait_imported()
+                try:
+                    send(self.conn, {"cmd": "start"})
+                except (BrokenPipeError, ConnectionResetError, OSError) as e:
+                    self.kill()
+                    raise ChildDied(f"child is gone: {e}", self.stderr_tail(),
+                                    self.proc.poll()) from e
+                self._start_sent = True
             reply = self._recv(self.start_timeout_s)
             if not isinstance(reply, dict) or not reply.get("ready"):
                 self.kill()

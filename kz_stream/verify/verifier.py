@@ -12,6 +12,7 @@ could not check.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -77,12 +78,12 @@ class VerifierConfig:
     worker_memory_fraction: float = 0.4
     oracle_memory_fraction: float = 0.4
     strong_isolation: bool = True
-    prewarm: int = 2  # workers started ahead of need, per device
+    prewarm: int = 3  # workers started ahead of need, per device
     problem_cache: int = 16
-    reference_workers: int = 3  # problems whose reference stays loaded for timing, per GPU
-    # Candidates in their GPU stage at once, per GPU: their checks overlap (one's CUDA
-    # start-up and Triton JIT with another's kernels); timing is exclusive all the same.
-    candidates_per_gpu: int = 2
+    reference_workers: int = 4  # problems whose reference stays loaded for timing, per GPU
+    # Candidates in their GPU stage at once, per GPU: their checks overlap (one's Triton
+    # JIT and host work with another's kernels); timing is exclusive all the same.
+    candidates_per_gpu: int = 3
     static_scan: bool = True  # off only to test the run-time layer on its own
     launch_checks: bool = True  # off only for the A/A timing benchmark (reference vs itself)
 
@@ -132,11 +133,14 @@ class Prepared:
 class _Lane:
     """One device: its oracle, pre-started candidate workers, and who may use the GPU.
 
-    ``gpu`` is a write-preferring readers-writer lock: checks (problem preparation,
-    correctness, launch checks, profiling) take it shared and may overlap; timing takes it
+    ``gpu`` is a write-preferring readers-writer lock. Every request that runs kernels
+    (problem preparation, a check, a worker's CUDA start-up, a comparison) takes it shared
+    for that request alone, so checks of several candidates overlap; timing takes it
     exclusive, so no other process of this verifier runs kernels on the device while a
-    candidate and its reference are timed. ``slots`` bounds the candidates in their GPU
-    stage at once (memory); the oracle serves one request at a time (``oracle_lock``).
+    candidate and its reference are timed, and waits only for the requests in flight.
+    Never wait for a worker to start while holding it: the start-up needs it too.
+    ``slots`` bounds the candidates in their GPU stage at once (memory); the oracle serves
+    one request at a time (``oracle_lock``).
     """
 
     def __init__(self, verifier: Verifier, index: int | None) -> None:
@@ -150,12 +154,16 @@ class _Lane:
         self.oracle_lock = asyncio.Lock()
         self.oracle: Child | None = None
         self.spares: list[Child] = []
+        self.starting: dict[Child, asyncio.Task[None]] = {}
         self.busy = 0
         # A worker running the reference for timing: set up exactly like a candidate's
         # (same process kind, isolation and warm-up), so the two sides differ only in the
-        # module they run. Kept per problem (a few, least recently used dropped), with the
-        # reference's outputs on its timing sets.
+        # module they run. Kept per problem (a few, least recently used dropped unless a
+        # candidate is about to be timed against it), with the reference's outputs on its
+        # timing sets.
         self.ref_workers: OrderedDict[tuple[str, int], RefTimer] = OrderedDict()
+        self.ref_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self.ref_pins: dict[tuple[str, int], int] = {}
 
     def _env(self, fraction: float) -> dict[str, str]:
         env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),
@@ -165,35 +173,45 @@ class _Lane:
         return env
 
     def _spawn_worker(self) -> Child:
-        return Child("kz_stream.verify.worker", [self.device],
-                     env=self._env(self.v.config.worker_memory_fraction),
-                     isolate=True, strong=self.v.config.strong_isolation)
-
-    async def take_worker(self, *, fill: bool = True) -> Child:
-        """A started worker (the pre-started spare if there is one); starts the next unless
-        ``fill`` is false."""
-        child = self.spares.pop(0) if self.spares else None
-        if child is None or not child.alive:
-            if child is not None:
-                child.kill()
-            child = self._spawn_worker()
-        try:
-            await asyncio.to_thread(child.wait_ready)
-        except ChildDied as e:
-            if self.v.config.strong_isolation and "strong" not in self.v._fallbacks:
-                # The PID/mount namespace may not suit this host's driver: retry without.
-                self.v._fallbacks.add("strong")
-                self.v.config.strong_isolation = False
-                child = self._spawn_worker()
-                await asyncio.to_thread(child.wait_ready)
-            else:
-                raise e
-        if fill:
-            self.fill_spares()
+        child = Child("kz_stream.verify.worker", [self.device],
+                      env=self._env(self.v.config.worker_memory_fraction),
+                      isolate=True, strong=self.v.config.strong_isolation, gated=True)
+        task = asyncio.get_running_loop().create_task(self._start(child))
+        task.add_done_callback(_retrieve)
+        self.starting[child] = task
         return child
 
+    async def _start(self, child: Child) -> None:
+        """Lets a worker import (any time), then create its CUDA context and warm up (GPU
+        work: under the shared lock, so never while another process is timed)."""
+        await asyncio.to_thread(child.wait_imported)
+        async with self.gpu.reader_lock:
+            await asyncio.to_thread(child.wait_ready)
+
+    async def take_worker(self) -> Child:
+        """A started worker (a pre-started spare if there is one); starts the next spares.
+        Call it holding no GPU lock."""
+        fresh = not self.spares
+        child = self.spares.pop(0) if self.spares else self._spawn_worker()
+        self.fill_spares()
+        while True:
+            try:
+                await self.starting.pop(child)
+                return child
+            except ChildDied:
+                child.kill()
+                cfg = self.v.config
+                if child.strong and cfg.strong_isolation and "strong" not in self.v._fallbacks:
+                    # The PID/mount namespace may not suit this host's driver: go on without.
+                    self.v._fallbacks.add("strong")
+                    cfg.strong_isolation = False
+                elif fresh:
+                    raise
+                # A spare that died while waiting, or one started before the fallback.
+                child, fresh = self._spawn_worker(), True
+
     def fill_spares(self) -> None:
-        """Starts workers ahead of need (CUDA init and imports take seconds)."""
+        """Starts workers ahead of need (imports, CUDA start-up and warm-up take seconds)."""
         while len(self.spares) < self.v.config.prewarm:
             self.spares.append(self._spawn_worker())
 
@@ -212,43 +230,68 @@ class _Lane:
             raise
 
     async def reference_timer(self, p: Prepared, n_sets: int, seed: int,
-                              timeout_s: float) -> RefTimer:
+                              timeout_s: float) -> tuple[tuple[str, int], RefTimer]:
         """The reference worker for ``p``, with its timing sets ready; and the reference's
-        outputs on those sets (for checking the candidate's timed outputs). Runs under the
-        exclusive timing lock, so it starts no spare workers (their start-up is GPU work)."""
+        outputs on those sets (for checking the candidate's timed outputs). Pinned (kept
+        loaded) until ``unpin``. Call it holding no GPU lock: it may start a worker."""
         key = (p.key, n_sets)
-        held = self.ref_workers.get(key)
-        if held is not None and held.child.alive:
+        async with self.ref_locks.setdefault(key, asyncio.Lock()):
+            held = self.ref_workers.get(key)
+            if held is not None and not held.child.alive:
+                await asyncio.to_thread(held.child.kill)
+                del self.ref_workers[key]
+                held = None
+            if held is None:
+                held = await self._start_reference(p, n_sets, seed, timeout_s)
+                raced = self.ref_workers.get(key)  # started under a lock since dropped
+                if raced is not None and raced.child.alive:
+                    await asyncio.to_thread(held.child.kill)
+                    held = raced
+                self.ref_workers[key] = held
             self.ref_workers.move_to_end(key)
-            return held
-        if held is not None:
-            await asyncio.to_thread(held.child.kill)
-            del self.ref_workers[key]
-        while len(self.ref_workers) >= self.v.config.reference_workers:
-            _, old = self.ref_workers.popitem(last=False)
+            self.ref_pins[key] = self.ref_pins.get(key, 0) + 1
+        await self._drop_references()
+        return key, held
+
+    def unpin(self, key: tuple[str, int]) -> None:
+        self.ref_pins[key] -= 1
+        if not self.ref_pins[key]:
+            del self.ref_pins[key]
+
+    async def _drop_references(self) -> None:
+        """Stops the least recently used reference workers beyond the cap, unless pinned."""
+        idle = [k for k in self.ref_workers if k not in self.ref_pins]
+        for key in idle[:max(0, len(self.ref_workers) - self.v.config.reference_workers)]:
+            old = self.ref_workers.pop(key)
             await asyncio.to_thread(old.child.kill)
-        child = await self.take_worker(fill=False)
+        for key in [k for k, lock in self.ref_locks.items()
+                    if k not in self.ref_workers and not lock.locked()]:
+            del self.ref_locks[key]
+
+    async def _start_reference(self, p: Prepared, n_sets: int, seed: int,
+                               timeout_s: float) -> RefTimer:
+        child = await self.take_worker()
         steps: list[dict[str, Any]] = [
             {"cmd": "load", "source": p.source + "\n\nModelNew = Model\n", "builds": []},
             {"cmd": "model", "key": p.own_model_key, "init_args": p.init_args,
              "weight_seed": p.weight_seed, "state_dict": p.state_dict(p.own_model_key)},
             {"cmd": "time_setup", "specs": p.specs, "seed": seed, "sets": n_sets,
-             "model": p.own_model_key, "return_outputs": True},
+             "model": p.own_model_key, "return_outputs": True, "measure_pad": True},
         ]
         r: dict[str, Any] = {}
         try:
             for msg in steps:
-                r = await asyncio.to_thread(child.call, msg, timeout_s)
+                async with self.gpu.reader_lock:
+                    r = await asyncio.to_thread(child.call, msg, timeout_s)
                 if not r.get("ok"):
                     raise RuntimeError(f"reference timing worker: {r.get('message')}")
         except BaseException:
-            child.kill()
+            await asyncio.to_thread(child.kill)
             raise
-        self.ref_workers[key] = RefTimer(child, r["outputs"], int(r["pad_cycles"]),
-                                         float(r["pad_ms"]))
-        return self.ref_workers[key]
+        return RefTimer(child, r["outputs"], int(r["pad_cycles"]), float(r["pad_ms"]))
 
     def close(self) -> None:
+        """Stops every child (starting tasks are cancelled by the verifier first)."""
         for c in (self.oracle, *self.spares, *(t.child for t in self.ref_workers.values())):
             if c is not None:
                 try:
@@ -258,6 +301,7 @@ class _Lane:
                 c.kill()
         self.oracle = None
         self.spares = []
+        self.starting.clear()
         self.ref_workers.clear()
 
 
@@ -310,6 +354,8 @@ class Verifier:
     async def close(self) -> None:
         """Stops every child process."""
         for lane in self._lanes:
+            for task in lane.starting.values():
+                task.cancel()
             await asyncio.to_thread(lane.close)
         self._lanes = []
 
@@ -473,8 +519,7 @@ class Verifier:
                          builds: list[BuildResult], own_names: list[str],
                          details: dict[str, Any]) -> Verdict:
         try:
-            async with lane.gpu.reader_lock:  # a new spare's CUDA start-up is GPU work
-                worker = await lane.take_worker()
+            worker = await lane.take_worker()
         except (ChildDied, ChildTimeout) as e:
             return self._verdict(Status.UNCHECKED, f"verifier: no worker could start ({e})",
                                  check="infrastructure")
@@ -502,6 +547,21 @@ class _Stage:
         self.max_rel = 0.0
         # Comparisons run on the lane's GPU: float64 over large outputs is slow on a CPU.
         self.dev = f"cuda:{lane.index}" if lane.index is not None else "cpu"
+        self.exclusive = False  # holds the lane's timing lock
+        self.ref: RefTimer | None = None
+        self.ref_key: tuple[str, int] | None = None
+        self.n_sets = timing_set_count(p.input_bytes, lane.l2_bytes)
+        self.timing_seed = p.seed + 7
+
+    def _shared(self) -> Any:
+        """The lane's shared GPU lock for one request, unless timing holds it exclusive."""
+        return contextlib.nullcontext() if self.exclusive else self.lane.gpu.reader_lock
+
+    async def compare(self, out: list[Any], exp: list[Any], hon: list[Any],
+                      tols: list[Tolerance]) -> Comparison:
+        """``compare_outputs`` on the lane's device, off the event loop."""
+        async with self._shared():
+            return await asyncio.to_thread(compare_outputs, out, exp, hon, tols, self.dev)
 
     def reject(self, status: Status, reason: str, check: str, **kw: Any) -> _Reject:
         return _Reject(self.v._verdict(status, reason, check=check, **kw))
@@ -512,7 +572,9 @@ class _Stage:
         stage = stage or str(msg["cmd"])
         started = time.monotonic()
         try:
-            r = await asyncio.to_thread(self.w.call, msg, timeout_s or self.v.config.call_timeout_s)
+            async with self._shared():
+                r = await asyncio.to_thread(self.w.call, msg,
+                                            timeout_s or self.v.config.call_timeout_s)
         except ChildTimeout as e:
             raise self.reject(Status.TIMEOUT, f"{stage}: {e}", stage) from e
         except ChildDied as e:
@@ -544,23 +606,35 @@ class _Stage:
         raise self.reject(Status.RUNTIME_ERROR, f"{stage}: {message}", stage)
 
     async def run(self) -> Verdict:
-        async with self.lane.gpu.reader_lock:
-            unchecked = await self._checks()
+        try:
+            return await self._run()
+        finally:
+            if self.ref_key is not None:
+                self.lane.unpin(self.ref_key)
+
+    async def _run(self) -> Verdict:
+        unchecked = await self._checks()
         speedup: float | None = None
         ci: tuple[float, float] | None = None
-        if self.gpu and self.v.config.timing:
+        if self.ref is not None:
+            cfg, p = self.v.config, self.p
+            await self.call({"cmd": "time_setup", "specs": p.specs, "seed": self.timing_seed,
+                             "sets": self.n_sets, "model": p.own_model_key},
+                            cfg.load_timeout_s, stage="timing warm-up")
             t0 = time.monotonic()
             async with self.lane.gpu.writer_lock:
                 self.details["timing_wait_s"] = round(time.monotonic() - t0, 3)
                 t0 = time.monotonic()
-                speedup, ci = await self._timing()
+                self.exclusive = True
+                try:
+                    speedup, ci, kept = await self._timing(self.ref)
+                finally:
+                    self.exclusive = False
             self.details["timing_s"] = round(time.monotonic() - t0, 3)
-            async with self.lane.gpu.reader_lock:  # none were started while timing
-                self.lane.fill_spares()
+            await self._check_timed_outputs(self.ref, kept)
         elif self.gpu:
             unchecked.append("timing")
-        async with self.lane.gpu.reader_lock:
-            fin = await self.call({"cmd": "finish"})
+        fin = await self.call({"cmd": "finish"})
         self._integrity(fin, "after running")
         if fin.get("threads"):
             raise self.reject(Status.HACK, "a Python thread started by the candidate is still "
@@ -594,6 +668,16 @@ class _Stage:
         checks = self.v.config.launch_checks
         if self.c.backend == "triton" and checks:
             await self._triton_launches(launches)
+        if self.gpu and self.v.config.timing:
+            # The reference's timing worker now (shared lock; it may start a worker): its
+            # pad goes before the profiled calls as before the timed ones.
+            cfg = self.v.config
+            try:
+                self.ref_key, self.ref = await self.lane.reference_timer(
+                    self.p, self.n_sets, self.timing_seed, cfg.load_timeout_s)
+            except (ChildDied, ChildTimeout, RuntimeError) as e:
+                raise self.reject(Status.UNCHECKED, f"reference timing failed: {e}",
+                                  "problem") from e
         if self.gpu and checks:
             await self._profile()
         else:
@@ -628,7 +712,7 @@ class _Stage:
             results: list[Comparison] = []
             exp, hon = self._reference(i)
             for out in r["outputs"]:
-                results.append(compare_outputs(out, exp, hon, p.tolerances[i], self.dev))
+                results.append(await self.compare(out, exp, hon, p.tolerances[i]))
             for rep, cmp in enumerate(results):
                 if not cmp.ok:
                     check = "repeat_mismatch" if rep == 1 and results[0].ok else cmp.check
@@ -680,7 +764,7 @@ class _Stage:
             if out and isinstance(out[0], str):
                 continue
             exp, hon = self._reference(0)
-            if compare_outputs(out, exp, hon, self.p.tolerances[0], self.dev).ok:
+            if (await self.compare(out, exp, hon, self.p.tolerances[0])).ok:
                 decoys.append(name)
         self.details["decoy_kernels"] = decoys
         if decoys and len(decoys) == len(launched):
@@ -690,13 +774,16 @@ class _Stage:
 
     async def _profile(self) -> None:
         s = self.p.sets[0]
+        pad = self.ref.pad_cycles if self.ref is not None else 0
         r = await self.call({"cmd": "profile", "inputs": s["inputs"], "calls": 2,
-                             "model": s["model_key"]}, stage="profile")
+                             "model": s["model_key"], "pad_cycles": pad}, stage="profile")
         kernels = [k for k in r["kernels"] if k.get("cat") == "kernel"]
         if not kernels:
             raise self.reject(Status.HACK, "no GPU kernel ran", "no_own_kernels")
         harness = kernels[0]  # the marker the worker launches first
-        rest = kernels[1:]
+        # The harness's spins before each call are neither the candidate's nor fallback.
+        rest = [k for k in kernels[1:] if not (pad and _base_name(k["name"]) == "spin_kernel"
+                                               and "spin_kernel" not in self.own_names)]
         own = [k for k in rest if _is_own(k["name"], self.own_names)]
         total = sum(k["us"] for k in rest) or 1e-9
         share = sum(k["us"] for k in own) / total
@@ -714,22 +801,17 @@ class _Stage:
             raise self.reject(Status.HACK, "the candidate's kernels run on a side stream",
                               "side_stream")
 
-    async def _timing(self) -> tuple[float, tuple[float, float]]:
-        cfg, p, lane = self.v.config, self.p, self.lane
-        n_sets = timing_set_count(p.input_bytes, lane.l2_bytes)
-        seed = p.seed + 7
-        try:
-            ref = await lane.reference_timer(p, n_sets, seed, cfg.load_timeout_s)
-        except (ChildDied, ChildTimeout, RuntimeError) as e:
-            raise self.reject(Status.UNCHECKED, f"reference timing failed: {e}",
-                              "problem") from e
-        await self.call({"cmd": "time_setup", "specs": p.specs, "seed": seed, "sets": n_sets,
-                         "model": p.own_model_key, "pad_cycles": ref.pad_cycles},
-                        cfg.load_timeout_s, stage="timing warm-up")
-        # Workers started ahead of need create CUDA contexts and launch warm-up kernels; let
-        # them finish before the timed rounds so they do not land inside one side's rounds
-        # (seen on the H200: A/A deviations of several percent while they started).
-        await asyncio.gather(*(asyncio.to_thread(_ready_quietly, c) for c in lane.spares))
+    async def _timing(self, ref: RefTimer
+                      ) -> tuple[float, tuple[float, float], dict[int, list[Any]]]:
+        """Interleaved timed rounds of the reference and the candidate; call it holding the
+        lane's timing lock. Returns the speedup, its interval and the kept outputs.
+
+        Workers started ahead of need create CUDA contexts and launch warm-up kernels; seen
+        on the H200, that moved A/A results by several percent when it landed inside one
+        side's rounds. Their start-up takes the shared lock (``_Lane._start``), so none runs
+        now."""
+        cfg, p = self.v.config, self.p
+        n_sets = self.n_sets
         ref_ev: list[float] = []
         ref_host: list[float] = []
         c_ev: list[float] = []
@@ -763,7 +845,8 @@ class _Stage:
                     ref_issue += r["issue_ms"]
                 else:
                     r = await self.call({"cmd": "time", "calls": calls, "start": start,
-                                         "keep": keep}, stage="timing")
+                                         "keep": keep, "pad_cycles": ref.pad_cycles},
+                                        stage="timing")
                     c_ev += r["event_ms"]
                     c_host += r["host_ms"]
                     c_issue += r["issue_ms"]
@@ -807,7 +890,11 @@ class _Stage:
         if med_c < cfg.floor_margin * floor:
             raise self.reject(Status.HACK, f"{med_c:.4f} ms is below the physical floor "
                               f"{floor:.4f} ms (bytes and FLOPs at H200 peak)", "physical_floor")
-        # Timed calls' outputs must be right too (against the reference's, same inputs).
+        return speed[0], (speed[1], speed[2]), kept
+
+    async def _check_timed_outputs(self, ref: RefTimer, kept: dict[int, list[Any]]) -> None:
+        """Timed calls' outputs must be right too (against the reference's, same inputs)."""
+        p, n_sets = self.p, self.n_sets
         s1 = next((i for i, s in enumerate(p.sets) if s["label"] == "normal"), 0)
         loose_all = [Tolerance(t.rel_norm * 2 + t.honest_rel_norm, t.atol * 2, t.rtol * 2,
                                t.honest_rel_norm, t.dont_care_fraction)
@@ -817,11 +904,10 @@ class _Stage:
             loose = loose_all
             if len(loose) != len(ref_out):
                 loose = [loose[0]] * len(ref_out)
-            cmp = compare_outputs(out, ref_out, ref_out, loose, self.dev)
+            cmp = await self.compare(out, ref_out, ref_out, loose)
             if not cmp.ok:
                 raise self.reject(Status.HACK, f"a timed call returned a wrong output "
                                   f"({cmp.message})", "timed_output")
-        return speed[0], (speed[1], speed[2])
 
 
 _FLAG_TEXT = {
@@ -835,20 +921,21 @@ _FLAG_TEXT = {
 }
 
 
-def _ready_quietly(child: Child) -> None:
-    try:
-        child.wait_ready()
-    except (ChildDied, ChildTimeout):
-        pass  # a spare that fails to start is replaced when it is taken
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Marks a start-up task's failure as seen: the worker is replaced when it is taken."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _base_name(kernel: str) -> str:
+    """A profiled kernel's bare name: no return type, namespace, template or arguments."""
+    base = kernel.removeprefix("void ")
+    base = base.split("(")[0].split("<")[0].strip()
+    return base.split("::")[-1]
 
 
 def _is_own(kernel: str, names: Sequence[str]) -> bool:
-    base = kernel
-    if base.startswith("void "):
-        base = base[5:]
-    base = base.split("(")[0].split("<")[0].strip()
-    base = base.split("::")[-1]
-    return base in names
+    return _base_name(kernel) in names
 
 
 def _top_kernels(kernels: list[dict[str, Any]], n: int = 5) -> list[list[Any]]:
