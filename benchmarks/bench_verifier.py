@@ -134,6 +134,7 @@ async def _timed_pass(v: Any, jobs: list[tuple[str, str, str]], label: str) -> d
     # Where each candidate's time went (waits for a slot and for the timing lock, worker
     # requests by kind), to see what bounds the rate.
     where = [{k: d.details.get(k) for k in ("seconds", "prepare_s", "gpu_wait_s",
+                                            "worker_wait_s", "worker_start_s",
                                             "timing_wait_s", "timing_s", "stage_s")}
              for d in done]
     for (n, b, _), d, w in zip(jobs, done, where, strict=True):

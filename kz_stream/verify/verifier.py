@@ -78,7 +78,9 @@ class VerifierConfig:
     worker_memory_fraction: float = 0.4
     oracle_memory_fraction: float = 0.4
     strong_isolation: bool = True
-    prewarm: int = 3  # workers started ahead of need, per device
+    # Workers started ahead of need, per device. None: two per slot on a GPU (a worker
+    # takes seconds to start, and each candidate uses a fresh one), one on the CPU.
+    prewarm: int | None = None
     problem_cache: int = 16
     reference_workers: int = 4  # problems whose reference stays loaded for timing, per GPU
     # Candidates in their GPU stage at once, per GPU: their checks overlap (one's Triton
@@ -212,7 +214,10 @@ class _Lane:
 
     def fill_spares(self) -> None:
         """Starts workers ahead of need (imports, CUDA start-up and warm-up take seconds)."""
-        while len(self.spares) < self.v.config.prewarm:
+        cfg = self.v.config
+        want = cfg.prewarm if cfg.prewarm is not None else (
+            2 * cfg.candidates_per_gpu if self.index is not None else 1)
+        while len(self.spares) < want:
             self.spares.append(self._spawn_worker())
 
     async def oracle_call(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -518,11 +523,15 @@ class Verifier:
     async def _gpu_stage(self, lane: _Lane, p: Prepared, candidate: Candidate,
                          builds: list[BuildResult], own_names: list[str],
                          details: dict[str, Any]) -> Verdict:
+        t0 = time.monotonic()
         try:
             worker = await lane.take_worker()
         except (ChildDied, ChildTimeout) as e:
             return self._verdict(Status.UNCHECKED, f"verifier: no worker could start ({e})",
                                  check="infrastructure")
+        details["worker_wait_s"] = round(time.monotonic() - t0, 3)
+        details["worker_start_s"] = {k: round(float(v), 3) for k, v in
+                                     (worker.wait_ready().get("start_s") or {}).items()}
         try:
             return await _Stage(self, lane, worker, p, candidate, builds, own_names,
                                 details).run()
@@ -928,8 +937,9 @@ def _retrieve(task: asyncio.Task[None]) -> None:
 
 
 def _base_name(kernel: str) -> str:
-    """A profiled kernel's bare name: no return type, namespace, template or arguments."""
-    base = kernel.removeprefix("void ")
+    """A profiled kernel's bare name: no return type, namespace, template or arguments
+    (``at::cuda::(anonymous namespace)::spin_kernel(long)`` is ``spin_kernel``)."""
+    base = kernel.removeprefix("void ").replace("(anonymous namespace)", "")
     base = base.split("(")[0].split("<")[0].strip()
     return base.split("::")[-1]
 

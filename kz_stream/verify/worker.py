@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any
 
+_STARTED = time.monotonic()
 _DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 if _DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
@@ -513,28 +515,38 @@ def _limit_resources() -> None:
 
 def main() -> None:
     conn = Connection(int(sys.argv[1]))
+    phases = {"imports": time.monotonic() - _STARTED}  # where start-up time goes
     if os.environ.get("KZ_GATED_START") == "1":
         # Imports done; the device is touched only when the verifier says so (never while
         # it times another process on this GPU).
         send(conn, {"imported": True})
+        t = time.monotonic()
         if recv(conn).get("cmd") != "start":
             return
+        phases["gate"] = time.monotonic() - t
     state = State(_DEVICE)
-    info: dict[str, Any] = {"ready": True, "pid": os.getpid(), "device": _DEVICE}
+    info: dict[str, Any] = {"ready": True, "pid": os.getpid(), "device": _DEVICE,
+                            "start_s": phases}
     try:
         from kz_stream.verify.reference import strict_precision
 
         strict_precision()
+        t = time.monotonic()
         if state.cuda:
             torch.cuda.set_device(0)
             torch.empty(1, device=_DEVICE)  # CUDA context now, outside any deadline
             fraction = float(os.environ.get("KZ_GPU_MEMORY_FRACTION", "0.45"))
             torch.cuda.set_per_process_memory_fraction(fraction)
             info["gpu"] = torch.cuda.get_device_name()
+        phases["cuda"] = time.monotonic() - t
+        t = time.monotonic()
         if triton is not None and state.cuda:
             _warm_triton()
+        phases["triton"] = time.monotonic() - t
+        t = time.monotonic()
         if state.cuda:
             _warm_harness()
+        phases["harness"] = time.monotonic() - t
         torch.set_num_threads(int(os.environ.get("KZ_WORKER_THREADS", "2")))
         torch.manual_seed(0)  # torch rebinds some functions lazily on first use
         _limit_resources()

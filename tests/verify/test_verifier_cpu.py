@@ -105,3 +105,16 @@ async def test_candidates_share_a_device_up_to_its_slots(slots: int) -> None:
         assert waits[1] < 0.05, waits
     else:
         assert waits[0] < 0.05 and waits[1] >= min(d.details["seconds"] for d in both) / 4, waits
+
+
+@pytest.mark.parametrize(("profiled", "name"), [
+    ("at::cuda::(anonymous namespace)::spin_kernel(long)", "spin_kernel"),
+    ("void relu_kernel<float>(float const*, float*, int)", "relu_kernel"),
+    ("void (anonymous namespace)::scale(float*)", "scale"),
+    ("add_kernel", "add_kernel"),
+])
+def test_profiled_kernel_names_lose_namespace_template_and_arguments(profiled: str,
+                                                                     name: str) -> None:
+    from kz_stream.verify.verifier import _base_name
+
+    assert _base_name(profiled) == name
