@@ -483,26 +483,6 @@ def _warm_triton() -> None:
     torch.cuda.synchronize()
 
 
-def _warm_harness() -> None:
-    """Runs the harness's own first uses before a candidate arrives: the CUDA modules of
-    the ops the checks use, the GPU spin, and the profiler's CUPTI start-up (about a
-    second on first use). Reference and candidate workers both get it, so timing stays
-    symmetric."""
-    from torch.profiler import ProfilerActivity, profile
-
-    x = torch.randn(4096, device="cuda")
-    y = x.clone()
-    y.fill_(float("nan"))
-    _bits_equal(x, x.clone())
-    torch.sum(x.view(torch.int32), dim=0, dtype=torch.int64)
-    x.to("cpu")
-    torch.cuda._sleep(1000)  # type: ignore[no-untyped-call]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
-        x.add_(1)
-        torch.cuda.synchronize()
-    torch.cuda.synchronize()
-
-
 def _limit_resources() -> None:
     import resource
 
@@ -543,10 +523,6 @@ def main() -> None:
         if triton is not None and state.cuda:
             _warm_triton()
         phases["triton"] = time.monotonic() - t
-        t = time.monotonic()
-        if state.cuda:
-            _warm_harness()
-        phases["harness"] = time.monotonic() - t
         torch.set_num_threads(int(os.environ.get("KZ_WORKER_THREADS", "2")))
         torch.manual_seed(0)  # torch rebinds some functions lazily on first use
         _limit_resources()
