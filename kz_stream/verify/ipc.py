@@ -115,6 +115,7 @@ class Child:
         self.gated = gated
         self._imported = False
         self._start_sent = False
+        self._warm = False
 
     def wait_imported(self) -> None:
         """Blocks until a gated child has imported its modules (CPU work only) and waits
@@ -146,9 +147,21 @@ class Child:
             self.ready = reply
         return self.ready
 
+    def wait_warm(self) -> None:
+        """Blocks until a child that said it is still warming up (``"warming"`` in its
+        ready reply) has finished; its host-side warm-up needs no lock of the caller's."""
+        ready = self.wait_ready()
+        if ready.get("warming") and not self._warm:
+            reply = self._recv(self.start_timeout_s)
+            if not isinstance(reply, dict) or not reply.get("warm"):
+                self.kill()
+                raise ChildDied(f"child failed to warm up: {reply!r}", self.stderr_tail())
+            ready.update(reply.get("info") or {})
+            self._warm = True
+
     def call(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Sends one request and returns the reply, or raises ChildTimeout / ChildDied."""
-        self.wait_ready()
+        self.wait_warm()
         try:
             send(self.conn, msg)
         except (BrokenPipeError, ConnectionResetError, OSError) as e:

@@ -184,11 +184,14 @@ class _Lane:
         return child
 
     async def _start(self, child: Child) -> None:
-        """Lets a worker import (any time), then create its CUDA context and warm up (GPU
-        work: under the shared lock, so never while another process is timed)."""
+        """Lets a worker import (any time), then create its CUDA context and warm Triton up
+        (GPU work: under the shared lock, so never while another process is timed), then
+        warm the harness's ops up (host work and microsecond kernels: no lock; holding it
+        for that made every timing wait seconds on the H200)."""
         await asyncio.to_thread(child.wait_imported)
         async with self.gpu.reader_lock:
             await asyncio.to_thread(child.wait_ready)
+        await asyncio.to_thread(child.wait_warm)
 
     async def take_worker(self) -> Child:
         """A started worker (a pre-started spare if there is one); starts the next spares.
@@ -888,10 +891,12 @@ class _Stage:
             "host_gap_ms": [round(gap_r, 4), round(gap_c, 4)], "floor_ms": round(floor, 5),
         }
         # Side work shorter than the pad runs under it unseen, and the harness's own host
-        # jitter reaches the pad's order (seen on the H200: +0.14 ms on an honest CUDA
-        # candidate under a 0.28 ms pad); the profiler's stream check and the
-        # unsynchronized-output check cover what this misses.
-        if gap_c - gap_r > max(0.25 * med_c, 0.05, ref.pad_ms):
+        # jitter reaches the pad's order and beyond (seen on the H200: +0.14 ms on an honest
+        # CUDA candidate under a 0.28 ms pad; +0.42 and +0.68 ms in A/A runs, the reference
+        # against itself, while other workers started): hence the 1 ms floor. The
+        # profiler's stream check, the unsynchronized-output check and the timed-output
+        # check cover what this misses.
+        if gap_c - gap_r > max(0.25 * med_c, 1.0, ref.pad_ms):
             raise self.reject(Status.HACK, f"host time with a device-wide sync exceeds the "
                               f"event time by {gap_c - gap_r:.3f} ms more than the "
                               "reference's: work escapes the timed stream",
