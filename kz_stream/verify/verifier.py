@@ -299,11 +299,15 @@ class _Lane:
         return RefTimer(child, r["outputs"], int(r["pad_cycles"]), float(r["pad_ms"]))
 
     def close(self) -> None:
-        """Stops every child (starting tasks are cancelled by the verifier first)."""
-        for c in (self.oracle, *self.spares, *(t.child for t in self.ref_workers.values())):
+        """Stops every child (starting tasks are cancelled by the verifier first). Spares
+        may be mid-start, with a start-up thread reading their channel: they are killed
+        without a word."""
+        for spare in self.spares:
+            spare.kill()
+        for c in (self.oracle, *(t.child for t in self.ref_workers.values())):
             if c is not None:
                 try:
-                    c.call({"cmd": "exit"}, 5) if c.alive and c.ready else None
+                    c.call({"cmd": "exit"}, 5) if c.alive and c.started else None
                 except Exception:
                     pass
                 c.kill()

@@ -118,3 +118,14 @@ def test_profiled_kernel_names_lose_namespace_template_and_arguments(profiled: s
     from kz_stream.verify.verifier import _base_name
 
     assert _base_name(profiled) == name
+
+
+async def test_close_stops_workers_that_are_still_starting() -> None:
+    from kz_stream.verify import VerifierConfig
+
+    v = Verifier(VerifierConfig(devices=[], prewarm=2))
+    await v.__aenter__()
+    spares = list(v._lanes[0].spares)  # just spawned: importing, not yet ready
+    assert len(spares) == 2 and not any(c.started for c in spares)
+    await asyncio.wait_for(v.close(), timeout=60)
+    assert not any(c.alive for c in spares)
