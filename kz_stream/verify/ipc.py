@@ -148,6 +148,11 @@ class Child:
         return self.ready
 
     @property
+    def imported(self) -> bool:
+        """Whether a gated child got as far as its imports."""
+        return self._imported
+
+    @property
     def started(self) -> bool:
         """Whether the child has finished starting and waits for requests."""
         return self.ready is not None and (not self.ready.get("warming") or self._warm)

@@ -203,17 +203,23 @@ class _Lane:
             try:
                 await self.starting.pop(child)
                 return child
-            except ChildDied:
-                child.kill()
+            except (ChildDied, ChildTimeout):
+                await asyncio.to_thread(child.kill)
                 cfg = self.v.config
-                if child.strong and cfg.strong_isolation and "strong" not in self.v._fallbacks:
-                    # The PID/mount namespace may not suit this host's driver: go on without.
+                # Only a worker that never got as far as its imports says the PID/mount
+                # namespace does not suit this host; a later failure (a full GPU, say,
+                # which a candidate can cause) must not turn strong isolation off.
+                if (child.strong and not child.imported and cfg.strong_isolation
+                        and "strong" not in self.v._fallbacks):
                     self.v._fallbacks.add("strong")
                     cfg.strong_isolation = False
                 elif fresh:
                     raise
-                # A spare that died while waiting, or one started before the fallback.
+                # A spare that died or hung while waiting, or one started before the fallback.
                 child, fresh = self._spawn_worker(), True
+            except BaseException:  # cancelled: the child is in neither spares nor starting
+                await asyncio.shield(asyncio.to_thread(child.kill))
+                raise
 
     def fill_spares(self) -> None:
         """Starts workers ahead of need (imports, CUDA start-up and warm-up take seconds)."""
@@ -258,7 +264,11 @@ class _Lane:
                 self.ref_workers[key] = held
             self.ref_workers.move_to_end(key)
             self.ref_pins[key] = self.ref_pins.get(key, 0) + 1
-        await self._drop_references()
+        try:
+            await self._drop_references()
+        except BaseException:
+            self.unpin(key)
+            raise
         return key, held
 
     def unpin(self, key: tuple[str, int]) -> None:
@@ -268,13 +278,15 @@ class _Lane:
 
     async def _drop_references(self) -> None:
         """Stops the least recently used reference workers beyond the cap, unless pinned."""
+        # Chosen and removed with no await in between, so none is pinned meanwhile.
         idle = [k for k in self.ref_workers if k not in self.ref_pins]
-        for key in idle[:max(0, len(self.ref_workers) - self.v.config.reference_workers)]:
-            old = self.ref_workers.pop(key)
-            await asyncio.to_thread(old.child.kill)
+        dropped = [self.ref_workers.pop(k) for k in
+                   idle[:max(0, len(self.ref_workers) - self.v.config.reference_workers)]]
         for key in [k for k, lock in self.ref_locks.items()
                     if k not in self.ref_workers and not lock.locked()]:
             del self.ref_locks[key]
+        for old in dropped:
+            await asyncio.to_thread(old.child.kill)
 
     async def _start_reference(self, p: Prepared, n_sets: int, seed: int,
                                timeout_s: float) -> RefTimer:
@@ -798,8 +810,7 @@ class _Stage:
             raise self.reject(Status.HACK, "no GPU kernel ran", "no_own_kernels")
         harness = kernels[0]  # the marker the worker launches first
         # The harness's spins before each call are neither the candidate's nor fallback.
-        rest = [k for k in kernels[1:] if not (pad and _base_name(k["name"]) == "spin_kernel"
-                                               and "spin_kernel" not in self.own_names)]
+        rest = [k for k in kernels[1:] if not (pad and k["name"].startswith(_SPIN_KERNEL))]
         own = [k for k in rest if _is_own(k["name"], self.own_names)]
         total = sum(k["us"] for k in rest) or 1e-9
         share = sum(k["us"] for k in own) / total
@@ -822,10 +833,10 @@ class _Stage:
         """Interleaved timed rounds of the reference and the candidate; call it holding the
         lane's timing lock. Returns the speedup, its interval and the kept outputs.
 
-        Workers started ahead of need create CUDA contexts and launch warm-up kernels; seen
-        on the H200, that moved A/A results by several percent when it landed inside one
-        side's rounds. Their start-up takes the shared lock (``_Lane._start``), so none runs
-        now."""
+        Workers started ahead of need create CUDA contexts and warm Triton up; seen on the
+        H200, that moved A/A results by several percent when it landed inside one side's
+        rounds. That part of their start-up takes the shared lock (``_Lane._start``), so
+        none runs now; their harness warm-up (host work, microsecond kernels) may."""
         cfg, p = self.v.config, self.p
         n_sets = self.n_sets
         ref_ev: list[float] = []
@@ -943,6 +954,9 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     """Marks a start-up task's failure as seen: the worker is replaced when it is taken."""
     if not task.cancelled():
         task.exception()
+
+
+_SPIN_KERNEL = "at::cuda::(anonymous namespace)::spin_kernel("  # torch.cuda._sleep's
 
 
 def _base_name(kernel: str) -> str:

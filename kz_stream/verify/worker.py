@@ -559,6 +559,10 @@ def main() -> None:
         t = time.monotonic()
         try:
             _warm_harness()
+            if state.guard is not None and state.guard.violations:
+                # Every later reply would carry them, and be judged a hack.
+                raise RuntimeError(f"the warm-up broke the sandbox's rules: "
+                                   f"{state.guard.violations[0]}")
         except Exception as e:
             send(conn, {"ok": False, **classify(e)})
             return
