@@ -93,6 +93,10 @@ class LearnerSettings(BaseModel):
     lora_r: int = 16
     full_finetune: bool = False
     max_staleness: int = 4
+    # Memory of a training step: gradient accumulation over this many micro-batches, and
+    # activations recomputed in the backward pass (both trade a little time for memory).
+    micro_batches: int = 1
+    gradient_checkpointing: bool = False
     proposer_steps: int = 20
     coder_steps: int = 20
     rounds: int = 4

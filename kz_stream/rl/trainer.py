@@ -473,6 +473,12 @@ class GRPOLearner:
             rollout_func=self.feed,
             importance_sampling=config.importance_sampling,
         )
+        if config.gradient_checkpointing:
+            # Trainer.train() would turn it on; train_step drives the trainer itself.
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+            self.model.config.use_cache = False
         self._prepare_optimizer(state)
         self.version: int = int(state.get("version", 0))
         self.trainer.state.global_step = int(state.get("global_step", 0))

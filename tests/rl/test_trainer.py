@@ -216,6 +216,15 @@ def test_micro_batches_and_uneven_groups(tmp_path: Path) -> None:
     )
 
 
+def test_gradient_checkpointing_is_on_and_keeps_the_loss(tmp_path: Path) -> None:
+    plain = _learner(True, tmp_path)
+    expected = plain.train_step(_groups(plain.model, shift_logprobs=True)).losses["loss"]
+    learner = _learner(True, tmp_path, gradient_checkpointing=True)
+    assert learner.model.is_gradient_checkpointing
+    got = learner.train_step(_groups(learner.model, shift_logprobs=True)).losses["loss"]
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
 def test_proposer_rewards(tmp_path: Path) -> None:
     learner = ProposerLearner(
         LearnerConfig(learning_rate=1e-3, output_dir=str(tmp_path)),
