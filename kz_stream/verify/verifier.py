@@ -158,6 +158,7 @@ class _Lane:
         self.spares: list[Child] = []
         self.starting: dict[Child, asyncio.Task[None]] = {}
         self.busy = 0
+        self.closed = False
         # A worker running the reference for timing: set up exactly like a candidate's
         # (same process kind, isolation and warm-up), so the two sides differ only in the
         # module they run. Kept per problem (a few, least recently used dropped unless a
@@ -175,6 +176,8 @@ class _Lane:
         return env
 
     def _spawn_worker(self) -> Child:
+        if self.closed:
+            raise ChildDied("the verifier is closed")
         child = Child("kz_stream.verify.worker", [self.device],
                       env=self._env(self.v.config.worker_memory_fraction),
                       isolate=True, strong=self.v.config.strong_isolation, gated=True)
@@ -224,6 +227,8 @@ class _Lane:
     def fill_spares(self) -> None:
         """Starts workers ahead of need (imports, CUDA start-up and warm-up take seconds)."""
         cfg = self.v.config
+        if self.closed:
+            return
         want = cfg.prewarm if cfg.prewarm is not None else (
             2 * cfg.candidates_per_gpu if self.index is not None else 1)
         while len(self.spares) < want:
@@ -233,6 +238,8 @@ class _Lane:
         if self.oracle is None or not self.oracle.alive:
             if self.oracle is not None:
                 self.oracle.kill()
+            if self.closed:
+                raise ChildDied("the verifier is closed")
             self.oracle = Child("kz_stream.verify.oracle", [self.device],
                                 env=self._env(self.v.config.oracle_memory_fraction),
                                 isolate=True, strong=False)
@@ -311,17 +318,12 @@ class _Lane:
         return RefTimer(child, r["outputs"], int(r["pad_cycles"]), float(r["pad_ms"]))
 
     def close(self) -> None:
-        """Stops every child (starting tasks are cancelled by the verifier first). Spares
-        may be mid-start, with a start-up thread reading their channel: they are killed
-        without a word."""
-        for spare in self.spares:
-            spare.kill()
-        for c in (self.oracle, *(t.child for t in self.ref_workers.values())):
+        """Kills every child, without a word: a spare may be mid-start with a start-up
+        thread reading its channel, and a reference worker may be in a timing round of a
+        verification still running. No worker starts after this."""
+        self.closed = True
+        for c in (self.oracle, *self.spares, *(t.child for t in self.ref_workers.values())):
             if c is not None:
-                try:
-                    c.call({"cmd": "exit"}, 5) if c.alive and c.started else None
-                except Exception:
-                    pass
                 c.kill()
         self.oracle = None
         self.spares = []
@@ -378,6 +380,7 @@ class Verifier:
     async def close(self) -> None:
         """Stops every child process."""
         for lane in self._lanes:
+            lane.closed = True
             for task in lane.starting.values():
                 task.cancel()
             await asyncio.to_thread(lane.close)

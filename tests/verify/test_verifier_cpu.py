@@ -129,3 +129,19 @@ async def test_close_stops_workers_that_are_still_starting() -> None:
     assert len(spares) == 2 and not any(c.started for c in spares)
     await asyncio.wait_for(v.close(), timeout=60)
     assert not any(c.alive for c in spares)
+
+
+async def test_a_verification_in_flight_at_close_ends_with_a_verdict() -> None:
+    from kz_stream.verify import Verdict, VerifierConfig
+
+    v = Verifier(VerifierConfig(devices=[], prewarm=1))
+    await v.__aenter__()
+    task = asyncio.create_task(v.verify(Problem(PROBLEMS["relu"]),
+                                        Candidate(TRITON_HONEST["relu"], "triton")))
+    lane = v._lanes[0]
+    while not lane.busy and not task.done():  # noqa: ASYNC110 (no event to wait on)
+        await asyncio.sleep(0.05)
+    await asyncio.wait_for(v.close(), timeout=60)
+    verdict = await asyncio.wait_for(task, timeout=300)
+    assert isinstance(verdict, Verdict), verdict
+    assert lane.closed and not lane.spares and lane.oracle is None
