@@ -152,11 +152,6 @@ class Child:
         """Whether a gated child got as far as its imports."""
         return self._imported
 
-    @property
-    def started(self) -> bool:
-        """Whether the child has finished starting and waits for requests."""
-        return self.ready is not None and (not self.ready.get("warming") or self._warm)
-
     def wait_warm(self) -> None:
         """Blocks until a child that said it is still warming up (``"warming"`` in its
         ready reply) has finished; its host-side warm-up needs no lock of the caller's."""

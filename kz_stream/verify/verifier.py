@@ -251,10 +251,11 @@ class _Lane:
             raise
 
     async def reference_timer(self, p: Prepared, n_sets: int, seed: int,
-                              timeout_s: float) -> tuple[tuple[str, int], RefTimer]:
+                              timeout_s: float) -> RefTimer:
         """The reference worker for ``p``, with its timing sets ready; and the reference's
         outputs on those sets (for checking the candidate's timed outputs). Pinned (kept
-        loaded) until ``unpin``. Call it holding no GPU lock: it may start a worker."""
+        loaded) until ``unpin((p.key, n_sets))``. Call it holding no GPU lock: it may start
+        a worker."""
         key = (p.key, n_sets)
         async with self.ref_locks.setdefault(key, asyncio.Lock()):
             held = self.ref_workers.get(key)
@@ -276,7 +277,7 @@ class _Lane:
         except BaseException:
             self.unpin(key)
             raise
-        return key, held
+        return held
 
     def unpin(self, key: tuple[str, int]) -> None:
         self.ref_pins[key] -= 1
@@ -579,8 +580,7 @@ class _Stage:
         # Comparisons run on the lane's GPU: float64 over large outputs is slow on a CPU.
         self.dev = f"cuda:{lane.index}" if lane.index is not None else "cpu"
         self.exclusive = False  # holds the lane's timing lock
-        self.ref: RefTimer | None = None
-        self.ref_key: tuple[str, int] | None = None
+        self.ref: RefTimer | None = None  # pinned in the lane while set
         self.n_sets = timing_set_count(p.input_bytes, lane.l2_bytes)
         self.timing_seed = p.seed + 7
 
@@ -640,8 +640,8 @@ class _Stage:
         try:
             return await self._run()
         finally:
-            if self.ref_key is not None:
-                self.lane.unpin(self.ref_key)
+            if self.ref is not None:
+                self.lane.unpin((self.p.key, self.n_sets))
 
     async def _run(self) -> Verdict:
         unchecked = await self._checks()
@@ -704,7 +704,7 @@ class _Stage:
             # pad goes before the profiled calls as before the timed ones.
             cfg = self.v.config
             try:
-                self.ref_key, self.ref = await self.lane.reference_timer(
+                self.ref = await self.lane.reference_timer(
                     self.p, self.n_sets, self.timing_seed, cfg.load_timeout_s)
             except (ChildDied, ChildTimeout, RuntimeError) as e:
                 raise self.reject(Status.UNCHECKED, f"reference timing failed: {e}",

@@ -126,7 +126,7 @@ async def test_close_stops_workers_that_are_still_starting() -> None:
     v = Verifier(VerifierConfig(devices=[], prewarm=2))
     await v.__aenter__()
     spares = list(v._lanes[0].spares)  # just spawned: importing, not yet ready
-    assert len(spares) == 2 and not any(c.started for c in spares)
+    assert len(spares) == 2 and not any(c.ready for c in spares)
     await asyncio.wait_for(v.close(), timeout=60)
     assert not any(c.alive for c in spares)
 
