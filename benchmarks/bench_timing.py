@@ -10,7 +10,11 @@ processes, for four variants of the loop:
 - flush ``zero`` (zero a buffer twice the L2 size, as Triton's ``do_bench``; leaves L2
   full of dirty lines) or ``read`` (sum it; leaves clean lines);
 - ``pad`` off (the start event is recorded on an idle GPU, so the host's launch overhead
-  falls between the events) or on (a GPU spin covers the issuing of the call).
+  falls between the events) or on (a GPU spin covers the issuing of the call);
+- ``ring``: the outputs of the last calls are held so each call writes a different output
+  block (without it the allocator hands every call the same block);
+- ``zero_read``: zero one buffer, then sum another; ``xN``: a flush buffer N times L2
+  (default 2).
 
 The spread is reported for the event time (what the verifier ranks on) and, as
 ``call_ms``, for max(event time, issue time) (a rule tried and dropped: it lets host noise
@@ -35,14 +39,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODULES = ["linear_relu", "bmm", "layernorm", "matmul", "relu", "small_matmul"]
+MODULES = ["linear_relu", "bmm", "layernorm", "matmul", "relu", "small_matmul", "conv2d",
+           "mean_dim", "log_softmax", "row_sum"]
 
 
-VARIANTS = [("zero", False), ("read", False), ("zero", True), ("read", True)]
+# (flush, pad, rotate outputs, flush buffer size in multiples of L2); the first is the
+# baseline.
+VARIANTS = [("zero", False, False, 2), ("zero", True, True, 2), ("read", True, False, 2),
+            ("read", True, True, 2), ("read", True, True, 4), ("read", True, True, 8),
+            ("zero_read", True, True, 2)]
 
 
-def variant_name(flush: str, pad: bool) -> str:
-    return f"{flush}{'+pad' if pad else ''}"
+def variant_name(flush: str, pad: bool, ring: bool = False, factor: int = 2) -> str:
+    return (f"{flush}{f'x{factor}' if factor != 2 else ''}{'+pad' if pad else ''}"
+            f"{'+ring' if ring else ''}")
 
 
 def median_times(name: str, buffer_sets: int, calls: int) -> dict[str, dict[str, list[float]]]:
@@ -61,9 +71,10 @@ def median_times(name: str, buffer_sets: int, calls: int) -> dict[str, dict[str,
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    flushers = {f: L2Flusher(torch.device("cuda"), f) for f in ("zero", "read")}  # type: ignore[arg-type]
+    flushers = {(f, k): L2Flusher(torch.device("cuda"), f, k)  # type: ignore[arg-type]
+                for f, _, _, k in VARIANTS}
     out: dict[str, dict[str, list[float]]] = {
-        variant_name(f, p): {"call_ms": [], "event_ms": [], "issue_ms": []} for f, p in VARIANTS}
+        variant_name(*v): {"call_ms": [], "event_ms": [], "issue_ms": []} for v in VARIANTS}
     keep = []
     for k in range(buffer_sets):
         torch.manual_seed(k)
@@ -76,10 +87,11 @@ def median_times(name: str, buffer_sets: int, calls: int) -> dict[str, dict[str,
                 model(*args)
             torch.cuda.synchronize()
             pad, _ = pad_for(lambda m=model, a=sets[0]: m(*a))
-            for f, p in VARIANTS:
-                samples, _ = timed_calls(lambda a, m=model: m(*a), sets, calls, flushers[f],
-                                         pad_cycles=pad if p else 0)
-                o = out[variant_name(f, p)]
+            for f, p, ring, k in VARIANTS:
+                samples, _ = timed_calls(lambda a, m=model: m(*a), sets, calls,
+                                         flushers[(f, k)], pad_cycles=pad if p else 0,
+                                         rotate_outputs=ring)
+                o = out[variant_name(f, p, ring, k)]
                 o["call_ms"].append(statistics.median(
                     max(e, i) for e, i in zip(samples.event_ms, samples.issue_ms, strict=True)))
                 o["event_ms"].append(statistics.median(samples.event_ms))
@@ -114,8 +126,8 @@ def main() -> None:
         for _ in range(args.fresh):
             with ctx.Pool(1) as pool:
                 fresh += pool.map(_in_process, [(name, 1, args.calls)])
-        for f, p in VARIANTS:
-            v = variant_name(f, p)
+        for variant in VARIANTS:
+            v = variant_name(*variant)
             fr = [x[v]["call_ms"][0] for x in fresh]
             fr_ev = [x[v]["event_ms"][0] for x in fresh]
             raw[f"{name}/{v}"] = {
@@ -150,7 +162,7 @@ def write(raw: dict[str, Any]) -> None:
 
     def spreads(variant: str, key: str) -> list[float]:
         return [spread(raw[f"{n}/{variant}"][key]) for n in names
-                if key in raw[f"{n}/{variant}"]]
+                if key in raw.get(f"{n}/{variant}", {})]
 
     # Event time (what the verifier ranks on), across buffer sets in one process; and the
     # dropped max(event, issue) rule, in one process and in fresh processes.
@@ -161,9 +173,11 @@ def write(raw: dict[str, Any]) -> None:
         base = spreads("zero", key)
         if not base:
             continue  # an earlier run did not keep this figure
-        for f, p in VARIANTS[1:]:
-            v = variant_name(f, p)
+        for variant in VARIANTS[1:]:
+            v = variant_name(*variant)
             xs = spreads(v, key)
+            if not xs:
+                continue
             m[f"max_spread_{label}_{v}"] = metric(
                 max(xs), "fraction (max over modules)", max(base))
             m[f"median_spread_{label}_{v}"] = metric(

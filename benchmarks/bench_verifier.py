@@ -88,15 +88,23 @@ def _vary_cuda(src: str, i: int) -> str:
     return src.replace("__global__", f"/* variant {i} */ __global__", 1)
 
 
+def flush_config(flush: str) -> dict[str, Any]:
+    """VerifierConfig fields for ``--flush MODE[:FACTOR]`` (empty: the defaults)."""
+    if not flush:
+        return {}
+    mode, _, factor = flush.partition(":")
+    return {"l2_flush": mode, "l2_flush_factor": int(factor or 2)}
+
+
 # ---- (a) A/A ------------------------------------------------------------------------------
 
 
-async def bench_aa(quick: bool, save: Any = None) -> dict[str, Any]:
+async def bench_aa(quick: bool, save: Any = None, flush: str = "") -> dict[str, Any]:
     from kz_stream.verify import Candidate, Problem, Verifier, VerifierConfig
 
     mods = aa_modules()
     mods = dict(list(mods.items())[: 4 if quick else 20])
-    cfg = VerifierConfig(static_scan=False, launch_checks=False)
+    cfg = VerifierConfig(static_scan=False, launch_checks=False, **flush_config(flush))
     out: dict[str, Any] = {}
     async with Verifier(cfg) as v:
         for name, src in mods.items():
@@ -104,7 +112,8 @@ async def bench_aa(quick: bool, save: Any = None) -> dict[str, Any]:
             t = verdict.details.get("timing", {})
             out[name] = {"status": verdict.status.value, "speedup": verdict.speedup,
                          "ci": verdict.speedup_ci, "ref_ms": t.get("reference_ms"),
-                         "samples": t.get("samples"), "reason": verdict.reason}
+                         "samples": t.get("samples"), "reason": verdict.reason,
+                         "timing": t}
             print(f"A/A {name}: {verdict.status.value} {verdict.speedup} {verdict.speedup_ci} "
                   f"{t.get('reference_ms')} ms {verdict.reason or ''}", flush=True)
             if save is not None:
@@ -147,14 +156,15 @@ async def _timed_pass(v: Any, jobs: list[tuple[str, str, str]], label: str) -> d
             "where": where}
 
 
-async def bench_throughput(quick: bool, cache_dir: str, save: Any) -> dict[str, Any]:
+async def bench_throughput(quick: bool, cache_dir: str, save: Any, flush: str = ""
+                           ) -> dict[str, Any]:
     from kz_stream.verify import Verifier, VerifierConfig
 
     pairs = _honest_pairs()
     if quick:
         pairs = pairs[:3] + pairs[-1:]
     res: dict[str, Any] = {}
-    async with Verifier(VerifierConfig(cache_dir=cache_dir)) as v:
+    async with Verifier(VerifierConfig(cache_dir=cache_dir, **flush_config(flush))) as v:
         # Compile included: fresh CUDA sources whose builds overlap the GPU stage of the
         # Triton candidates, and problems prepared on first use.
         res["included"] = await _timed_pass(v, pairs, "compile included")
@@ -303,6 +313,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="abcd")
     ap.add_argument("--note", default="", help="appended to the result's notes")
+    ap.add_argument("--flush", default="", help="L2 flush MODE[:FACTOR] (default: config's)")
     ap.add_argument("--from-raw", nargs="*", default=None,
                     help="merge raw JSON files of earlier runs and write the result")
     args = ap.parse_args()
@@ -330,10 +341,10 @@ def main() -> None:
         raw["builds"] = bench_builds(args.quick)
         save()
     if "a" in args.parts:
-        raw["aa"] = asyncio.run(bench_aa(args.quick, save))
+        raw["aa"] = asyncio.run(bench_aa(args.quick, save, args.flush))
         save()
     if "b" in args.parts:
-        raw["throughput"] = asyncio.run(bench_throughput(args.quick, cache, save))
+        raw["throughput"] = asyncio.run(bench_throughput(args.quick, cache, save, args.flush))
         save()
     if "d" in args.parts:
         raw["plain"] = bench_plain(args.quick)

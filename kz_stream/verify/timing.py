@@ -1,24 +1,25 @@
 """Timing primitives shared by the reference (oracle) and candidate processes, and the
 statistics the verifier draws from them.
 
-Each timed call: flush L2 (stream a buffer twice its size through it), synchronise the
-device, queue a short GPU spin (the pad), record a start event, call, record an end event,
-synchronise the device (so work on any stream is waited for), and read the event time, the
-host time around it and the host time it took to issue the call. The pad keeps the GPU busy
-while the host issues the call, so the event time is the call's device time and not the
-host's launch overhead (tens of microseconds per call here, and different between
-processes: without the pad the A/A p90 was 6-24%; benchmarks/bench_timing.py).
-Both sides get the pad sized on the reference, so a candidate that works on the host for
-longer than the reference takes to issue its call leaves the GPU idle inside its own timed
-region, and pays for it. Inputs rotate through enough fresh sets that they do not fit in
-L2 together. The two processes are timed in alternating rounds on the same GPU, so clock
-and thermal drift hit both alike.
+Each timed call: flush L2 (write one buffer twice its size, then read another), synchronise
+the device, queue a short GPU spin (the pad), record a start event, call, record an end
+event, synchronise the device (so work on any stream is waited for), and read the event
+time, the host time around it and the host time it took to issue the call. The pad keeps the
+GPU busy while the host issues the call, so the event time is the call's device time and not
+the host's launch overhead (tens of microseconds per call here, and different between
+processes: without the pad the A/A p90 was 6-24%; benchmarks/bench_timing.py). Both sides
+get the pad sized on the reference, so a candidate that works on the host for longer than
+the reference takes to issue its call leaves the GPU idle inside its own timed region, and
+pays for it. Inputs rotate through enough fresh sets that they do not fit in L2 together,
+and outputs through as many blocks. The two processes are timed in alternating rounds on the
+same GPU, so clock and thermal drift hit both alike.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -39,7 +40,7 @@ H200_BANDWIDTH = 4.3e12  # bytes/s
 H200_PEAK_FLOPS = 790e12  # FLOP/s
 
 
-FlushMode = Literal["read", "zero"]
+FlushMode = Literal["read", "zero", "zero_read"]
 
 
 @dataclass(frozen=True)
@@ -53,26 +54,29 @@ class Samples:
 
 
 class L2Flusher:
-    """Evicts L2 before each timed call by streaming a buffer twice its size through it.
+    """Evicts L2 before each timed call by streaming a buffer ``factor`` times its size
+    through it.
 
     ``read`` sums the buffer and leaves L2 full of clean lines; ``zero`` writes it (as
     Triton's ``do_bench`` does) and leaves dirty lines whose write-back can land in the
-    timed call.
+    timed call; ``zero_read`` writes one buffer, then sums another.
     """
 
-    def __init__(self, device: torch.device, mode: FlushMode = "read") -> None:
+    def __init__(self, device: torch.device, mode: FlushMode = "zero_read", factor: int = 2
+                 ) -> None:
         props = torch.cuda.get_device_properties(device)
         l2 = int(getattr(props, "L2_cache_size", 0) or 50 << 20)
         self.l2_bytes = l2
         self.mode = mode
-        self.buf = torch.zeros(2 * l2 // 4, dtype=torch.int32, device=device)
+        self.buf = torch.zeros(factor * l2 // 4, dtype=torch.int32, device=device)
+        self.read_buf = torch.zeros_like(self.buf) if mode == "zero_read" else self.buf
         self.sink = torch.empty((), dtype=torch.int64, device=device)
 
     def __call__(self) -> None:
-        if self.mode == "zero":
+        if self.mode != "read":
             self.buf.zero_()
-        else:
-            torch.sum(self.buf, dim=0, dtype=torch.int64, out=self.sink)
+        if self.mode != "zero":
+            torch.sum(self.read_buf, dim=0, dtype=torch.int64, out=self.sink)
 
 
 def spin_cycles_per_ms() -> float:
@@ -113,15 +117,22 @@ def timing_set_count(input_bytes: int, l2_bytes: int, *, cap_bytes: int = 4 << 3
 def timed_calls(
     fn: Callable[[Sequence[Any]], Any], input_sets: Sequence[Sequence[Any]], n: int,
     flush: Callable[[], None], *, start: int = 0, keep: Collection[int] = (),
-    pad_cycles: int = 0,
+    pad_cycles: int = 0, rotate_outputs: bool = True,
 ) -> tuple[Samples, dict[int, Any]]:
     """Times ``n`` calls of ``fn`` rotating through ``input_sets``; returns the samples and
     the outputs of the calls whose index (counted from ``start``) is in ``keep``.
-    ``pad_cycles`` of GPU spin precede each start event (0: none)."""
+    ``pad_cycles`` of GPU spin precede each start event (0: none).
+
+    With ``rotate_outputs``, the outputs of the last ``len(input_sets)`` calls are held, so
+    the caching allocator gives each call a different output block, as each call reads a
+    different input set: where a block lies in memory can make a call a few percent faster
+    or slower than with another block (benchmarks/bench_timing.py), and one fixed block
+    would bias each process its own way."""
     ev_ms: list[float] = []
     host_ms: list[float] = []
     issue_ms: list[float] = []
     kept: dict[int, Any] = {}
+    recent: deque[Any] = deque(maxlen=max(len(input_sets), 1))
     for j in range(start, start + n):
         args = input_sets[j % len(input_sets)]
         flush()
@@ -144,6 +155,8 @@ def timed_calls(
         issue_ms.append((t_issued - t0) * 1e3)
         if j in keep:
             kept[j] = out
+        if rotate_outputs:
+            recent.append(out)
         del out
     return Samples(ev_ms, host_ms, issue_ms), kept
 

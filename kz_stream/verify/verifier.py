@@ -39,7 +39,12 @@ from kz_stream.verify.build import (
 from kz_stream.verify.compare import Comparison, Tolerance, compare_outputs
 from kz_stream.verify.hardware import manifest
 from kz_stream.verify.ipc import Child, ChildDied, ChildTimeout
-from kz_stream.verify.timing import bootstrap_ratio_ci, physical_floor_ms, timing_set_count
+from kz_stream.verify.timing import (
+    FlushMode,
+    bootstrap_ratio_ci,
+    physical_floor_ms,
+    timing_set_count,
+)
 
 __all__ = ["Verifier", "VerifierConfig"]
 
@@ -69,6 +74,11 @@ class VerifierConfig:
     min_rounds: int = 4
     max_rounds: int = 16
     round_ms: float = 40.0  # device time of one timing round, per side
+    # How L2 is evicted before each timed call (timing.L2Flusher): mode and buffer size in
+    # multiples of L2. "zero_read" gave the steadiest A/A on the H200 (p90 0.75% against
+    # 1.9% for "read" and 4.7% for an 8x "read"; docs/verifier.md).
+    l2_flush: FlushMode = "zero_read"
+    l2_flush_factor: int = 2
     call_timeout_s: float = 120.0
     load_timeout_s: float = 240.0
     prepare_timeout_s: float = 600.0
@@ -304,7 +314,8 @@ class _Lane:
             {"cmd": "model", "key": p.own_model_key, "init_args": p.init_args,
              "weight_seed": p.weight_seed, "state_dict": p.state_dict(p.own_model_key)},
             {"cmd": "time_setup", "specs": p.specs, "seed": seed, "sets": n_sets,
-             "model": p.own_model_key, "return_outputs": True, "measure_pad": True},
+             "model": p.own_model_key, "return_outputs": True, "measure_pad": True,
+             **self.v.flush_args()},
         ]
         r: dict[str, Any] = {}
         try:
@@ -412,6 +423,10 @@ class Verifier:
             self._loop_thread = None
 
     # -- the pipeline
+
+    def flush_args(self) -> dict[str, Any]:
+        """The L2 flush both sides' timing workers use (part of a "time_setup" request)."""
+        return {"flush": self.config.l2_flush, "flush_factor": self.config.l2_flush_factor}
 
     def _seed(self, key: str) -> int:
         digest = hmac.new(self._secret, key.encode(), hashlib.sha256).digest()
@@ -650,7 +665,8 @@ class _Stage:
         if self.ref is not None:
             cfg, p = self.v.config, self.p
             await self.call({"cmd": "time_setup", "specs": p.specs, "seed": self.timing_seed,
-                             "sets": self.n_sets, "model": p.own_model_key},
+                             "sets": self.n_sets, "model": p.own_model_key,
+                             **self.v.flush_args()},
                             cfg.load_timeout_s, stage="timing warm-up")
             t0 = time.monotonic()
             async with self.lane.gpu.writer_lock:

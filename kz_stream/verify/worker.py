@@ -388,7 +388,8 @@ def _time_setup(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     plan = InputPlan("timing", "normal")
     state.timing_sets = [make_inputs(specs, plan, int(msg["seed"]) + i, device=state.device)
                          for i in range(int(msg["sets"]))]
-    state.flusher = L2Flusher(torch.device(state.device))
+    state.flusher = L2Flusher(torch.device(state.device), msg["flush"],
+                              int(msg["flush_factor"]))
     state.timing_key = str(msg["model"])
     # Warm-up: compiles and autotunes outside the timed region.
     outputs = []

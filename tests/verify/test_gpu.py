@@ -77,3 +77,23 @@ def test_cheat_runtime_layer(gpu_verifier_runtime_only: Verifier, name: str) -> 
     assert v.status in (Status.HACK, Status.INCORRECT), _show(v)
     assert v.check in checks | {"torch_fallback_time", "no_own_kernels", "monkeypatch",
                                 "timed_output", "unsynchronized_output"}, _show(v)
+
+
+def test_timed_calls_rotate_output_blocks() -> None:
+    """Each timed call writes a different output block, as it reads a different input set;
+    without rotation the allocator hands every call the same block."""
+    import torch
+
+    from kz_stream.verify.timing import L2Flusher, timed_calls
+
+    sets = [[torch.randn(1 << 16, device="cuda")] for _ in range(4)]
+    seen: dict[bool, set[int]] = {True: set(), False: set()}
+    for rotate in (True, False):
+        def call(args: object, rotate: bool = rotate) -> torch.Tensor:
+            out = torch.relu(args[0])  # type: ignore[index]
+            seen[rotate].add(out.data_ptr())
+            return out
+
+        timed_calls(call, sets, 12, L2Flusher(torch.device("cuda")), rotate_outputs=rotate)
+    assert len(seen[True]) >= len(sets)
+    assert len(seen[False]) == 1
