@@ -114,6 +114,19 @@ def timing_set_count(input_bytes: int, l2_bytes: int, *, cap_bytes: int = 4 << 3
     return int(min(max(n, 2), 32))
 
 
+# At most this many bytes of earlier outputs are held to rotate output blocks: both sides
+# hold them, and a big problem's timing must not run out of memory for it.
+_ROTATED_OUTPUT_BYTES = 1 << 30
+
+
+def _nbytes(out: Any) -> int:
+    if isinstance(out, torch.Tensor):
+        return int(out.nbytes)
+    if isinstance(out, list | tuple):
+        return sum(_nbytes(o) for o in out)
+    return 0
+
+
 def timed_calls(
     fn: Callable[[Sequence[Any]], Any], input_sets: Sequence[Sequence[Any]], n: int,
     flush: Callable[[], None], *, start: int = 0, keep: Collection[int] = (),
@@ -123,16 +136,16 @@ def timed_calls(
     the outputs of the calls whose index (counted from ``start``) is in ``keep``.
     ``pad_cycles`` of GPU spin precede each start event (0: none).
 
-    With ``rotate_outputs``, the outputs of the last ``len(input_sets)`` calls are held, so
-    the caching allocator gives each call a different output block, as each call reads a
-    different input set: where a block lies in memory can make a call a few percent faster
-    or slower than with another block (benchmarks/bench_timing.py), and one fixed block
-    would bias each process its own way."""
+    With ``rotate_outputs``, the outputs of the last ``len(input_sets)`` calls (up to 1 GiB)
+    are held, so the caching allocator gives each call a different output block, as each
+    call reads a different input set: one fixed block would be one fixed placement in
+    memory per process, and placement moved times by 2-4% under a reading-only flush
+    (benchmarks/bench_timing.py)."""
     ev_ms: list[float] = []
     host_ms: list[float] = []
     issue_ms: list[float] = []
     kept: dict[int, Any] = {}
-    recent: deque[Any] = deque(maxlen=max(len(input_sets), 1))
+    recent: deque[Any] | None = None
     for j in range(start, start + n):
         args = input_sets[j % len(input_sets)]
         flush()
@@ -156,6 +169,9 @@ def timed_calls(
         if j in keep:
             kept[j] = out
         if rotate_outputs:
+            if recent is None:
+                held = min(len(input_sets), _ROTATED_OUTPUT_BYTES // max(_nbytes(out), 1))
+                recent = deque(maxlen=max(held, 1))
             recent.append(out)
         del out
     return Samples(ev_ms, host_ms, issue_ms), kept

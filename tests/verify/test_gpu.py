@@ -97,3 +97,21 @@ def test_timed_calls_rotate_output_blocks() -> None:
         timed_calls(call, sets, 12, L2Flusher(torch.device("cuda")), rotate_outputs=rotate)
     assert len(seen[True]) >= len(sets)
     assert len(seen[False]) == 1
+
+
+def test_timed_calls_hold_at_most_a_gibibyte_of_outputs() -> None:
+    """Big outputs are not held to rotate blocks: both sides would need the memory."""
+    import torch
+
+    from kz_stream.verify.timing import L2Flusher, timed_calls
+
+    sets = [[torch.randn(1, device="cuda")] for _ in range(4)]
+    seen: set[int] = set()
+
+    def call(args: object) -> torch.Tensor:
+        out = torch.empty(600 << 20, dtype=torch.uint8, device="cuda")  # 600 MiB
+        seen.add(out.data_ptr())
+        return out
+
+    timed_calls(call, sets, 8, L2Flusher(torch.device("cuda")))
+    assert len(seen) == 2  # one held (4 would be 2.4 GiB), one new
