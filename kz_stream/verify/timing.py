@@ -59,7 +59,9 @@ class L2Flusher:
 
     ``read`` sums the buffer and leaves L2 full of clean lines; ``zero`` writes it (as
     Triton's ``do_bench`` does) and leaves dirty lines whose write-back can land in the
-    timed call; ``zero_read`` writes one buffer, then sums another.
+    timed call; ``zero_read`` (the verifier's) writes one buffer, then sums another: L2
+    ends clean, and times no longer depend on where a process's buffers lie
+    (docs/verifier.md, "Timing").
     """
 
     def __init__(self, device: torch.device, mode: FlushMode = "zero_read", factor: int = 2
