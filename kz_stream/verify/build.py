@@ -36,11 +36,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, Literal
 
 from kz_stream.verify._types import VERIFIER_VERSION
+from kz_stream.verify.sandbox import kill_group
 
 __all__ = [
     "BuildResult",
@@ -631,7 +632,7 @@ class Builder:
         self.timeout_s = timeout_s
         self.fast = fast
         self._sem = asyncio.Semaphore(jobs or os.cpu_count() or 1)
-        self._inflight: dict[str, asyncio.Future[BuildResult]] = {}
+        self._inflight: dict[str, asyncio.Task[BuildResult]] = {}
         stub = self.cache_dir / "stub" / "c10" / "cuda" / "impl"
         stub.mkdir(parents=True, exist_ok=True)
         (stub / "cuda_cmake_macros.h").write_text(_STUB_HEADER)
@@ -747,11 +748,12 @@ class Builder:
             try:
                 out, _ = await asyncio.wait_for(proc.communicate(), self.timeout_s)
             except TimeoutError:
-                from kz_stream.verify.sandbox import kill_group
-
                 kill_group(proc.pid)
                 await proc.wait()
                 return False, f"compiler timed out after {self.timeout_s:g} s: {shlex.join(cmd)}"
+            except asyncio.CancelledError:
+                kill_group(proc.pid)  # the event loop is closing: leave no compiler behind
+                raise
         text = out.decode(errors="replace")
         return proc.returncode == 0, text
 
@@ -760,19 +762,19 @@ class Builder:
         key = hashlib.sha256(
             f"{call.key}{self.toolchain.fingerprint}{self.link}{self.fast}{VERIFIER_VERSION}"
             .encode()).hexdigest()
-        if key in self._inflight:
-            return await asyncio.shield(self._inflight[key])
-        fut: asyncio.Future[BuildResult] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = fut
-        try:
-            result = await self._build(call, key)
-            fut.set_result(result)
-            return result
-        except BaseException as e:
-            fut.set_exception(e)
-            raise
-        finally:
-            del self._inflight[key]
+        task = self._inflight.get(key)
+        if task is None:
+            # A task of its own, not the first caller's: cancelling one caller (its
+            # verification timed out) must not cancel the build the others wait for.
+            task = asyncio.ensure_future(self._build(call, key))
+            self._inflight[key] = task
+            task.add_done_callback(partial(self._build_done, key))
+        return await asyncio.shield(task)
+
+    def _build_done(self, key: str, task: asyncio.Task[BuildResult]) -> None:
+        self._inflight.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: every caller may have gone
 
     async def _build(self, call: InlineCall, key: str) -> BuildResult:
         started = time.monotonic()

@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,6 +101,25 @@ def test_compile_check_and_error(tmp_path: Path) -> None:
     bad = asyncio.run(builder.build(broken))
     assert not bad.ok and "identifier \"w\" is undefined" in bad.log
     assert bad.attempts[-1] == "single:failed"
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_a_cancelled_caller_leaves_a_shared_build_running(tmp_path: Path) -> None:
+    """Two callers share one build; the first one's cancellation does not reach the other."""
+    builder = Builder(tmp_path, link=False, jobs=2)
+    call = extract_inline_calls(CUDA_HONEST["relu"])[0]  # type: ignore[index]
+
+    async def two_callers() -> tuple[asyncio.Task[Any], Any]:
+        first = asyncio.create_task(builder.build(call))
+        second = asyncio.create_task(builder.build(call))
+        await asyncio.sleep(0.5)  # both wait on the one build now
+        first.cancel()
+        return first, await second
+
+    first, result = asyncio.run(two_callers())
+    assert first.cancelled()
+    assert result.ok and not result.cache_hit, result.log
 
 
 @pytest.mark.slow
