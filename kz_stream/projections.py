@@ -252,7 +252,9 @@ class _AfterCommit:
         return await (await self._begin()).run_sync(fn)
 
 
-_GC_GEN0 = 100_000  # the collector's first threshold while replaying (CPython's: 700)
+# The cyclic collector's first threshold while many events are live: replays here, and
+# high-rate services (kz_stream.runtime). CPython's is 700.
+GC_GEN0_THRESHOLD = 100_000
 _replays_running = 0
 _saved_threshold: tuple[int, int, int] = (0, 0, 0)
 
@@ -270,7 +272,7 @@ def _fewer_collections() -> Iterator[None]:
     if _replays_running == 0:
         _saved_threshold = gc.get_threshold()
         gen0, gen1, gen2 = _saved_threshold
-        gc.set_threshold(max(gen0, _GC_GEN0), gen1, gen2)
+        gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
     _replays_running += 1
     try:
         yield

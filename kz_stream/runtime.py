@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from kz_stream.bus import Bus, BusMessage
 from kz_stream.config import Settings
 from kz_stream.logging import get_logger
+from kz_stream.projections import GC_GEN0_THRESHOLD
 from kz_stream.store import EventStore
 
 __all__ = [
@@ -186,10 +187,6 @@ class Service(ABC):
         }
 
 
-# Objects the collector's first generation may gather before it runs (CPython: 700).
-_GC_GEN0 = 100_000
-
-
 def _tune_gc() -> None:
     """Keeps the cyclic garbage collector out of the hot path of high-rate services.
 
@@ -202,7 +199,7 @@ def _tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gen0, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(max(gen0, _GC_GEN0), gen1, gen2)
+    gc.set_threshold(max(gen0, GC_GEN0_THRESHOLD), gen1, gen2)
 
 
 async def run_services(
