@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from datasets import Dataset
 from peft import LoraConfig, PeftModel
 from transformers import (
@@ -692,9 +692,21 @@ class GRPOLearner:
         root = Path(directory)
         final = root / _checkpoint_name(self.role, v)
         accelerator = self.trainer.accelerator
-        if accelerator.is_main_process:  # data parallel: one writer, the others wait
-            self._write_policy(root, final, v)
-        accelerator.wait_for_everyone()
+        error: Exception | None = None
+        outcome = [""]  # data parallel: one writer; the others learn how its write went
+        if accelerator.is_main_process:
+            try:
+                self._write_policy(root, final, v)
+            except Exception as e:
+                error = e
+                outcome = [f"{type(e).__name__}: {e}"]
+        # Every process takes part, also after a failed write: a bare barrier skipped by a
+        # failing writer left the others waiting in it for ever.
+        outcome = broadcast_object_list(outcome, from_process=0)
+        if error is not None:
+            raise error
+        if outcome[0]:
+            raise RuntimeError(f"the main process could not write {final.name}: {outcome[0]}")
         sha = str(json.loads((final / _MANIFEST).read_text())["sha256"])
         return final.resolve().as_uri(), sha
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_learner_multigpu import compare, make_groups, run
+from benchmarks.bench_learner_multigpu import NCCL_ENV, ROOT, compare, make_groups, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -30,3 +33,23 @@ def test_two_processes_take_the_step_one_process_takes(tmp_path: Path, groups_n:
     assert diff["grad_norm_rel_diff"] < 1e-4, diff
     assert diff["update_rel_diff"] < 1e-3, diff
     assert results[1]["grad_norm"] > 0  # the step did train
+
+
+def test_a_failed_policy_write_fails_every_process_and_the_next_save_works(
+        tmp_path: Path) -> None:
+    """The main process writes the policy; when it cannot, every process gets an error
+    (none waits for ever), and the processes stay in step for the next save."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = tmp_path / "outcome"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "tests.rl.save_policy_worker", str(out), str(blocker / "policies"),
+           str(tmp_path / "policies")]
+    env = dict(os.environ, **NCCL_ENV, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    main, other = (json.loads(Path(f"{out}-{rank}.json").read_text()) for rank in (0, 1))
+    assert main[0].startswith(("NotADirectoryError", "FileExistsError")), main
+    assert other[0].startswith("RuntimeError: the main process could not write"), other
+    assert main[1] == other[1] == "saved"
