@@ -99,37 +99,29 @@ class Batch:
     ) -> None:
         """Adds one record (records of a partition arrive in offset order)."""
         self.positions[(topic, partition)] = offset + 1
-        if not self.decode:
-            self.messages.append(BusMessage(topic, partition, offset, key, value, headers))
-            return
-        try:
-            event = decode_event(value)
-        except EventDecodeError as e:
-            self.rejects.append((BusMessage(topic, partition, offset, key, value, headers), e))
-            return
-        self.messages.append(BusMessage(topic, partition, offset, key, value, headers, event))
+        self._take(topic, partition, offset, key, value, headers)
 
     def add_records(self, topic: str, partition: int, records: Sequence[FetchedRecord]) -> None:
-        """Adds one partition's fetched records, in offset order: ``add`` for each, with
-        the per-record work hoisted out of the loop (it runs for every record consumed)."""
+        """Adds one partition's fetched records, in offset order."""
         if not records:
             return
         self.positions[(topic, partition)] = records[-1].offset + 1
-        messages, decode = self.messages, self.decode
         for r in records:
-            value = r.value if r.value is not None else b""
-            headers = dict(r.headers) if r.headers else {}
-            if not decode:
-                messages.append(BusMessage(topic, partition, r.offset, r.key, value, headers))
-                continue
+            self._take(topic, partition, r.offset, r.key,
+                       r.value if r.value is not None else b"",
+                       dict(r.headers) if r.headers else {})
+
+    def _take(self, topic: str, partition: int, offset: int, key: bytes | None,
+              value: bytes, headers: Mapping[str, bytes]) -> None:
+        event = None
+        if self.decode:
             try:
                 event = decode_event(value)
             except EventDecodeError as e:
                 self.rejects.append(
-                    (BusMessage(topic, partition, r.offset, r.key, value, headers), e)
-                )
-                continue
-            messages.append(BusMessage(topic, partition, r.offset, r.key, value, headers, event))
+                    (BusMessage(topic, partition, offset, key, value, headers), e))
+                return
+        self.messages.append(BusMessage(topic, partition, offset, key, value, headers, event))
 
 
 class FetchedRecord(Protocol):
