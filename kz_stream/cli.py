@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kz_stream.config import Settings, load_settings
+from kz_stream.config import LearnerSettings, Settings, load_settings
 
 app = typer.Typer(
     name="kz",
@@ -415,9 +416,18 @@ def train(
     for r in role or []:
         if r not in ("coder", "proposer"):
             raise typer.BadParameter(f"unknown role {r!r}; choose coder or proposer")
-    learner = settings.learner.model_copy(
-        update={k: v for k, v in overrides.items() if v is not None}
-    )
+    # Validated, not model_copy'd: a copy would take --lora-r 0 or --rounds -1 as given.
+    try:
+        learner = LearnerSettings.model_validate(
+            {**settings.learner.model_dump(), **{k: v for k, v in overrides.items()
+                                                  if v is not None}}
+        )
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0])
+        option = {"roles": "--role", "proposer_steps": "--steps-per-turn",
+                  "coder_steps": "--steps-per-turn"}.get(field, "--" + field.replace("_", "-"))
+        raise typer.BadParameter(f"{option}: {first['msg']}") from None
     settings = settings.model_copy(update={"learner": learner})
     _run(run_named_services(settings, ["learner"]))
 

@@ -88,20 +88,20 @@ class LearnerSettings(BaseModel):
     model: str | None = Field(default=None, description="Base model dir; None: SmolLM2.")
     checkpoint_dir: Path = Path(".kz/policies")
     roles: tuple[Literal["proposer", "coder"], ...] = ("proposer", "coder")
-    groups_per_step: int = 4
-    learning_rate: float = 1e-5
-    lora_r: int = 16
+    groups_per_step: int = Field(default=4, ge=1)
+    learning_rate: float = Field(default=1e-5, gt=0)
+    lora_r: int = Field(default=16, ge=1)
     full_finetune: bool = False
-    max_staleness: int = 4
+    max_staleness: int = Field(default=4, ge=0)
     # Memory of a training step: gradient accumulation over this many micro-batches, and
     # activations recomputed in the backward pass (both trade a little time for memory).
-    micro_batches: int = 1
+    micro_batches: int = Field(default=1, ge=1)
     gradient_checkpointing: bool = False
-    proposer_steps: int = 20
-    coder_steps: int = 20
-    rounds: int = 4
+    proposer_steps: int = Field(default=20, ge=0)
+    coder_steps: int = Field(default=20, ge=0)
+    rounds: int = Field(default=4, ge=1)
     order: tuple[Literal["proposer", "coder"], ...] = ("proposer", "coder")
-    group_timeout_s: float = 600.0
+    group_timeout_s: float = Field(default=600.0, gt=0)
 
 
 class Settings(BaseSettings):
