@@ -384,9 +384,7 @@ CHEATS: dict[str, tuple[str, str, str, frozenset[str], str]] = {
     "fallback_runtime": ("relu", "triton", FALLBACK_RUNTIME,
                          frozenset({"torch_fallback", "obfuscated_access"}), "cpu"),
     "thread_timer": ("relu", "triton", THREAD_TIMER, frozenset({"thread"}), "cpu"),
-    "thread_runtime": ("relu", "triton", THREAD_RUNTIME,
-                       frozenset({"thread", "unsynchronized_output", "dynamic_code",
-                                  "introspection", "rel_norm", "nonfinite", "timer"}), "cpu"),
+    "thread_runtime": ("relu", "triton", THREAD_RUNTIME, frozenset({"timer", "thread"}), "cpu"),
     "monkeypatch_event": ("relu", "triton", MONKEYPATCH_EVENT,
                           frozenset({"monkeypatch", "timer"}), "cpu"),
     "monkeypatch_runtime": ("relu", "triton", MONKEYPATCH_RUNTIME,
@@ -395,4 +393,19 @@ CHEATS: dict[str, tuple[str, str, str, frozenset[str], str]] = {
     "cuda_side_stream": ("relu", "cuda", CUDA_SIDE_STREAM, frozenset({"stream"}), "cpu"),
     "cuda_torch_fallback": ("relu", "cuda", CUDA_TORCH_FALLBACK, frozenset({"torch_fallback"}),
                             "cpu"),
+}
+
+# What the run-time layer alone (static scan off) answers for the cheats written to get
+# past the scan; the same on the CPU and on the H200 (docs/verifier.md). A side stream has
+# three detectors, and which fires first depends on when the side stream's work ends.
+RUNTIME_CHECKS: dict[str, frozenset[str]] = {
+    "side_stream_runtime": frozenset({"unsynchronized_output", "side_stream",
+                                      "unsynchronized_timing"}),
+    "fallback_runtime": frozenset({"torch_fallback"}),
+    "fallback_alias": frozenset({"torch_fallback"}),
+    "thread_runtime": frozenset({"thread"}),
+    "monkeypatch_runtime": frozenset({"monkeypatch"}),
+    "monkeypatch_event": frozenset({"monkeypatch"}),
+    "tf32_flag": frozenset({"precision"}),
+    "cuda_torch_fallback": frozenset({"torch_fallback"}),
 }
