@@ -19,7 +19,7 @@ import gc
 import hashlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -47,7 +47,6 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from kz_stream.events import EVENT_TYPES, UPCASTERS, Event, EventDecodeError
 from kz_stream.store._port import AppendResult, EventStore, RecordedEvent, StoreTransaction
-from kz_stream.store._sql import SqlEventStore
 
 __all__ = [
     "TRACKING_KEY",
@@ -186,7 +185,9 @@ async def _replay(
 
     with _fewer_collections():
         try:
-            async for batch in _read(store, projection, position, batch_size):
+            async for batch in store.read_all(position, batch_size=batch_size,
+                                              types=projection.types,
+                                              payload_fields=projection.payload_fields):
                 previous = in_flight[-1][0] if in_flight else None
                 in_flight.append((asyncio.create_task(commit(batch, previous)), len(batch)))
                 if len(in_flight) > 1:  # one batch in the database, the next one waiting
@@ -280,19 +281,6 @@ def _fewer_collections() -> Iterator[None]:
         _replays_running -= 1
         if _replays_running == 0:
             gc.set_threshold(*_saved_threshold)
-
-
-def _read(
-    store: EventStore, projection: Projection, position: int, batch_size: int
-) -> AsyncIterator[list[RecordedEvent]]:
-    fields = projection.payload_fields
-    if fields is not None and isinstance(store, SqlEventStore):
-        # Only the SQL adapter can select payload keys (the EventStore port has no
-        # ``payload_fields`` yet; any other store reads whole payloads, which is correct).
-        return store.read_all(
-            position, batch_size=batch_size, types=projection.types, payload_fields=fields
-        )
-    return store.read_all(position, batch_size=batch_size, types=projection.types)
 
 
 async def projection_hash(store: EventStore, projection: Projection) -> str:

@@ -83,9 +83,16 @@ class EventStore(Protocol):
     async def read_stream(self, stream_id: str) -> list[RecordedEvent]: ...
 
     def read_all(
-        self, from_position: int = 0, *, batch_size: int = 1000, types: Sequence[str] | None = None
+        self,
+        from_position: int = 0,
+        *,
+        batch_size: int = 1000,
+        types: Sequence[str] | None = None,
+        payload_fields: Sequence[str] | None = None,
     ) -> AsyncIterator[list[RecordedEvent]]:
-        """Batches of events with global_position > from_position, in order, to the current end."""
+        """Batches of events with global_position > from_position, in order, to the current end.
+
+        ``payload_fields`` is a hint: an adapter may drop other payload keys, or not."""
 
     def tail(
         self, from_position: int = 0, *, batch_size: int = 1000, poll_interval: float = 0.5

@@ -266,6 +266,24 @@ async def test_read_all_yields_ordered_batches_after_a_position_and_filters_type
     assert [b async for b in store.read_all(stored[-1].global_position)] == []
 
 
+async def test_read_all_with_payload_fields_keeps_those_fields_and_every_event(
+    store: SqlEventStore,
+) -> None:
+    """``payload_fields`` is a hint: other keys may go, the asked ones and the events stay."""
+    events = [verdict("a", v, kernel=f"k{v}") for v in range(6)]
+    await store.append(events)
+    fields = ("kernel_id", "status", "speedup")
+
+    whole = await read_everything(store)
+    hinted = [r async for b in store.read_all(0, batch_size=4, types=["KernelVerified"],
+                                               payload_fields=fields) for r in b]
+
+    assert [r.global_position for r in hinted] == [r.global_position for r in whole]
+    assert [r.event.event_id for r in hinted] == [e.event_id for e in events]
+    for h, w in zip(hinted, whole, strict=True):
+        assert {f: h.event.payload[f] for f in fields} == {f: w.event.payload[f] for f in fields}
+
+
 async def test_a_tailing_reader_never_skips_an_event_committed_by_concurrent_writers(
     store: SqlEventStore,
 ) -> None:
