@@ -128,7 +128,8 @@ async def rebuild(
         await tx.run_sync(projection.metadata.drop_all)
         await tx.run_sync(projection.metadata.create_all)
         await tx.set_tracking(tracking_name(projection), {TRACKING_KEY: 0})
-    return await _replay(store, projection, 0, batch_size, on_batch)
+        dialect = tx.dialect
+    return await _replay(store, projection, dialect, 0, batch_size, on_batch)
 
 
 async def catch_up(
@@ -142,13 +143,15 @@ async def catch_up(
     async with store.transaction() as tx:
         await tx.run_sync(projection.metadata.create_all)
         stored = await tx.get_tracking(tracking_name(projection))
+        dialect = tx.dialect
     position = stored.get(TRACKING_KEY, 0)
-    return await _replay(store, projection, position, batch_size, on_batch)
+    return await _replay(store, projection, dialect, position, batch_size, on_batch)
 
 
 async def _replay(
     store: EventStore,
     projection: Projection,
+    dialect: str,
     position: int,
     batch_size: int,
     on_batch: OnBatch | None,
@@ -161,8 +164,6 @@ async def _replay(
     started = time.perf_counter()
     applied = 0
     name = tracking_name(projection)
-    async with store.transaction() as probe:
-        dialect = probe.dialect
 
     async def commit(batch: list[RecordedEvent], previous: asyncio.Task[int] | None) -> int:
         async with contextlib.AsyncExitStack() as stack:
