@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kz_stream.config import Settings
+from kz_stream.config import Settings, validated_copy
 from kz_stream.logging import configure_logging
 from kz_stream.runtime import Service, ServiceContext, run_services
 
@@ -206,41 +206,38 @@ class RunOptions:
         from pathlib import Path
 
         def llm(cfg: Any) -> Any:
-            return cfg.model_copy(update={"max_tokens": self.max_new_tokens})
+            return validated_copy(cfg, max_tokens=self.max_new_tokens)
 
         s = settings
         return s.model_copy(
             update={
-                "proposer": s.proposer.model_copy(
-                    update={
-                        "proposals_per_prompt": self.proposals_per_prompt,
-                        "seed_modules": self.seed_modules,
-                        "llm": llm(s.proposer.llm),
-                    }
+                "proposer": validated_copy(
+                    s.proposer,
+                    proposals_per_prompt=self.proposals_per_prompt,
+                    seed_modules=self.seed_modules,
+                    llm=llm(s.proposer.llm),
                 ),
-                "coder": s.coder.model_copy(
-                    update={
-                        "group_size": self.group_size,
-                        "backends": self.backends,
-                        "llm": llm(s.coder.llm),
-                    }
+                "coder": validated_copy(
+                    s.coder,
+                    group_size=self.group_size,
+                    backends=self.backends,
+                    llm=llm(s.coder.llm),
                 ),
-                "learner": s.learner.model_copy(
-                    update={
-                        "checkpoint_dir": Path(self.checkpoint_dir),
-                        "groups_per_step": self.groups_per_step,
-                        "proposer_steps": self.steps_per_turn,
-                        "coder_steps": self.steps_per_turn,
-                        "rounds": self.rounds,
-                        "order": self.order,
-                        "learning_rate": 1e-4,
-                        "lora_r": 8,
-                        # One completion per micro-batch, activations recomputed: a step
-                        # peaked at 15.6 GB on the CPU in one batch (two learners' steps
-                        # then exceeded a 23 GB machine), 4.2 GB this way, and ran faster.
-                        "micro_batches": self.group_size * self.groups_per_step,
-                        "gradient_checkpointing": True,
-                    }
+                "learner": validated_copy(
+                    s.learner,
+                    checkpoint_dir=Path(self.checkpoint_dir),
+                    groups_per_step=self.groups_per_step,
+                    proposer_steps=self.steps_per_turn,
+                    coder_steps=self.steps_per_turn,
+                    rounds=self.rounds,
+                    order=self.order,
+                    learning_rate=1e-4,
+                    lora_r=8,
+                    # One completion per micro-batch, activations recomputed: a step
+                    # peaked at 15.6 GB on the CPU in one batch (two learners' steps
+                    # then exceeded a 23 GB machine), 4.2 GB this way, and ran faster.
+                    micro_batches=self.group_size * self.groups_per_step,
+                    gradient_checkpointing=True,
                 ),
             }
         )

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kz_stream.config import LearnerSettings, Settings, load_settings
+from kz_stream.config import Settings, load_settings, validated_copy
 
 app = typer.Typer(
     name="kz",
@@ -58,6 +58,19 @@ def _one_line_errors(fn: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+# Settings fields whose command-line option has another name.
+_OPTION_OF_FIELD = {"roles": "--role", "proposer_steps": "--steps-per-turn",
+                    "coder_steps": "--steps-per-turn", "max_tokens": "--max-new-tokens"}
+
+
+def _bad_option(e: ValidationError) -> typer.BadParameter:
+    """The first invalid setting, named as its command-line option."""
+    first = e.errors()[0]
+    field = str(first["loc"][0]) if first["loc"] else "?"
+    option = _OPTION_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+    return typer.BadParameter(f"{option}: {first['msg']}")
 
 
 def _settings(config: Path | None) -> Settings:
@@ -416,18 +429,12 @@ def train(
     for r in role or []:
         if r not in ("coder", "proposer"):
             raise typer.BadParameter(f"unknown role {r!r}; choose coder or proposer")
-    # Validated, not model_copy'd: a copy would take --lora-r 0 or --rounds -1 as given.
     try:
-        learner = LearnerSettings.model_validate(
-            {**settings.learner.model_dump(), **{k: v for k, v in overrides.items()
-                                                  if v is not None}}
+        learner = validated_copy(
+            settings.learner, **{k: v for k, v in overrides.items() if v is not None}
         )
     except ValidationError as e:
-        first = e.errors()[0]
-        field = str(first["loc"][0])
-        option = {"roles": "--role", "proposer_steps": "--steps-per-turn",
-                  "coder_steps": "--steps-per-turn"}.get(field, "--" + field.replace("_", "-"))
-        raise typer.BadParameter(f"{option}: {first['msg']}") from None
+        raise _bad_option(e) from None
     settings = settings.model_copy(update={"learner": learner})
     _run(run_named_services(settings, ["learner"]))
 
@@ -458,6 +465,10 @@ def run_loop(
         max_new_tokens=max_new_tokens,
         time_limit_s=time_limit,
     )
+    try:
+        options.apply(settings)  # refused here, before anything starts, if impossible
+    except ValidationError as e:
+        raise _bad_option(e) from None
     total_steps = rounds * steps_per_turn * len(options.order)
     shown_rounds: set[int] = set()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 from pydantic_settings import (
@@ -59,29 +59,38 @@ class LLMConfig(BaseModel):
     kind: Literal["transformers", "vllm-server", "vllm-engine"] = "transformers"
     model: str | None = Field(default=None, description="Model dir; None: embedded SmolLM2.")
     base_url: str | None = Field(default=None, description="vLLM server URL (vllm-server).")
-    max_tokens: int = 512
-    temperature: float = 1.0
+    max_tokens: int = Field(default=512, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
 
 
 class ProposerSettings(BaseModel):
     llm: LLMConfig = Field(default_factory=LLMConfig)
-    proposals_per_prompt: int = 4
-    concurrency: int = 2
+    proposals_per_prompt: int = Field(default=4, ge=1)
+    concurrency: int = Field(default=2, ge=1)
     max_modules: int | None = None
     seed_modules: bool = True
 
 
 class CoderSettings(BaseModel):
     llm: LLMConfig = Field(default_factory=LLMConfig)
-    group_size: int = 4
+    group_size: int = Field(default=4, ge=1)
     backends: tuple[Literal["cuda", "triton"], ...] = ("triton",)
-    max_staleness: int = 1
+    max_staleness: int = Field(default=1, ge=0)
 
 
 class VerifierSettings(BaseModel):
     devices: list[int] | None = Field(
         default=None, description="GPU indices; None: all visible; []: the CPU path."
     )
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def validated_copy(model: ModelT, **changes: Any) -> ModelT:
+    """``model`` with ``changes`` applied and validated (``model_copy(update=...)`` takes
+    them as given, so ``lora_r=0`` would pass)."""
+    return type(model).model_validate({**model.model_dump(), **changes})
 
 
 class LearnerSettings(BaseModel):

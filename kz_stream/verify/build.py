@@ -615,6 +615,14 @@ class BuildResult:
                 "functions": list(self.functions), "mod_name": self.call.module_name}
 
 
+@dataclass
+class _SharedBuild:
+    """A build in flight and how many callers wait for it."""
+
+    task: asyncio.Task[BuildResult]
+    waiters: int = 0
+
+
 class Builder:
     """Builds ``load_inline`` calls with at most ``jobs`` compilers at once.
 
@@ -632,7 +640,7 @@ class Builder:
         self.timeout_s = timeout_s
         self.fast = fast
         self._sem = asyncio.Semaphore(jobs or os.cpu_count() or 1)
-        self._inflight: dict[str, asyncio.Task[BuildResult]] = {}
+        self._inflight: dict[str, _SharedBuild] = {}
         stub = self.cache_dir / "stub" / "c10" / "cuda" / "impl"
         stub.mkdir(parents=True, exist_ok=True)
         (stub / "cuda_cmake_macros.h").write_text(_STUB_HEADER)
@@ -752,7 +760,8 @@ class Builder:
                 await proc.wait()
                 return False, f"compiler timed out after {self.timeout_s:g} s: {shlex.join(cmd)}"
             except asyncio.CancelledError:
-                kill_group(proc.pid)  # the event loop is closing: leave no compiler behind
+                kill_group(proc.pid)  # no one waits for this build: leave no compiler behind
+                await proc.wait()
                 raise
         text = out.decode(errors="replace")
         return proc.returncode == 0, text
@@ -762,19 +771,25 @@ class Builder:
         key = hashlib.sha256(
             f"{call.key}{self.toolchain.fingerprint}{self.link}{self.fast}{VERIFIER_VERSION}"
             .encode()).hexdigest()
-        task = self._inflight.get(key)
-        if task is None:
-            # A task of its own, not the first caller's: cancelling one caller (its
-            # verification timed out) must not cancel the build the others wait for.
-            task = asyncio.ensure_future(self._build(call, key))
-            self._inflight[key] = task
-            task.add_done_callback(partial(self._build_done, key))
-        return await asyncio.shield(task)
+        shared = self._inflight.get(key)
+        if shared is None:
+            # A task of its own, not the first caller's: one caller cancelled (its consumer
+            # shutting down) must not cancel the build the others wait for.
+            shared = self._inflight[key] = _SharedBuild(
+                asyncio.ensure_future(self._build(call, key)))
+            shared.task.add_done_callback(partial(self._build_done, key))
+        shared.waiters += 1
+        try:
+            return await asyncio.shield(shared.task)
+        finally:
+            shared.waiters -= 1
+            if not shared.waiters:
+                shared.task.cancel()  # no one waits for it any more (no-op once done)
 
     def _build_done(self, key: str, task: asyncio.Task[BuildResult]) -> None:
         self._inflight.pop(key, None)
         if not task.cancelled():
-            task.exception()  # retrieved: every caller may have gone
+            task.exception()  # retrieved: a build's error reaches its callers, not the log
 
     async def _build(self, call: InlineCall, key: str) -> BuildResult:
         started = time.monotonic()

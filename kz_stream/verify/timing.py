@@ -22,10 +22,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
+
+from kz_stream.verify.compare import flatten
 
 # Captured at import, before any untrusted code runs in the process: a candidate that
 # rebinds torch.cuda.Event or time.perf_counter does not reach these.
@@ -53,6 +55,14 @@ class Samples:
     issue_ms: list[float]
 
 
+def check_flush(mode: str, factor: int) -> None:
+    """Raises ValueError unless ``mode`` is a FlushMode and ``factor`` at least 1."""
+    if mode not in get_args(FlushMode):
+        raise ValueError(f"unknown L2 flush {mode!r}; choose one of {get_args(FlushMode)}")
+    if factor < 1:
+        raise ValueError(f"the L2 flush buffer must be at least L2's size (factor {factor})")
+
+
 class L2Flusher:
     """Evicts L2 before each timed call by streaming a buffer ``factor`` times its size
     through it.
@@ -66,6 +76,7 @@ class L2Flusher:
 
     def __init__(self, device: torch.device, mode: FlushMode = "zero_read", factor: int = 2
                  ) -> None:
+        check_flush(mode, factor)
         props = torch.cuda.get_device_properties(device)
         l2 = int(getattr(props, "L2_cache_size", 0) or 50 << 20)
         self.l2_bytes = l2
@@ -121,12 +132,15 @@ def timing_set_count(input_bytes: int, l2_bytes: int, *, cap_bytes: int = 4 << 3
 _ROTATED_OUTPUT_BYTES = 1 << 30
 
 
-def _nbytes(out: Any) -> int:
-    if isinstance(out, torch.Tensor):
-        return int(out.nbytes)
-    if isinstance(out, list | tuple):
-        return sum(_nbytes(o) for o in out)
-    return 0
+def _held_bytes(out: Any) -> int:
+    """The device memory an output keeps alive: its tensors' storages, each once (a view
+    keeps its whole base)."""
+    storages = {}
+    for t in flatten(out):
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return int(sum(storages.values()))
 
 
 def timed_calls(
@@ -172,7 +186,7 @@ def timed_calls(
             kept[j] = out
         if rotate_outputs:
             if recent is None:
-                held = min(len(input_sets), _ROTATED_OUTPUT_BYTES // max(_nbytes(out), 1))
+                held = min(len(input_sets), _ROTATED_OUTPUT_BYTES // max(_held_bytes(out), 1))
                 recent = deque(maxlen=max(held, 1))
             recent.append(out)
         del out

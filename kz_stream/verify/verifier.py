@@ -42,6 +42,7 @@ from kz_stream.verify.ipc import Child, ChildDied, ChildTimeout
 from kz_stream.verify.timing import (
     FlushMode,
     bootstrap_ratio_ci,
+    check_flush,
     physical_floor_ms,
     timing_set_count,
 )
@@ -353,6 +354,7 @@ class Verifier:
 
     def __init__(self, config: VerifierConfig | None = None) -> None:
         self.config = config or VerifierConfig()
+        check_flush(self.config.l2_flush, self.config.l2_flush_factor)
         self._secret = self.config.secret or secrets.token_bytes(32)
         devices = self.config.devices
         if devices is None:
@@ -407,6 +409,7 @@ class Verifier:
         hw = dict(manifest())
         hw["mode"] = "gpu" if self.gpu else "cpu"
         hw["verifier_version"] = VERIFIER_VERSION
+        hw["l2_flush"] = f"{self.config.l2_flush}x{self.config.l2_flush_factor}"
         hw["devices"] = [i for i in self._device_ids if i is not None]
         return hw
 

@@ -11,7 +11,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from kz_stream.cli import app
 from kz_stream.events import (
     KernelGenerated,
     KernelVerified,
@@ -157,3 +159,26 @@ def test_infra_up_status_down_manage_local_postgres_and_broker() -> None:
         down = kz("infra", "down", env=env)
     assert down.returncode == 0, down.stderr
     assert kz("infra", "status", env=env).returncode == 1
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["train", "--lora-r", "0"], "--lora-r"),
+    (["train", "--rounds", "-1"], "--rounds"),
+    (["train", "--groups-per-step", "0"], "--groups-per-step"),
+    (["train", "--learning-rate", "0"], "--learning-rate"),
+    (["train", "--steps-per-turn", "-2"], "--steps-per-turn"),
+    (["train", "--role", "critic"], "critic"),
+    (["run", "--rounds", "0"], "--rounds"),
+    (["run", "--groups-per-step", "0"], "--groups-per-step"),
+    (["run", "--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_an_impossible_setting_is_one_error_naming_the_option_before_anything_starts(
+        args: list[str], named: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def started(*_: object, **__: object) -> None:
+        raise AssertionError("the services started with an impossible setting")
+
+    monkeypatch.setattr("kz_stream.app.run_named_services", started)
+    monkeypatch.setattr("kz_stream.app.run_coevolution", started)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output  # the CLI's one-line error
+    assert named in result.output and "AssertionError" not in result.output

@@ -122,6 +122,41 @@ def test_a_cancelled_caller_leaves_a_shared_build_running(tmp_path: Path) -> Non
     assert result.ok and not result.cache_hit, result.log
 
 
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # the process ended meanwhile
+        if text in args:
+            found.append(args)
+    return found
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_a_build_no_one_waits_for_is_stopped_with_its_compilers(tmp_path: Path) -> None:
+    builder = Builder(tmp_path, link=False, jobs=2)
+    call = extract_inline_calls(CUDA_HONEST["relu"])[0]  # type: ignore[index]
+
+    async def cancel_the_only_caller() -> list[str]:
+        caller = asyncio.create_task(builder.build(call))
+        for _ in range(100):  # until a compiler runs
+            await asyncio.sleep(0.1)
+            if _processes_mentioning(str(tmp_path)):
+                break
+        assert _processes_mentioning(str(tmp_path)), "no compiler started"
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.5)  # the build task's own cancellation runs
+        return _processes_mentioning(str(tmp_path))
+
+    assert asyncio.run(cancel_the_only_caller()) == []
+    assert builder._inflight == {}
+
+
 @pytest.mark.slow
 @needs_nvcc
 def test_template_kernel_instances_are_in_the_device_code(tmp_path: Path) -> None:
