@@ -4,8 +4,8 @@ The A/A benchmark showed systematic per-process biases of up to +-48% on GEMM an
 layer-norm modules (benchmarks/results/raw/verifier_2026-11-29.json), and in a diagnostic
 run (log not kept) one GEMM timed 0.069 and 0.116 ms on two sets of buffers in one
 process. This measures, per module, the spread (max - min) / min of the median time per
-call over K independent sets of model and input buffers, in one process and in K fresh
-processes, for four variants of the loop:
+call over ``--sets`` independent sets of model and input buffers in one process, and over
+``--fresh`` fresh processes, for each variant of the loop in ``VARIANTS``:
 
 - flush ``zero`` (zero a buffer twice the L2 size, as Triton's ``do_bench``; leaves L2
   full of dirty lines) or ``read`` (sum it; leaves clean lines);
