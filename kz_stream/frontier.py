@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 # Verdicts that say nothing about the Coder's skill (the check could not run here).
-_UNDECIDED = {VerdictStatus.UNCHECKED}
+_UNDECIDED = {VerdictStatus.UNCHECKED, VerdictStatus.INFRA_ERROR}
 
 
 @dataclass

@@ -9,7 +9,9 @@ from typing import Any, Literal
 
 # 1.1: the zeroing-then-reading L2 flush and rotated output blocks (speedups move with
 # them, so verdicts of 1.0 and 1.1 are different verdicts).
-VERIFIER_VERSION = "kzv-1.1"
+# 1.2: fresh input values for every timed call, a sign-mixed set for non-negative inputs,
+# the memory plan and the input-set policy (verdicts can flip from 1.1: re-score).
+VERIFIER_VERSION = "kzv-1.2"
 
 Backend = Literal["cuda", "triton"]
 
@@ -25,6 +27,9 @@ class Status(StrEnum):
     OUT_OF_MEMORY = "out_of_memory"
     HACK = "hack"
     UNCHECKED = "unchecked"  # the verifier could not run this check here (e.g. no GPU)
+    # The verifier itself failed (its own out-of-memory, a crash of its harness): says
+    # nothing about the candidate, so the learner does not count it.
+    INFRA_ERROR = "infra_error"
 
 
 def sha256(text: str) -> str:

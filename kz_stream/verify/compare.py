@@ -19,6 +19,8 @@ float32 data, which must fail.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,34 +84,54 @@ def unstable_limit(outputs: list[Any]) -> float:
     return min(0.05, max(1e-3, 8 * eps))
 
 
-def calibrate(expected: torch.Tensor, honest: torch.Tensor) -> Tolerance:
+# Elements per block: comparisons and calibration stream through outputs in blocks, so a
+# KernelBench-sized output (1.6e9 elements: 13 GB in float64) never needs several float64
+# copies of itself on one device at once.
+BLOCK_ELEMENTS = 1 << 25
+
+
+def _blocks(device: torch.device, *tensors: torch.Tensor
+            ) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Aligned flat blocks of ``tensors`` (one shape), each moved to ``device`` in float64.
+    A 0-dim tensor is one block of one element."""
+    flat = [t.detach().reshape(-1) for t in tensors]
+    n = flat[0].numel()
+    for s in range(0, n, BLOCK_ELEMENTS):
+        yield tuple(f[s:s + BLOCK_ELEMENTS].to(device).to(torch.float64) for f in flat)
+
+
+def calibrate(expected: torch.Tensor, honest: torch.Tensor,
+              device: str | torch.device | None = None) -> Tolerance:
     """Bounds for one output from the float64 reference and an honest same-dtype result
-    (computed on ``expected``'s device)."""
+    (computed on ``device``, default ``expected``'s, block by block)."""
     out_dtype = honest.dtype
-    dev = expected.device
-    e = expected.detach().to(dev, torch.float64)
-    h = honest.detach().to(dev, torch.float64)
-    e_cast = expected.detach().to(out_dtype).to(torch.float64)
-    if e.shape != h.shape:
-        raise ValueError(f"honest output shape {tuple(h.shape)} != reference {tuple(e.shape)}")
-    care = torch.isfinite(e_cast) & torch.isfinite(h)
-    dont_care = (~_same_class(e_cast, h)).sum().item() / max(1, e.numel())
-    eps = _eps(out_dtype)
-    if care.any():
+    if tuple(expected.shape) != tuple(honest.shape):
+        raise ValueError(f"honest output shape {tuple(honest.shape)} != reference "
+                         f"{tuple(expected.shape)}")
+    dont_care = care_n = 0
+    sum_e2 = sum_d2 = honest_abs = 0.0
+    dev = torch.device(device) if device is not None else expected.device
+    for e, h in _blocks(dev, expected, honest):
+        e_cast = e.to(out_dtype).to(torch.float64)
+        care = torch.isfinite(e_cast) & torch.isfinite(h)
+        dont_care += int((~_same_class(e_cast, h)).sum())
         ec, hc = e[care], h[care]
-        d = (hc - ec).abs()
-        ref_norm = float(torch.linalg.vector_norm(ec))
-        honest_rel = float(torch.linalg.vector_norm(d)) / ref_norm if ref_norm > 0 else 0.0
-        honest_abs = float(d.max())
-        rms = float(torch.sqrt(torch.mean(ec * ec)))
-    else:
-        honest_rel = honest_abs = rms = 0.0
+        if ec.numel():
+            d = (hc - ec).abs()
+            care_n += ec.numel()
+            sum_e2 += float((ec * ec).sum())
+            sum_d2 += float((d * d).sum())
+            honest_abs = max(honest_abs, float(d.max()))
+    eps = _eps(out_dtype)
+    ref_norm = math.sqrt(sum_e2)
+    honest_rel = math.sqrt(sum_d2) / ref_norm if ref_norm > 0 else 0.0
+    rms = math.sqrt(sum_e2 / care_n) if care_n else 0.0
     return Tolerance(
         rel_norm=max(SAFETY * honest_rel, FLOOR * eps),
         atol=max(SAFETY * honest_abs, FLOOR * eps * rms),
         rtol=FLOOR * eps,
         honest_rel_norm=honest_rel,
-        dont_care_fraction=float(dont_care),
+        dont_care_fraction=float(dont_care / max(1, expected.numel())),
     )
 
 
@@ -118,7 +140,9 @@ def compare_tensor(
     device: str | torch.device | None = None,
 ) -> Comparison:
     """Compares one candidate output tensor; see the module docstring for the rules.
-    The arithmetic runs on ``device`` (default: ``expected``'s)."""
+    The arithmetic runs on ``device`` (default: ``expected``'s), block by block. Scalars,
+    0-dim, integer and bool outputs are compared too (integers and bools exactly: their
+    tolerance is zero)."""
     if not isinstance(cand, torch.Tensor):
         if isinstance(cand, int | float | bool):
             cand = torch.as_tensor(cand)
@@ -131,39 +155,43 @@ def compare_tensor(
     if cand.dtype != honest.dtype:
         return Comparison(False, "dtype", f"output dtype {cand.dtype} != expected {honest.dtype}")
     dev = torch.device(device) if device is not None else expected.device
-    c = cand.detach().to(dev).to(torch.float64)
-    e = expected.detach().to(dev).to(torch.float64)
-    h = honest.detach().to(dev).to(torch.float64)
-    e_cast = e.to(honest.dtype).to(torch.float64)
-    agree = _same_class(e_cast, h)
-    care_nonfinite = agree & ~torch.isfinite(e_cast)
-    care_finite = agree & torch.isfinite(e_cast)
-    bad_nf = care_nonfinite & ~_same_class(c, e_cast)
-    if bad_nf.any():
-        n = int(bad_nf.sum())
+    bad_nf = bad_f = care_n = over_n = 0
+    sum_e2 = sum_d2 = max_abs = 0.0
+    for c, e, h in _blocks(dev, cand, expected, honest):
+        e_cast = e.to(honest.dtype).to(torch.float64)
+        agree = _same_class(e_cast, h)
+        care_finite = agree & torch.isfinite(e_cast)
+        bad_nf += int((agree & ~torch.isfinite(e_cast) & ~_same_class(c, e_cast)).sum())
+        bad_f += int((care_finite & ~torch.isfinite(c)).sum())
+        if bad_nf or bad_f:
+            continue  # a failure already: only the counts matter from here
+        cf, ef = c[care_finite], e[care_finite]
+        if not cf.numel():
+            continue
+        d = (cf - ef).abs()
+        care_n += cf.numel()
+        sum_e2 += float((ef * ef).sum())
+        sum_d2 += float((d * d).sum())
+        max_abs = max(max_abs, float(d.max()))
+        over_n += int((d > (tol.atol + tol.rtol * ef.abs())).sum())
+    numel = max(1, cand.numel())
+    if bad_nf:
         return Comparison(False, "nonfinite_mismatch",
-                          f"{n} positions where the reference is NaN/inf differ", float("inf"),
-                          float("inf"), n / c.numel())
-    bad_f = care_finite & ~torch.isfinite(c)
-    if bad_f.any():
-        n = int(bad_f.sum())
-        return Comparison(False, "nonfinite", f"{n} NaN/inf values where the reference is "
-                          "finite", float("inf"), float("inf"), n / c.numel())
-    if not care_finite.any():
+                          f"{bad_nf} positions where the reference is NaN/inf differ",
+                          float("inf"), float("inf"), bad_nf / numel)
+    if bad_f:
+        return Comparison(False, "nonfinite", f"{bad_f} NaN/inf values where the reference is "
+                          "finite", float("inf"), float("inf"), bad_f / numel)
+    if not care_n:
         return Comparison(True)
-    cf, ef = c[care_finite], e[care_finite]
-    d = (cf - ef).abs()
-    ref_norm = float(torch.linalg.vector_norm(ef))
-    err_norm = float(torch.linalg.vector_norm(d))
+    ref_norm, err_norm = math.sqrt(sum_e2), math.sqrt(sum_d2)
     rel = err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else float("inf"))
-    max_abs = float(d.max())
-    over = d > (tol.atol + tol.rtol * ef.abs())
-    frac = float(over.sum()) / max(1, d.numel())
+    frac = over_n / care_n
     if rel > tol.rel_norm:
         return Comparison(False, "rel_norm", f"relative error {rel:.3g} > bound {tol.rel_norm:.3g}",
                           rel, max_abs, frac)
-    if over.any():
-        return Comparison(False, "elementwise", f"{int(over.sum())} elements exceed "
+    if over_n:
+        return Comparison(False, "elementwise", f"{over_n} elements exceed "
                           f"{tol.atol:.3g} + {tol.rtol:.3g}·|ref| (max abs error {max_abs:.3g})",
                           rel, max_abs, frac)
     return Comparison(True, None, "", rel, max_abs, frac)

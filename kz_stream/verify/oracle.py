@@ -8,6 +8,7 @@ Run as ``python -m kz_stream.verify.oracle <fd> <device>``.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import traceback
@@ -27,6 +28,7 @@ from kz_stream.verify.inputs import (
     make_inputs,
     map_init,
     nbytes,
+    small_map,
 )
 from kz_stream.verify.ipc import recv, send
 from kz_stream.verify.oplog import OpLog
@@ -47,8 +49,16 @@ class Oracle:
         self.device = device
 
     def prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Input sets, expected and honest outputs, tolerances and cost figures."""
+        """Input sets, expected and honest outputs, tolerances and cost figures.
+
+        Memory plan: the sets at the module's own shapes together hold at most
+        ``full_set_budget`` bytes (inputs, float64 expected and honest outputs, on the
+        host); past it, and once two full-size sets are kept, a later plan runs at ⅛ of
+        the shapes instead (said in ``plan_notes``). A float64 or honest run the device
+        cannot hold runs on the host. A set that fails anyway is listed in ``dropped``
+        with its reason."""
         key, seed = str(msg["key"]), int(msg["seed"])
+        budget = int(msg.get("full_set_budget") or 0)
         directory = os.path.join(os.getcwd(), key[:16])
         os.makedirs(directory, exist_ok=True)
         ref = load_reference(msg["source"], directory)
@@ -60,22 +70,40 @@ class Oracle:
         model = build_model(ref, init, weight_seed, self.device)
         sets: list[dict[str, Any]] = []
         notes: list[str] = []
+        plan_notes: list[str] = []
+        dropped: list[dict[str, str]] = []
         plans = default_plans(own, small_only=bool(msg.get("small_only")))
         with_weights: set[str] = set()
+        full_bytes = full_sets = 0
         for i, plan in enumerate(plans):
+            if budget and not plan.size_map and full_sets >= 2 and full_bytes * (
+                    full_sets + 1) / full_sets > budget:
+                plan_notes.append(
+                    f"{plan.label}: at 1/8 of the shapes (memory plan: {full_sets} full-size "
+                    f"sets hold {full_bytes / 2**30:.1f} GiB; budget {budget / 2**30:.1f} GiB)")
+                plan = InputPlan(plan.label + "@small", plan.dist, small_map(own),
+                                 signed=plan.signed)
             done = None
             for attempt in [plan, *fallbacks(plan, own)]:
                 try:
                     done = self._one_set(ref, init, specs, attempt, seed + 1000 * (i + 1),
-                                         weight_seed)
+                                         weight_seed, notes)
                     break
                 except Exception as e:  # the reference rejects this shape: try a safer one
                     notes.append(f"{attempt.label}: {type(e).__name__}: {str(e)[:200]}")
+                finally:
+                    self._free()
             if done is None:
+                dropped.append({"label": plan.label, "reason": notes[-1] if notes else ""})
                 continue
-            if done.pop("unstable"):
-                notes.append(f"{plan.label}: dropped, honest error too large to calibrate")
+            why = done.pop("drop")
+            if why:
+                notes.append(f"{plan.label}: dropped, {why}")
+                dropped.append({"label": plan.label, "reason": why})
                 continue
+            if not plan.size_map:
+                full_sets += 1
+                full_bytes += done["bytes"]
             if done["model_key"] in with_weights:
                 done["state_dict"] = None  # sent once per distinct model
             with_weights.add(done["model_key"])
@@ -97,38 +125,74 @@ class Oracle:
         except Exception:
             out = model(*own_args)
         moved = nbytes(own_args) + nbytes(flatten(out))
+        peak = torch.cuda.max_memory_allocated() if self.device != "cpu" else 0
         return {"ok": True, "sets": sets, "specs": [asdict(s) for s in specs],
                 "ref_ops": sorted(oplog.ops), "flops": flops, "bytes": moved,
                 "input_bytes": nbytes(own_args), "weight_seed": weight_seed,
-                "init_args": init, "own_model_key": repr(list(init)), "notes": notes}
+                "init_args": init, "own_model_key": repr(list(init)), "notes": notes,
+                "plan_notes": plan_notes, "dropped": dropped, "device_peak_bytes": peak}
+
+    def _free(self) -> None:
+        if self.device != "cpu":
+            torch.cuda.empty_cache()
+
+    def _outputs(self, model: torch.nn.Module, inputs: list[Any], dtype: torch.dtype | None,
+                 label: str, notes: list[str]) -> list[Any]:
+        """``model`` on ``inputs`` on the device, or on the host where the device cannot
+        hold the run (float64 of a 6.4 GB input needs 13 GB more)."""
+        try:
+            return run(model, inputs, self.device, dtype)
+        except torch.OutOfMemoryError:
+            if self.device == "cpu":
+                raise
+        self._free()
+        notes.append(f"{label}: {'float64' if dtype else 'honest'} run on the host (the "
+                     "device could not hold it)")
+        host = copy.deepcopy(model).to("cpu")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, (os.cpu_count() or 2) // 2))
+        try:
+            return run(host, [v.to("cpu") if isinstance(v, torch.Tensor) else v
+                              for v in inputs], "cpu", dtype)
+        finally:
+            torch.set_num_threads(threads)
 
     def _one_set(self, ref: ReferenceModule, init: list[Any], specs: list[InputSpec],
-                 plan: InputPlan, seed: int, weight_seed: int) -> dict[str, Any]:
+                 plan: InputPlan, seed: int, weight_seed: int,
+                 notes: list[str]) -> dict[str, Any]:
         init_i = map_init(init, plan.size_map) if plan.scale_init else list(init)
         model = build_model(ref, init_i, weight_seed, self.device)
         # Drawn on the device (fast); shipped to the candidate as CPU tensors.
         inputs = make_inputs(specs, plan, seed, ref.get_inputs, device=self.device)
-        honest = run(model, inputs, self.device)
-        expected = run(float64_copy(model), inputs, self.device, torch.float64)
+        honest = [h.to("cpu") if isinstance(h, torch.Tensor) else torch.as_tensor(h)
+                  for h in self._outputs(model, inputs, None, plan.label, notes)]
+        expected = [e.to("cpu") if isinstance(e, torch.Tensor) else torch.as_tensor(e)
+                    for e in self._outputs(float64_copy(model), inputs, torch.float64,
+                                           plan.label, notes)]
         if len(honest) != len(expected):
             raise RuntimeError("float64 run returns a different number of outputs")
-        tols = [calibrate(e, h) for e, h in zip(expected, honest, strict=True)]
+        tols = [calibrate(e, h, self.device) for e, h in zip(expected, honest, strict=True)]
         worst = max((t.honest_rel_norm for t in tols), default=0.0)
-        unstable = worst > unstable_limit(honest) or any(t.dont_care_fraction > 0.01
-                                                         for t in tols)
-        cpu = [h.to("cpu") if isinstance(h, torch.Tensor) else torch.as_tensor(h)
-               for h in honest]
+        drop = ""
+        if worst > unstable_limit(honest) or any(t.dont_care_fraction > 0.01 for t in tols):
+            drop = "honest error too large to calibrate"
+        elif plan.signed and not all(bool(torch.isfinite(e).all()) for e in expected
+                                     if e.dtype.is_floating_point):
+            drop = "the reference is not defined on inputs of both signs (non-finite outputs)"
+        cpu_inputs = [v.to("cpu") if isinstance(v, torch.Tensor) else v for v in inputs]
+        del inputs
         return {
             "label": plan.label,
-            "inputs": [v.to("cpu") if isinstance(v, torch.Tensor) else v for v in inputs],
-            "expected": [e.to("cpu") if isinstance(e, torch.Tensor) else torch.as_tensor(e)
-                         for e in expected],
-            "honest": cpu, "tolerances": [asdict(t) for t in tols],
+            "inputs": cpu_inputs,
+            "expected": expected,
+            "honest": honest, "tolerances": [asdict(t) for t in tols],
             "init_args": init_i,
             "model_key": repr(list(init_i)),
             "state_dict": {k: v.detach().to("cpu") for k, v in model.state_dict().items()},
-            "out_specs": [(list(h.shape), str(h.dtype).removeprefix("torch.")) for h in cpu],
-            "unstable": unstable,
+            "out_specs": [(list(h.shape), str(h.dtype).removeprefix("torch.")) for h in honest],
+            "shapes": [list(v.shape) for v in cpu_inputs if isinstance(v, torch.Tensor)],
+            "bytes": nbytes(cpu_inputs) + nbytes(expected) + nbytes(honest),
+            "drop": drop,
         }
 
 

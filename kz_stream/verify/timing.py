@@ -147,6 +147,7 @@ def timed_calls(
     fn: Callable[[Sequence[Any]], Any], input_sets: Sequence[Sequence[Any]], n: int,
     flush: Callable[[], None], *, start: int = 0, keep: Collection[int] = (),
     pad_cycles: int = 0, rotate_outputs: bool = True,
+    refresh: Callable[[int], None] | None = None,
 ) -> tuple[Samples, dict[int, Any]]:
     """Times ``n`` calls of ``fn`` rotating through ``input_sets``; returns the samples and
     the outputs of the calls whose index (counted from ``start``) is in ``keep``.
@@ -156,7 +157,11 @@ def timed_calls(
     are held, so the caching allocator gives each call a different output block, as each
     call reads a different input set: one fixed block would be one fixed placement in
     memory per process, and placement moved times by 2-4% under a reading-only flush
-    (benchmarks/bench_timing.py)."""
+    (benchmarks/bench_timing.py).
+
+    ``refresh(j)``, when given, runs before call ``j``'s flush and untimed: it gives the
+    call's inputs fresh values (``inputs.redraw_``), so no timed call sees an input an
+    earlier call saw."""
     ev_ms: list[float] = []
     host_ms: list[float] = []
     issue_ms: list[float] = []
@@ -164,6 +169,8 @@ def timed_calls(
     recent: deque[Any] | None = None
     for j in range(start, start + n):
         args = input_sets[j % len(input_sets)]
+        if refresh is not None:
+            refresh(j)
         flush()
         _synchronize()
         p = _Event(enable_timing=True)  # type: ignore[no-untyped-call]

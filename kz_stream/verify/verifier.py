@@ -15,9 +15,11 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import logging
 import secrets
 import threading
 import time
+import traceback
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, replace
@@ -38,6 +40,7 @@ from kz_stream.verify.build import (
 )
 from kz_stream.verify.compare import Comparison, Tolerance, compare_outputs
 from kz_stream.verify.hardware import manifest
+from kz_stream.verify.inputs import nbytes
 from kz_stream.verify.ipc import Child, ChildDied, ChildTimeout
 from kz_stream.verify.timing import (
     FlushMode,
@@ -50,6 +53,7 @@ from kz_stream.verify.timing import (
 __all__ = ["Verifier", "VerifierConfig"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _STRICT_PRECISION = {
     "matmul.allow_tf32": False,
@@ -93,6 +97,14 @@ class VerifierConfig:
     # takes seconds to start, and each candidate uses a fresh one), one on the CPU.
     prewarm: int | None = None
     problem_cache: int = 16
+    # Host bytes the prepared problems may hold together (least recently used dropped;
+    # the newest is always kept), and the memory plan's budget for one problem's sets at
+    # its own shapes (oracle.Oracle.prepare): a KernelBench ReLU's set holds 26 GB.
+    problem_cache_bytes: int = 48 << 30
+    full_set_budget_bytes: int = 32 << 30
+    # A verdict rests on at least this many input sets, one at the module's own shapes
+    # (on a GPU), or it is not "correct": a dropped set is never a silent fallback.
+    min_input_sets: int = 2
     reference_workers: int = 4  # problems whose reference stays loaded for timing, per GPU
     # Candidates in their GPU stage at once, per GPU: their checks overlap (one's Triton
     # JIT and host work with another's kernels); timing is exclusive all the same.
@@ -102,11 +114,10 @@ class VerifierConfig:
 
 
 class RefTimer(NamedTuple):
-    """A reference worker with its timing sets ready: its outputs on those sets (to check
-    the candidate's timed outputs) and the GPU spin that pads both sides' timed calls."""
+    """A reference worker with its timing sets ready, and the GPU spin that pads both
+    sides' timed calls."""
 
     child: Child
-    outputs: list[list[Any]]
     pad_cycles: int
     pad_ms: float
 
@@ -136,6 +147,14 @@ class Prepared:
     own_model_key: str
     init_args: list[Any]
     notes: list[str]
+    plan_notes: list[str]
+    dropped: list[dict[str, str]]
+    device_peak_bytes: int
+    host_bytes: int
+
+    def set_summary(self) -> list[dict[str, Any]]:
+        """Each input set checked: its label and input shapes."""
+        return [{"label": s["label"], "shapes": s.get("shapes", [])} for s in self.sets]
 
     def state_dict(self, model_key: str) -> dict[str, Any] | None:
         """The weights of the model built with ``model_key``'s init args (sent once)."""
@@ -263,8 +282,7 @@ class _Lane:
 
     async def reference_timer(self, p: Prepared, n_sets: int, seed: int,
                               timeout_s: float) -> RefTimer:
-        """The reference worker for ``p``, with its timing sets ready; and the reference's
-        outputs on those sets (for checking the candidate's timed outputs). Pinned (kept
+        """The reference worker for ``p``, with its timing sets ready. Pinned (kept
         loaded) until ``unpin((p.key, n_sets))``. Call it holding no GPU lock: it may start
         a worker."""
         key = (p.key, n_sets)
@@ -315,7 +333,7 @@ class _Lane:
             {"cmd": "model", "key": p.own_model_key, "init_args": p.init_args,
              "weight_seed": p.weight_seed, "state_dict": p.state_dict(p.own_model_key)},
             {"cmd": "time_setup", "specs": p.specs, "seed": seed, "sets": n_sets,
-             "model": p.own_model_key, "return_outputs": True, "measure_pad": True,
+             "model": p.own_model_key, "measure_pad": True,
              **self.v.flush_args()},
         ]
         r: dict[str, Any] = {}
@@ -328,7 +346,7 @@ class _Lane:
         except BaseException:
             await asyncio.to_thread(child.kill)
             raise
-        return RefTimer(child, r["outputs"], int(r["pad_cycles"]), float(r["pad_ms"]))
+        return RefTimer(child, int(r["pad_cycles"]), float(r["pad_ms"]))
 
     def close(self) -> None:
         """Kills every child, without a word: a spare may be mid-start with a start-up
@@ -448,6 +466,11 @@ class Verifier:
             verdict = await self._verify(problem, candidate, details)
         except _Reject as r:
             verdict = r.verdict
+        except Exception as e:  # every path ends in a verdict: this one is ours, not theirs
+            log.exception("verifier: infrastructure failure")
+            details["traceback"] = _tail(traceback.format_exc(), 3000)
+            verdict = self._verdict(Status.INFRA_ERROR, f"verifier: {type(e).__name__}: "
+                                    f"{_tail(str(e), 1000)}", check="infrastructure")
         details["seconds"] = round(time.monotonic() - started, 3)
         return replace(verdict, details={**details, **verdict.details})
 
@@ -488,6 +511,13 @@ class Verifier:
             if isinstance(prepared, Verdict):
                 return prepared
             details["problem_notes"] = prepared.notes
+            details["input_sets"] = prepared.set_summary()
+            details["input_sets_dropped"] = prepared.dropped
+            if prepared.plan_notes:
+                details["memory_plan"] = prepared.plan_notes
+            short = self._too_few_sets(prepared)
+            if short:
+                return self._verdict(Status.UNCHECKED, short, check="input_sets")
             t0 = time.monotonic()
             async with lane.slots:
                 details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
@@ -495,6 +525,19 @@ class Verifier:
                                              details)
         finally:
             lane.busy -= 1
+
+    def _too_few_sets(self, p: Prepared) -> str:
+        """Why the verdict cannot rest on ``p``'s input sets ("" when it can)."""
+        labels = [s["label"] for s in p.sets]
+        dropped = ", ".join(f"{d['label']} ({d['reason'][:120]})" for d in p.dropped)
+        if len(labels) < self.config.min_input_sets:
+            return (f"problem: only {len(labels)} input set(s) could be evaluated "
+                    f"({', '.join(labels)}; at least {self.config.min_input_sets} needed); "
+                    f"dropped: {dropped or 'none'}")
+        if self.gpu and not any("@" not in lb and not lb.startswith("small") for lb in labels):
+            return (f"problem: no input set at the module's own shapes could be evaluated "
+                    f"({', '.join(labels)}); dropped: {dropped or 'none'}")
+        return ""
 
     async def _build(self, candidate: Candidate, details: dict[str, Any]) -> list[BuildResult]:
         calls = extract_inline_calls(candidate.source)
@@ -538,7 +581,8 @@ class Verifier:
             return cached
         seed = self._seed(key)
         msg = {"cmd": "prepare", "source": problem.source, "key": key, "seed": seed,
-               "small_only": not self.gpu}
+               "small_only": not self.gpu,
+               "full_set_budget": self.config.full_set_budget_bytes}
         try:
             async with lane.oracle_lock, lane.gpu.reader_lock:
                 r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
@@ -555,9 +599,15 @@ class Verifier:
             ref_ops=r["ref_ops"], static_ops=astscan.reference_ops(problem.source),
             flops=int(r["flops"]), bytes=int(r["bytes"]), input_bytes=int(r["input_bytes"]),
             weight_seed=int(r["weight_seed"]), own_model_key=str(r["own_model_key"]),
-            init_args=list(r["init_args"]), notes=list(r["notes"]))
+            init_args=list(r["init_args"]), notes=list(r["notes"]),
+            plan_notes=list(r.get("plan_notes", [])), dropped=list(r.get("dropped", [])),
+            device_peak_bytes=int(r.get("device_peak_bytes", 0)),
+            host_bytes=sum(int(s.get("bytes", 0)) for s in r["sets"]))
         self._prepared[key] = prepared
-        while len(self._prepared) > self.config.problem_cache:
+        while len(self._prepared) > 1 and (
+                len(self._prepared) > self.config.problem_cache
+                or sum(p.host_bytes for p in self._prepared.values())
+                > self.config.problem_cache_bytes):
             self._prepared.popitem(last=False)
         return prepared
 
@@ -608,9 +658,15 @@ class _Stage:
 
     async def compare(self, out: list[Any], exp: list[Any], hon: list[Any],
                       tols: list[Tolerance]) -> Comparison:
-        """``compare_outputs`` on the lane's device, off the event loop."""
+        """``compare_outputs`` on the lane's device, off the event loop; on the host when
+        the device has no room for it (the smaller memory plan)."""
         async with self._shared():
-            return await asyncio.to_thread(compare_outputs, out, exp, hon, tols, self.dev)
+            try:
+                return await asyncio.to_thread(compare_outputs, out, exp, hon, tols, self.dev)
+            except torch.OutOfMemoryError:
+                self.details["compared_on_host"] = True
+        torch.cuda.empty_cache()
+        return await asyncio.to_thread(compare_outputs, out, exp, hon, tols, "cpu")
 
     def reject(self, status: Status, reason: str, check: str, **kw: Any) -> _Reject:
         return _Reject(self.v._verdict(status, reason, check=check, **kw))
@@ -677,11 +733,11 @@ class _Stage:
                 t0 = time.monotonic()
                 self.exclusive = True
                 try:
-                    speedup, ci, kept = await self._timing(self.ref)
+                    speedup, ci, kept, ref_kept = await self._timing(self.ref)
                 finally:
                     self.exclusive = False
             self.details["timing_s"] = round(time.monotonic() - t0, 3)
-            await self._check_timed_outputs(self.ref, kept)
+            await self._check_timed_outputs(kept, ref_kept)
         elif self.gpu:
             unchecked.append("timing")
         fin = await self.call({"cmd": "finish"})
@@ -778,9 +834,12 @@ class _Stage:
         return launches
 
     def _reference(self, i: int) -> tuple[list[Any], list[Any]]:
-        """Expected and honest outputs of set ``i``, cached on the comparison device."""
+        """Expected and honest outputs of set ``i``, cached on the comparison device when
+        small (a big one stays on the host: the comparison moves it block by block)."""
         s = self.p.sets[i]
         key = f"_on_{self.dev}"
+        if nbytes(s["expected"]) + nbytes(s["honest"]) > _DEVICE_CACHED_OUTPUT_BYTES:
+            return s["expected"], s["honest"]
         if key not in s:
             s[key] = ([t.to(self.dev) for t in s["expected"]],
                       [t.to(self.dev) for t in s["honest"]])
@@ -850,10 +909,12 @@ class _Stage:
             raise self.reject(Status.HACK, "the candidate's kernels run on a side stream",
                               "side_stream")
 
-    async def _timing(self, ref: RefTimer
-                      ) -> tuple[float, tuple[float, float], dict[int, list[Any]]]:
+    async def _timing(self, ref: RefTimer) -> tuple[float, tuple[float, float],
+                                                    dict[int, list[Any]], dict[int, list[Any]]]:
         """Interleaved timed rounds of the reference and the candidate; call it holding the
-        lane's timing lock. Returns the speedup, its interval and the kept outputs.
+        lane's timing lock. Returns the speedup, its interval, and the outputs both sides
+        gave for the calls kept (one per round, at random; each call's inputs are fresh
+        values, the same on both sides).
 
         Workers started ahead of need create CUDA contexts and warm Triton up; seen on the
         H200, that moved A/A results by several percent when it landed inside one side's
@@ -870,6 +931,7 @@ class _Stage:
         rng = np.random.default_rng(p.seed ^ 0x5EED)
         calls = 3
         kept: dict[int, list[Any]] = {}
+        ref_kept: dict[int, list[Any]] = {}
         start = 0
         t_begin = time.monotonic()
         rounds = 0
@@ -881,7 +943,7 @@ class _Stage:
                 if ref_first:
                     try:
                         r = await asyncio.to_thread(ref.child.call, {
-                            "cmd": "time", "calls": calls, "start": start},
+                            "cmd": "time", "calls": calls, "start": start, "keep": keep},
                             cfg.call_timeout_s)
                     except (ChildDied, ChildTimeout) as e:
                         raise self.reject(Status.UNCHECKED, f"reference timing failed: {e}",
@@ -892,6 +954,7 @@ class _Stage:
                     ref_ev += r["event_ms"]
                     ref_host += r["host_ms"]
                     ref_issue += r["issue_ms"]
+                    ref_kept.update({int(k): v for k, v in r["outputs"].items()})
                 else:
                     r = await self.call({"cmd": "time", "calls": calls, "start": start,
                                          "keep": keep, "pad_cycles": ref.pad_cycles},
@@ -941,17 +1004,19 @@ class _Stage:
         if med_c < cfg.floor_margin * floor:
             raise self.reject(Status.HACK, f"{med_c:.4f} ms is below the physical floor "
                               f"{floor:.4f} ms (bytes and FLOPs at H200 peak)", "physical_floor")
-        return speed[0], (speed[1], speed[2]), kept
+        return speed[0], (speed[1], speed[2]), kept, ref_kept
 
-    async def _check_timed_outputs(self, ref: RefTimer, kept: dict[int, list[Any]]) -> None:
-        """Timed calls' outputs must be right too (against the reference's, same inputs)."""
-        p, n_sets = self.p, self.n_sets
+    async def _check_timed_outputs(self, kept: dict[int, list[Any]],
+                                   ref_kept: dict[int, list[Any]]) -> None:
+        """Timed calls' outputs must be right too (against the reference's, same inputs):
+        a candidate that serves a timed call from a memo returns a stale output here."""
+        p = self.p
         s1 = next((i for i, s in enumerate(p.sets) if s["label"] == "normal"), 0)
         loose_all = [Tolerance(t.rel_norm * 2 + t.honest_rel_norm, t.atol * 2, t.rtol * 2,
                                t.honest_rel_norm, t.dont_care_fraction)
                      for t in p.tolerances[s1]]
         for j, out in kept.items():
-            ref_out = ref.outputs[j % n_sets]
+            ref_out = ref_kept[j]
             loose = loose_all
             if len(loose) != len(ref_out):
                 loose = [loose[0]] * len(ref_out)
@@ -977,6 +1042,10 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()
 
+
+# Expected and honest outputs of one set up to this size are kept on the comparison
+# device between a candidate's runs; bigger ones are moved there block by block.
+_DEVICE_CACHED_OUTPUT_BYTES = 256 << 20
 
 _SPIN_KERNEL = "at::cuda::(anonymous namespace)::spin_kernel("  # torch.cuda._sleep's
 

@@ -26,7 +26,13 @@ import torch  # noqa: E402
 
 from kz_stream.verify import _guard  # noqa: E402
 from kz_stream.verify.compare import flatten  # noqa: E402
-from kz_stream.verify.inputs import InputPlan, InputSpec, make_inputs, to_device  # noqa: E402
+from kz_stream.verify.inputs import (  # noqa: E402
+    InputPlan,
+    InputSpec,
+    make_inputs,
+    redraw_,
+    to_device,
+)
 from kz_stream.verify.ipc import recv, send  # noqa: E402
 from kz_stream.verify.oplog import OpLog  # noqa: E402
 from kz_stream.verify.timing import L2Flusher, pad_for, timed_calls  # noqa: E402
@@ -57,6 +63,8 @@ class State:
         self.held: list[torch.Tensor] = []
         self.held_bytes = 0
         self.timing_sets: list[list[Any]] = []
+        self.timing_specs: list[InputSpec] = []
+        self.timing_seed = 0
         self.flusher: L2Flusher | None = None
         self.pad_cycles = 0
         self.timing_key = ""
@@ -232,7 +240,14 @@ def _model(state: State, msg: dict[str, Any]) -> dict[str, Any]:
 
 def _poison(specs: list[tuple[list[int], str]], device: str) -> None:
     """Fills freed allocator blocks of the expected output sizes with NaN (or a pattern), so
-    that an output element the candidate never writes shows up."""
+    that an output element the candidate never writes shows up.
+
+    The allocator's other free blocks go back to the driver first: a freed earlier output
+    (one too big to be held) still holds right values, and an output that lands on it
+    would look written. Seen on the H200 with a 6.4 GB ReLU: every kernel ablated, the
+    output still right, an honest kernel called a decoy."""
+    if device != "cpu":
+        torch.cuda.empty_cache()
     blocks = []
     for shape, dtype_name in specs:
         dtype = getattr(torch, dtype_name)
@@ -262,7 +277,9 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+    # reshape(-1) first: a 0-dim tensor (a loss) cannot be viewed as bytes of another size.
+    return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                            b.contiguous().reshape(-1).view(torch.uint8)))
 
 
 def _call(state: State, args: list[Any], key: str = "own") -> Any:
@@ -388,18 +405,14 @@ def _time_setup(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     plan = InputPlan("timing", "normal")
     state.timing_sets = [make_inputs(specs, plan, int(msg["seed"]) + i, device=state.device)
                          for i in range(int(msg["sets"]))]
+    state.timing_specs = specs
+    state.timing_seed = int(msg["seed"])
     state.flusher = L2Flusher(torch.device(state.device), msg["flush"],
                               int(msg["flush_factor"]))
     state.timing_key = str(msg["model"])
     # Warm-up: compiles and autotunes outside the timed region.
-    outputs = []
-    for i, args in enumerate(state.timing_sets):
-        out = _call(state, args, state.timing_key)
-        if msg.get("return_outputs"):
-            outputs.append([o.detach().to("cpu") if isinstance(o, torch.Tensor) else o
-                            for o in flatten(out)])
-        elif i >= 1:
-            break
+    for args in state.timing_sets[:2]:
+        _call(state, args, state.timing_key)
     _sync(state)
     args0 = state.timing_sets[0]
     # The reference measures the pad; the candidate gets the reference's with each "time"
@@ -408,7 +421,7 @@ def _time_setup(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     pad_ms = 0.0
     if msg.get("measure_pad"):
         state.pad_cycles, pad_ms = pad_for(lambda: _call(state, args0, state.timing_key))
-    return {"ok": True, "outputs": outputs, "pad_cycles": state.pad_cycles, "pad_ms": pad_ms}
+    return {"ok": True, "pad_cycles": state.pad_cycles, "pad_ms": pad_ms}
 
 
 def _time(state: State, msg: dict[str, Any]) -> dict[str, Any]:
@@ -418,11 +431,19 @@ def _time(state: State, msg: dict[str, Any]) -> dict[str, Any]:
                                 state.timing_sets,
                                 int(msg["calls"]), state.flusher, start=int(msg.get("start", 0)),
                                 keep=keep,
-                                pad_cycles=int(msg.get("pad_cycles", state.pad_cycles)))
+                                pad_cycles=int(msg.get("pad_cycles", state.pad_cycles)),
+                                refresh=lambda j: _refresh(state, j))
     outputs = {j: [o.detach().to("cpu") if isinstance(o, torch.Tensor) else o
                    for o in flatten(v)] for j, v in kept.items()}
     return {"ok": True, "event_ms": samples.event_ms, "host_ms": samples.host_ms,
             "issue_ms": samples.issue_ms, "outputs": outputs}
+
+
+def _refresh(state: State, j: int) -> None:
+    """Fresh values for timed call ``j``'s inputs, the same on both sides (one seed per
+    call index), so the reference's output for call ``j`` checks the candidate's."""
+    sets = state.timing_sets
+    redraw_(sets[j % len(sets)], state.timing_specs, (state.timing_seed << 20) ^ (j + 1))
 
 
 def _finish(state: State, msg: dict[str, Any]) -> dict[str, Any]:

@@ -3,8 +3,10 @@ float32 arithmetic in another order."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kz_stream.verify import compare
 from kz_stream.verify.compare import calibrate, compare_outputs, compare_tensor
 
 
@@ -56,3 +58,53 @@ def test_shape_dtype_and_count() -> None:
     assert compare_tensor(x[:4], x.double(), x, tol).check == "shape"
     assert compare_tensor(x.double(), x.double(), x, tol).check == "dtype"
     assert compare_outputs([x, x], [x.double()], [x], [tol]).check == "output_count"
+
+
+def test_zero_dim_outputs_are_compared() -> None:
+    x = torch.rand(1000, dtype=torch.float64)
+    expected = x.mean()
+    honest = x.float().mean()
+    tol = calibrate(expected, honest)
+    assert compare_tensor(honest.clone(), expected, honest, tol).ok
+    wrong = compare_tensor(honest + 1e-3, expected, honest, tol)
+    assert not wrong.ok and wrong.check == "rel_norm"
+
+
+def test_integer_and_bool_outputs_must_match_exactly() -> None:
+    idx = torch.tensor([3, 1, 4, 1, 5])
+    tol = calibrate(idx, idx)
+    assert compare_tensor(idx.clone(), idx, idx, tol).ok
+    off = idx.clone()
+    off[2] = 9
+    assert not compare_tensor(off, idx, idx, tol).ok
+    mask = torch.tensor([True, False, True])
+    assert compare_tensor(mask.clone(), mask, mask, calibrate(mask, mask)).ok
+    assert not compare_tensor(~mask, mask, mask, calibrate(mask, mask)).ok
+
+
+def test_tuple_outputs_fail_on_any_member() -> None:
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(64, generator=g)
+    outs = [a.double().exp(), a.double().argmax()]
+    honest = [a.exp(), a.argmax()]
+    tols = [calibrate(e, h) for e, h in zip(outs, honest, strict=True)]
+    assert compare_outputs([h.clone() for h in honest], outs, honest, tols).ok
+    bad = compare_outputs([honest[0].clone(), honest[1] + 1], outs, honest, tols)
+    assert not bad.ok and bad.message.startswith("output 1")
+
+
+def test_blockwise_comparison_equals_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, expected, honest = _matmul_case()
+    naive = (a.double() @ b.double()).float() + torch.randn(64, 64) * 1e-6
+    nan = honest.clone()
+    nan[5, 7] = float("nan")
+    whole = [compare_tensor(c, expected, honest, calibrate(expected, honest))
+             for c in (naive, nan, honest.half().float())]
+    monkeypatch.setattr(compare, "BLOCK_ELEMENTS", 97)  # blocks that split rows
+    blocked = [compare_tensor(c, expected, honest, calibrate(expected, honest))
+               for c in (naive, nan, honest.half().float())]
+    for w, bl in zip(whole, blocked, strict=True):
+        assert (w.ok, w.check) == (bl.ok, bl.check)
+        assert bl.rel_norm_error == pytest.approx(w.rel_norm_error, rel=1e-9)
+        assert bl.max_abs_error == w.max_abs_error
+        assert bl.bad_fraction == pytest.approx(w.bad_fraction)

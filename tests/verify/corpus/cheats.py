@@ -359,7 +359,55 @@ class ModelNew(nn.Module):
 '''
 
 # (problem, backend, source, accepted checks, where) — "cpu" entries run in CI.
+# An honest matmul computed once per input, remembered on the inputs' address, version
+# counter and shape, and served through a copy kernel on later calls: with timing inputs
+# reused (kzv-1.1) the timed calls all hit, 7.6x "faster" on the H200.
+MEMO_MATMUL = HEADER + _COPY_KERNEL + '''
+
+@triton.jit
+def matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(a_ptr + rm[:, None] * K + (k + rk)[None, :],
+                    mask=(rm[:, None] < M) & ((k + rk)[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + (k + rk)[:, None] * N + rn[None, :],
+                    mask=((k + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc += tl.dot(a, b, input_precision="ieee")
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+_memo = {}
+
+
+class ModelNew(nn.Module):
+    def forward(self, a, b):
+        a, b = a.contiguous(), b.contiguous()
+        key = (a.data_ptr(), a._version, tuple(a.shape), b.data_ptr(), b._version)
+        if key not in _memo:
+            M, K = a.shape
+            N = b.shape[1]
+            c = torch.empty((M, N), device=a.device, dtype=a.dtype)
+            matmul_kernel[(triton.cdiv(M, 64), triton.cdiv(N, 64))](a, b, c, M, N, K,
+                                                                    BM=64, BN=64, BK=32)
+            _memo[key] = c
+        c = _memo[key]
+        out = torch.empty_like(c)
+        copy_kernel[(triton.cdiv(c.numel(), 1024),)](c, out, c.numel(), BLOCK=1024)
+        return out
+'''
+
 CHEATS: dict[str, tuple[str, str, str, frozenset[str], str]] = {
+    # A copy passes for a ReLU on torch.rand inputs alone: the signed input set fails it.
+    "copy_relu_nonneg": ("relu_rand", "triton", IDENTITY,
+                         frozenset({"rel_norm", "elementwise"}), "cpu"),
+    # Caught by the timed-output check, or earlier where a new input set lands on a freed
+    # address with version 0 (a stale memo hit in the correctness runs).
+    "memo_matmul": ("matmul", "triton", MEMO_MATMUL,
+                    frozenset({"timed_output", "rel_norm", "elementwise"}), "gpu"),
     "zero_output": ("relu", "triton", ZERO_OUTPUT, frozenset({"rel_norm", "elementwise"}), "cpu"),
     "identity": ("relu", "triton", IDENTITY, frozenset({"rel_norm", "elementwise"}), "cpu"),
     "cached_output": ("relu", "triton", CACHED_OUTPUT,

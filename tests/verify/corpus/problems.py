@@ -110,8 +110,22 @@ def get_init_inputs():
     return [256, 5]
 '''
 
+# KernelBench draws its inputs with torch.rand: non-negative, where a copy is a ReLU.
+RELU_RAND = HEADER + '''
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+def get_inputs():
+    return [torch.rand(2048, 4096)]
+
+def get_init_inputs():
+    return []
+'''
+
 PROBLEMS = {
     "relu": RELU,
+    "relu_rand": RELU_RAND,
     "gelu_scale": GELU_SCALE,
     "row_sum": ROW_SUM,
     "softmax": SOFTMAX,

@@ -1,0 +1,41 @@
+"""Input sets: sign-mixed sets for non-negative inputs, and fresh values for timed calls."""
+
+from __future__ import annotations
+
+import torch
+
+from kz_stream.verify.inputs import InputSpec, default_plans, make_inputs, redraw_
+
+
+def test_non_negative_inputs_get_a_signed_set() -> None:
+    own = [torch.rand(64, 64)]
+    plans = default_plans(own)
+    signed = [p for p in plans if p.signed]
+    assert [p.label for p in signed] == ["signed"]
+    x = make_inputs([InputSpec.of(own[0])], signed[0], seed=3)[0]
+    assert bool((x < 0).any()) and bool((x > 0).any())
+    normal = next(p for p in plans if p.label == "normal")
+    assert bool((make_inputs([InputSpec.of(own[0])], normal, seed=3)[0] >= 0).all())
+
+
+def test_sign_mixed_inputs_need_no_signed_set() -> None:
+    assert not any(p.signed for p in default_plans([torch.randn(64, 64)]))
+    assert any(p.signed for p in default_plans([torch.rand(64, 64)], small_only=True))
+
+
+def test_redraw_gives_fresh_values_in_place_and_is_seeded() -> None:
+    specs = [InputSpec.of(torch.rand(32, 16)), InputSpec.of(torch.randint(0, 10, (32,))),
+             InputSpec.of(torch.rand(8) < 0.5), InputSpec(False, value=3)]
+    values = [torch.rand(32, 16), torch.randint(0, 10, (32,)), torch.rand(8) < 0.5, 3]
+    ptrs = [v.data_ptr() for v in values[:3]]
+    before = [v.clone() for v in values[:3]]
+    redraw_(values, specs, seed=11)
+    assert [v.data_ptr() for v in values[:3]] == ptrs  # same storage, new values
+    assert not torch.equal(values[0], before[0])
+    assert bool((values[0] >= 0).all())  # the input's domain is kept
+    assert int(values[1].min()) >= 0 and int(values[1].max()) <= 9
+    again = [v.clone() for v in values[:3]]
+    redraw_(values, specs, seed=11)
+    assert all(torch.equal(a, b) for a, b in zip(values[:3], again, strict=True))
+    redraw_(values, specs, seed=12)
+    assert not torch.equal(values[0], again[0])
