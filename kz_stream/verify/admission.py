@@ -21,6 +21,9 @@ __all__ = ["Admission", "admission_check"]
 _WEIGHT_SEED = 1234
 _INPUT_SEED = 98765
 _CPU_MAX_INPUT_BYTES = 4 << 20
+# Where no scaling keeps a module valid (one size is both the batch and a channel count
+# that groups must divide), inputs up to this size are checked unscaled, only slower.
+_CPU_UNSCALED_MAX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ def admission_check(
 
     ``reason`` is one of: "interface", "exception", "timeout", "oom", "crash", "forbidden",
     "nonfinite", "nondeterministic", "zeros", "constant", "identity",
-    "input_independent", "weight_independent".
+    "input_independent", "weight_independent"; or "not_checkable_here" when this machine
+    cannot run the module at any size that keeps it valid (the module may be sound: admit
+    it on a GPU at full size).
     """
     memory_mb = 16384 if device == "cpu" else None  # an address-space cap breaks CUDA
     outcome = run_in_sandbox(
@@ -51,6 +56,9 @@ def admission_check(
     if outcome.ok:
         admitted, reason, detail = outcome.value
         return Admission(bool(admitted), reason, str(detail))
+    if outcome.error_kind == "oom" and device == "cpu":
+        return Admission(False, "not_checkable_here", "the module does not fit in the CPU "
+                         f"sandbox's {memory_mb} MB: {outcome.error_message[-500:]}")
     return Admission(False, outcome.error_kind, outcome.error_message[-1000:])
 
 
@@ -62,6 +70,8 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
     from kz_stream.verify.inputs import (
         InputPlan,
         InputSpec,
+        fallbacks,
+        has_nonneg_floats,
         make_inputs,
         map_init,
         nbytes,
@@ -87,22 +97,57 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
     except InterfaceError as e:
         return False, "interface", str(e)
 
-    # On the CPU, large modules are checked at scaled-down shapes to bound the run time.
-    size_map: dict[int, int] = {}
+    # On the CPU, large modules are checked at scaled-down shapes to bound the run time:
+    # the first scaling that the module still runs under (sizes and the matching init
+    # integers; then the sizes alone; then the leading dims alone; then none, if small
+    # enough). Scaling can break a
+    # sound module (group counts, kernel sizes, class indices), which is not its fault.
+    specs = [InputSpec.of(v) for v in own]
+    plan = InputPlan("own", "own")
     if device == "cpu" and nbytes(own) > _CPU_MAX_INPUT_BYTES:
-        size_map = small_map(own)
-    scaled_init = map_init(init, size_map)
+        base = InputPlan("own", "own", small_map(own))
+        tried: list[str] = []
+        unscaled = [plan] if nbytes(own) <= _CPU_UNSCALED_MAX_BYTES else []
+        for attempt in [base, *fallbacks(base, own), *unscaled]:
+            try:
+                init_a = map_init(init, attempt.size_map) if attempt.scale_init else init
+                probe = build_model(ref, init_a, _WEIGHT_SEED, device)
+                run(probe, make_inputs(specs, attempt, _INPUT_SEED, ref.get_inputs), device)
+                plan = attempt
+                break
+            except Exception as e:
+                tried.append(f"{type(e).__name__}: {str(e)[:150]}")
+        else:
+            return False, "not_checkable_here", ("no scaled-down shape keeps the module "
+                                                 "valid: " + "; ".join(tried))
+    size_map = plan.size_map
+    scaled_init = map_init(init, size_map) if plan.scale_init else list(init)
     plans = [InputPlan("own", "own", size_map), InputPlan("normal", "normal", size_map),
              InputPlan("heavy", "heavy", size_map)]
+    if has_nonneg_floats(own):  # a copy of a torch.rand input is no identity test
+        plans.append(InputPlan("signed", "normal", size_map, signed=True))
 
     model = build_model(ref, scaled_init, _WEIGHT_SEED, device)
-    model64 = float64_copy(model)
-    specs = [InputSpec.of(v) for v in own]
+    try:
+        model64 = float64_copy(model)
+    except Exception as e:
+        return False, "not_checkable_here", f"no float64 copy of the module: {e}"
     sets = [make_inputs(specs, p, _INPUT_SEED + i, ref.get_inputs) for i, p in enumerate(plans)]
     expected, honest = [], []
-    for inputs in sets:
-        expected.append(run(model64, inputs, device, torch.float64))
+    for i, inputs in enumerate(sets):
         honest.append(run(model, inputs, device))
+        try:
+            expected.append(run(model64, inputs, device, torch.float64))
+        except Exception as e:
+            if i == 0:  # e.g. an LSTM whose hidden state is made in float32 in forward
+                return False, "not_checkable_here", (
+                    f"the module does not run in float64, so no reference precision: "
+                    f"{type(e).__name__}: {str(e)[:200]}")
+            raise
+    if plans[-1].signed and not all(bool(torch.isfinite(e).all()) for e in expected[-1]
+                                    if e.dtype.is_floating_point):
+        # Not defined on negative inputs (a log, a sqrt): the signed set says nothing.
+        sets, expected, honest, plans = sets[:-1], expected[:-1], honest[:-1], plans[:-1]
     for i, outs in enumerate(honest):
         for o in outs:
             if not isinstance(o, torch.Tensor):
@@ -130,9 +175,13 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
 
     if passes_all(lambda i: [torch.zeros_like(h) for h in honest[i]]):
         return False, "zeros", "an all-zero output passes the correctness check"
+    # One value per tensor output; for a scalar output (a loss) that value is the answer
+    # itself, so there the constant is set 0's, the same for every input set.
+    scalar = all(h.numel() <= 1 for h in honest[0])
     if passes_all(lambda i: [torch.full_like(h, float(e.double().mean()))
                              if h.is_floating_point() else h.clone()
-                             for h, e in zip(honest[i], expected[i], strict=True)]):
+                             for h, e in zip(honest[i], expected[0 if scalar else i],
+                                             strict=True)]):
         return False, "constant", "a constant output passes the correctness check"
 
     def identity(i: int, k: int) -> list[Any] | None:

@@ -58,6 +58,8 @@ class Oracle:
         cannot hold runs on the host. A set that fails anyway is listed in ``dropped``
         with its reason."""
         key, seed = str(msg["key"]), int(msg["seed"])
+        if self.device != "cpu":
+            torch.cuda.reset_peak_memory_stats()
         budget = int(msg.get("full_set_budget") or 0)
         directory = os.path.join(os.getcwd(), key[:16])
         os.makedirs(directory, exist_ok=True)

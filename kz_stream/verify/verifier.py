@@ -526,6 +526,29 @@ class Verifier:
         finally:
             lane.busy -= 1
 
+    async def inspect_problem(self, problem: Problem) -> dict[str, Any]:
+        """Prepares ``problem`` as a verification of it would, and says how: the input
+        sets used (label, shapes), those dropped and why, the memory plan, the oracle's
+        peak device memory and the time; or, under "error", why it cannot be a problem
+        here. Every failure is an answer, not an exception."""
+        self._ensure()
+        lane = min(self._lanes, key=lambda ln: ln.busy)
+        t0 = time.monotonic()
+        try:
+            prepared = await self._prepare(lane, problem)
+        except Exception as e:  # the audit reports it: one bad problem must not stop it
+            return {"error": f"{type(e).__name__}: {_tail(str(e), 500)}",
+                    "seconds": round(time.monotonic() - t0, 3)}
+        seconds = round(time.monotonic() - t0, 3)
+        if isinstance(prepared, Verdict):
+            return {"error": prepared.reason, "seconds": seconds}
+        return {"input_sets": prepared.set_summary(), "dropped": prepared.dropped,
+                "memory_plan": prepared.plan_notes, "notes": prepared.notes,
+                "too_few_sets": self._too_few_sets(prepared),
+                "oracle_peak_bytes": prepared.device_peak_bytes,
+                "host_bytes": prepared.host_bytes, "input_bytes": prepared.input_bytes,
+                "seconds": seconds}
+
     def _too_few_sets(self, p: Prepared) -> str:
         """Why the verdict cannot rest on ``p``'s input sets ("" when it can)."""
         labels = [s["label"] for s in p.sets]

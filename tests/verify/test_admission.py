@@ -28,3 +28,68 @@ def test_timeout() -> None:
                                    "import time\n        time.sleep(100)\n        return x")
     result = admission_check(src, timeout_s=3)
     assert not result.admitted and result.reason == "timeout"
+
+
+GROUP_NORM = '''import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self, channels, groups):
+        super().__init__()
+        self.norm = nn.GroupNorm(groups, channels)
+    def forward(self, x):
+        return self.norm(x)
+
+def get_inputs():
+    return [torch.rand(64, 64, 32, 32)]
+
+def get_init_inputs():
+    return [64, 8]
+'''
+
+FLOAT32_INSIDE = '''import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.mm(x, torch.ones(x.shape[1], 4))
+
+def get_inputs():
+    return [torch.randn(64, 32)]
+
+def get_init_inputs():
+    return []
+'''
+
+ABS_OF_RAND = '''import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.abs(x)
+
+def get_inputs():
+    return [torch.rand(64, 64)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_scaling_keeps_the_module_valid() -> None:
+    # Scaled with its init integers, 64 channels become 9, which 8 groups do not divide:
+    # admission scales less instead of blaming the module.
+    result = admission_check(GROUP_NORM, timeout_s=120)
+    assert result.admitted, (result.reason, result.detail)
+
+
+def test_a_module_without_float64_cannot_be_checked_here() -> None:
+    result = admission_check(FLOAT32_INSIDE, timeout_s=120)
+    assert not result.admitted and result.reason == "not_checkable_here", result.detail
+    assert "float64" in result.detail
+
+
+def test_non_negative_inputs_are_checked_with_both_signs() -> None:
+    # On torch.rand inputs alone |x| is x; inputs of both signs tell them apart.
+    assert admission_check(ABS_OF_RAND, timeout_s=120).admitted
+    assert admission_check(PROBLEMS["relu_rand"], timeout_s=120).admitted

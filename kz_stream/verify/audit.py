@@ -1,0 +1,76 @@
+"""A suite audit: every problem of a KernelBench-format folder prepared as a verification
+would prepare it, with admission's answer, the input sets used and dropped, the memory
+plan, and the oracle's memory and time (``kz verify audit-suite``)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kz_stream.verify._types import Problem
+from kz_stream.verify.admission import admission_check
+from kz_stream.verify.verifier import Verifier
+
+__all__ = ["ProblemAudit", "audit_suite", "suite_files"]
+
+
+@dataclass
+class ProblemAudit:
+    """One problem's audit. ``admitted`` is None when admission was not asked for."""
+
+    name: str
+    admitted: bool | None = None
+    reason: str | None = None
+    detail: str = ""
+    admission_s: float = 0.0
+    input_sets: list[str] = field(default_factory=list)
+    dropped: list[dict[str, str]] = field(default_factory=list)
+    memory_plan: list[str] = field(default_factory=list)
+    too_few_sets: str = ""
+    error: str | None = None
+    oracle_peak_gb: float = 0.0
+    input_gb: float = 0.0
+    prepare_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def suite_files(path: Path) -> list[Path]:
+    """The problem files of a KernelBench-format folder, in problem-number order."""
+    def number(p: Path) -> tuple[int, str]:
+        m = re.match(r"(\d+)_", p.name)
+        return (int(m.group(1)) if m else 1 << 30, p.name)
+
+    return sorted((p for p in path.glob("*.py") if not p.name.startswith("_")), key=number)
+
+
+async def audit_suite(
+    files: list[Path], verifier: Verifier, *, admission: bool = True,
+    admission_device: str = "cpu", admission_timeout_s: float = 600,
+) -> AsyncIterator[ProblemAudit]:
+    """Audits each file in turn (one problem at a time: big ones need the whole device)."""
+    for f in files:
+        source = f.read_text()
+        row = ProblemAudit(f.stem)
+        if admission:
+            t0 = time.monotonic()
+            adm = await asyncio.to_thread(admission_check, source, device=admission_device,
+                                          timeout_s=admission_timeout_s)
+            row.admitted, row.reason, row.detail = adm.admitted, adm.reason, adm.detail[:300]
+            row.admission_s = round(time.monotonic() - t0, 2)
+        info = await verifier.inspect_problem(Problem(source, f.stem))
+        row.error = info.get("error")
+        row.prepare_s = float(info.get("seconds", 0.0))
+        row.input_sets = [s["label"] for s in info.get("input_sets", [])]
+        row.dropped = list(info.get("dropped", []))
+        row.memory_plan = list(info.get("memory_plan", []))
+        row.too_few_sets = str(info.get("too_few_sets", ""))
+        row.oracle_peak_gb = round(int(info.get("oracle_peak_bytes", 0)) / 2**30, 2)
+        row.input_gb = round(int(info.get("input_bytes", 0)) / 2**30, 3)
+        yield row
