@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -187,6 +187,10 @@ def make_inputs(
         if spec.is_tensor:
             shape = tuple(plan.size_map.get(d, d) for d in spec.shape)
             dist: Distribution = "normal" if plan.dist == "own" else plan.dist
+            if not spec.torch_dtype.is_floating_point and spec.hi + 1 in plan.size_map:
+                # Integers up to a scaled size are indices into it (class labels of a
+                # cross-entropy over 4096 classes): they shrink with it, or go out of range.
+                spec = replace(spec, hi=plan.size_map[spec.hi + 1] - 1)
             out.append(draw_tensor(spec, shape, dist, gen, device, signed=plan.signed))
         else:
             out.append(spec.value)

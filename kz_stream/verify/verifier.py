@@ -101,7 +101,7 @@ class VerifierConfig:
     # the newest is always kept), and the memory plan's budget for one problem's sets at
     # its own shapes (oracle.Oracle.prepare): a KernelBench ReLU's set holds 26 GB.
     problem_cache_bytes: int = 48 << 30
-    full_set_budget_bytes: int = 32 << 30
+    full_set_budget_bytes: int = 16 << 30
     # A verdict rests on at least this many input sets, one at the module's own shapes
     # (on a GPU), or it is not "correct": a dropped set is never a silent fallback.
     min_input_sets: int = 2
@@ -888,8 +888,14 @@ class _Stage:
             raise self.reject(Status.HACK, "none of the candidate's Triton kernels was "
                               "launched", "no_kernel_launched")
         s = self.p.sets[0]
+        # Another set of the same model and shapes runs before each ablated call: buffers
+        # the candidate allocates (its partial sums) then hold that set's values, not set
+        # 0's from an earlier call, so skipping the kernel that writes them shows.
+        other = next((o for o in self.p.sets[1:] if o["model_key"] == s["model_key"]
+                      and o.get("shapes") == s.get("shapes")), None)
         r = await self.call({"cmd": "ablate", "kernels": launched, "inputs": s["inputs"],
-                             "out_specs": s["out_specs"], "model": s["model_key"]},
+                             "out_specs": s["out_specs"], "model": s["model_key"],
+                             "other_inputs": other["inputs"] if other else None},
                             stage="ablation")
         decoys = []
         for name, out in r["outputs"].items():

@@ -384,7 +384,11 @@ def _profile(state: State, msg: dict[str, Any]) -> dict[str, Any]:
 def _ablate(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     """Outputs with each launched Triton kernel disabled in turn (decoy detection)."""
     results: dict[str, list[Any]] = {}
+    other = msg.get("other_inputs")
     for name in msg["kernels"]:
+        if other is not None:
+            _call(state, to_device(other, state.device), str(msg["model"]))
+            _sync(state)
         state.disabled = {name}
         try:
             _poison(msg.get("out_specs", []), state.device)

@@ -3,7 +3,7 @@
 On the CPU (Triton interpreter) every honest kernel is checked at its small size and must be
 correct; all of them run in the default run (about a minute on 2 cores). The copy-ReLU
 cheat must fail there too, which needs sign-mixed input sets for problems whose own inputs
-are non-negative (issue 13), so that assertion is an expected failure until then.
+are non-negative (issue 13), the signed input set.
 
 On a GPU (``gpu`` marker, skipped without CUDA) every honest kernel runs at KernelBench's
 published size and must be correct with a measured speedup, and every cheat must be caught
@@ -47,7 +47,6 @@ def test_honest_small_on_cpu(cpu_verifier: Verifier, name: str) -> None:
     assert v.hardware["mode"] == "cpu" and "timing" in v.unchecked
 
 
-@pytest.mark.xfail(reason="needs the signed input set (issue 13)", strict=False)
 def test_copy_relu_fails_on_cpu(cpu_verifier: Verifier) -> None:
     problem, source, checks = FULL_SIZE_CHEATS["copy_relu"]
     v = _verify(cpu_verifier, problem, source, full=False)

@@ -359,9 +359,11 @@ class ModelNew(nn.Module):
 '''
 
 # (problem, backend, source, accepted checks, where) — "cpu" entries run in CI.
-# An honest matmul computed once per input, remembered on the inputs' address, version
-# counter and shape, and served through a copy kernel on later calls: with timing inputs
-# reused (kzv-1.1) the timed calls all hit, 7.6x "faster" on the H200.
+# An honest matmul computed once per input, remembered on the inputs' address and shape,
+# and served through a copy kernel on later calls: with timing inputs reused (kzv-1.1) the
+# timed calls all hit, 7.6x "faster" on the H200. With fresh values in place for every
+# timed call (kzv-1.2) the hits are stale and the timed-output check fails them; keyed on
+# the version counter too it never hits (seen on the H200: correct, at 0.63x).
 MEMO_MATMUL = HEADER + _COPY_KERNEL + '''
 
 @triton.jit
@@ -386,7 +388,7 @@ _memo = {}
 class ModelNew(nn.Module):
     def forward(self, a, b):
         a, b = a.contiguous(), b.contiguous()
-        key = (a.data_ptr(), a._version, tuple(a.shape), b.data_ptr(), b._version)
+        key = (a.data_ptr(), tuple(a.shape), b.data_ptr())
         if key not in _memo:
             M, K = a.shape
             N = b.shape[1]

@@ -1244,7 +1244,7 @@ def row_dot_kernel(x_ptr, v_ptr, out_ptr, I, scale, BLOCK: tl.constexpr):
 class ModelNew(nn.Module):
     def __init__(self, in_features, hidden, scale):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(hidden, in_features))
+        self.weight = nn.Parameter(torch.empty(hidden, in_features))
         self.scale = scale
 
     def forward(self, x):
@@ -1307,7 +1307,7 @@ def copy(x):
 '''
 
 # Right once (an honest product), then served from a memo keyed on what the timing loop
-# keeps fixed: the inputs' storage, version counter and shape. A fresh copy each call, so
+# keeps fixed: the inputs' storage and shape. A fresh copy each call, so
 # no output aliases an earlier one.
 C_MEMO_MATMUL = KHEADER + _GEMM + _COPY + '''
 
@@ -1315,7 +1315,7 @@ _memo = {}
 
 
 def _key(t):
-    return (t.data_ptr(), t._version, tuple(t.shape))
+    return (t.data_ptr(), tuple(t.shape))
 
 
 class ModelNew(nn.Module):
@@ -1339,7 +1339,7 @@ class ModelNew(nn.Module):
 # name -> (problem, candidate source, the check(s) that must catch it; "|" separates
 # alternatives).
 FULL_SIZE_CHEATS: dict[str, tuple[str, str, str]] = {
-    "memo_matmul": ("matmul", C_MEMO_MATMUL, "timed_output"),
+    "memo_matmul": ("matmul", C_MEMO_MATMUL, "timed_output|rel_norm|elementwise"),
     "copy_relu": ("relu", C_COPY_RELU, "rel_norm|elementwise"),
 }
 
