@@ -1,9 +1,10 @@
 """The full-size corpus through the verifier.
 
 On the CPU (Triton interpreter) every honest kernel is checked at its small size and must be
-correct; all of them run in the default run (about a minute on 2 cores). The copy-ReLU
-cheat must fail there too, which needs sign-mixed input sets for problems whose own inputs
-are non-negative (issue 13), so that assertion is an expected failure until then.
+correct; all of them run in the default run (about 80 s on 2 cores). The copy-ReLU cheat
+must fail there too. Two verifier gaps are expected failures until fixed (issue 13): the
+losses' 0-dim outputs crash the worker's repeat check, and catching the copy needs
+sign-mixed input sets for problems whose own inputs are non-negative.
 
 On a GPU (``gpu`` marker, skipped without CUDA) every honest kernel runs at KernelBench's
 published size and must be correct with a measured speedup, and every cheat must be caught
@@ -40,7 +41,14 @@ def test_corpus_covers_every_problem_once() -> None:
         assert problem in FULL_SIZE_PROBLEMS and checks
 
 
-@pytest.mark.parametrize("name", sorted(FULL_SIZE_HONEST))
+# A 0-dim output (every loss) crashes the worker's bitwise repeat check today (issue 13).
+_ZERO_DIM = pytest.mark.xfail(reason="0-dim outputs crash the worker's repeat check "
+                              "(issue 13)", strict=False)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=_ZERO_DIM) if FULL_SIZE_PROBLEMS[n].category == "loss" else n
+    for n in sorted(FULL_SIZE_HONEST)])
 def test_honest_small_on_cpu(cpu_verifier: Verifier, name: str) -> None:
     v = _verify(cpu_verifier, name, FULL_SIZE_HONEST[name], full=False)
     assert v.status is Status.CORRECT, _show(v)
