@@ -764,12 +764,14 @@ H_HUBER_LOSS = _flat_loss(
                - tl.load(t_ptr + offs, mask=mask, other=0.0))
 ''', "tl.where(d < 1.0, 0.5 * d * d, d - 0.5)", "1.0 / n", "predictions, targets")
 # t * log(t / p): one log of the ratio keeps the rounding off the two large logs' difference.
+# As torch, 0 where t is 0 and NaN where p or t is negative (outside the domain).
 H_KL_DIV_LOSS = _flat_loss(
     "kl_part_kernel", "p, t", '''\
     p = tl.load(p_ptr + offs, mask=mask, other=1.0)
     t = tl.load(t_ptr + offs, mask=mask, other=0.0)
-''', "tl.where(t > 0, t * tl.log(t / p), 0.0)", "1.0 / first.shape[0]",
-    "predictions, targets")
+    kl = tl.where(t == 0, 0.0, t * tl.log(t / p))
+    kl = tl.where((p < 0) | (t < 0), float("nan"), kl)
+''', "kl", "1.0 / first.shape[0]", "predictions, targets")
 
 H_COSINE_LOSS = KHEADER + _FINAL_SUM + '''
 
