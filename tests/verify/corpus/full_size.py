@@ -551,13 +551,40 @@ def get_init_inputs():
 ''', {"BATCH": 128, "IN": 16384, "HIDDEN": 16384, "OUT": 8192},
     {"BATCH": 64, "IN": 512, "HIDDEN": 256, "OUT": 128})
 
+RESIDUAL_BLOCK = _problem("residual_block", "block_level3", "level3 (a transformer-style block)",
+                          '''
+
+class Model(nn.Module):
+    """x + GELU(LayerNorm(Linear(x))): a residual block."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return x + F.gelu(self.norm(self.fc(x)))
+
+
+batch = $BATCH
+dim = $DIM
+
+
+def get_inputs():
+    return [torch.rand(batch, dim)]
+
+
+def get_init_inputs():
+    return [dim]
+''', {"BATCH": 4096, "DIM": 2048}, {"BATCH": 256, "DIM": 512})
+
 FULL_SIZE_PROBLEMS: dict[str, SizedProblem] = {p.name: p for p in (
     HINGE_LOSS, MSE_LOSS, HUBER_LOSS, KL_DIV_LOSS, COSINE_LOSS, TRIPLET_LOSS, CROSS_ENTROPY,
     SUM_DIM, MEAN_DIM, MAX_DIM, ARGMAX_DIM, MAX_WITH_INDEX,
     SOFTMAX, LOG_SOFTMAX,
     RELU, GELU, SIGMOID, LEAKY_RELU, TANH, SOFTPLUS, THRESHOLD_MASK,
     LAYER_NORM, RMS_NORM, L2_NORM,
-    MATMUL, GEMM_MUL_LEAKY, GEMM_SUM_SCALE, MLP,
+    MATMUL, GEMM_MUL_LEAKY, GEMM_SUM_SCALE, MLP, RESIDUAL_BLOCK,
 )}
 
 # ---- honest Triton kernels -----------------------------------------------------------------
@@ -1214,6 +1241,43 @@ class ModelNew(nn.Module):
         return x
 '''
 
+# The product by the shared GEMM kernel, then one program per row: layer norm, GELU and
+# the residual add in one pass over the row.
+H_RESIDUAL_BLOCK = KHEADER + _GEMM + '''
+
+@triton.jit
+def norm_gelu_residual_kernel(h_ptr, x_ptr, w_ptr, b_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    h = tl.load(h_ptr + row * N + offs, mask=mask, other=0.0)
+    mean = tl.sum(h, axis=0) / N
+    d = tl.where(mask, h - mean, 0.0)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(d * d, axis=0) / N + eps)
+    z = d * rstd * tl.load(w_ptr + offs, mask=mask, other=0.0) + tl.load(b_ptr + offs,
+                                                                          mask=mask, other=0.0)
+    g = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + row * N + offs, x + g, mask=mask)
+
+
+class ModelNew(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        x = x.contiguous()
+        h = gemm(x, self.fc.weight.t(), self.fc.bias)
+        y = torch.empty_like(x)
+        n = x.shape[1]
+        norm_gelu_residual_kernel[(x.shape[0],)](h, x, self.norm.weight, self.norm.bias, y, n,
+                                                 self.norm.eps,
+                                                 BLOCK=triton.next_power_of_2(n))
+        return y
+'''
+
 # sum_j (x W^T)_j = x . (sum_j W_j): the column sums of W, then one dot product per row.
 H_GEMM_SUM_SCALE = KHEADER + '''
 
@@ -1290,6 +1354,7 @@ FULL_SIZE_HONEST: dict[str, str] = {
     "gemm_mul_leaky": H_GEMM_MUL_LEAKY,
     "gemm_sum_scale": H_GEMM_SUM_SCALE,
     "mlp": H_MLP,
+    "residual_block": H_RESIDUAL_BLOCK,
 }
 
 # ---- cheats --------------------------------------------------------------------------------
