@@ -22,6 +22,7 @@ from tests.verify.corpus.full_size import (
     FULL_SIZE_CHEATS,
     FULL_SIZE_HONEST,
     FULL_SIZE_PROBLEMS,
+    input_bytes,
 )
 
 
@@ -37,8 +38,21 @@ def _verify(verifier: Verifier, problem: str, source: str, full: bool) -> Verdic
 def test_corpus_covers_every_problem_once() -> None:
     assert set(FULL_SIZE_HONEST) == set(FULL_SIZE_PROBLEMS)
     assert len(FULL_SIZE_HONEST) >= 22
+    categories = {p.category for p in FULL_SIZE_PROBLEMS.values()}
+    assert categories >= {"loss", "reduction", "softmax", "activation", "norm", "matmul",
+                          "fused_level2", "block_level3", "tuple_output", "bool_output"}
     for problem, _, checks in FULL_SIZE_CHEATS.values():
         assert problem in FULL_SIZE_PROBLEMS and checks
+
+
+@pytest.mark.parametrize("name", sorted(FULL_SIZE_PROBLEMS))
+def test_templates_render_at_both_sizes(name: str) -> None:
+    problem = FULL_SIZE_PROBLEMS[name]
+    for full in (True, False):
+        assert "$" not in problem.source(full)
+    assert input_bytes(problem, full=True) > 16 * input_bytes(problem, full=False)
+    if problem.category == "activation":  # the largest level-1 inputs
+        assert input_bytes(problem) == 4096 * 393216 * 4
 
 
 # A 0-dim output (every loss) crashes the worker's bitwise repeat check today (issue 13).
