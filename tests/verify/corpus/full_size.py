@@ -50,14 +50,13 @@ _ELEMENTWISE_SMALL = {"ROWS": 64, "COLS": 3072}
 
 def _activation(name: str, kb: str, expr: str, init: str = "", args: str = "") -> SizedProblem:
     ctor = (f"    def __init__(self{', ' + args if args else ''}):\n"
-            f"        super().__init__()\n{init}" if init else "")
+            f"        super().__init__()\n{init}\n" if init else "")
     body = f'''
 
 class Model(nn.Module):
     """Applies one activation elementwise."""
 
-{ctor}
-    def forward(self, x):
+{ctor}    def forward(self, x):
         return {expr}
 
 
