@@ -1,9 +1,9 @@
 """The full-size corpus through the verifier.
 
 On the CPU (Triton interpreter) every honest kernel is checked at its small size and must be
-correct; all of them run in the default run (about a minute on 2 cores). The copy-ReLU
-cheat must fail there too, which needs sign-mixed input sets for problems whose own inputs
-are non-negative (issue 13), the signed input set.
+correct; all of them run in the default run (about 80 s on 2 cores). The copy-ReLU cheat
+must fail there too (the sign-mixed input set catches it); the losses' 0-dim outputs are
+compared like any other.
 
 On a GPU (``gpu`` marker, skipped without CUDA) every honest kernel runs at KernelBench's
 published size and must be correct with a measured speedup, and every cheat must be caught
@@ -21,6 +21,7 @@ from tests.verify.corpus.full_size import (
     FULL_SIZE_CHEATS,
     FULL_SIZE_HONEST,
     FULL_SIZE_PROBLEMS,
+    input_bytes,
 )
 
 
@@ -36,8 +37,21 @@ def _verify(verifier: Verifier, problem: str, source: str, full: bool) -> Verdic
 def test_corpus_covers_every_problem_once() -> None:
     assert set(FULL_SIZE_HONEST) == set(FULL_SIZE_PROBLEMS)
     assert len(FULL_SIZE_HONEST) >= 22
+    categories = {p.category for p in FULL_SIZE_PROBLEMS.values()}
+    assert categories >= {"loss", "reduction", "softmax", "activation", "norm", "matmul",
+                          "fused_level2", "block_level3", "tuple_output", "bool_output"}
     for problem, _, checks in FULL_SIZE_CHEATS.values():
         assert problem in FULL_SIZE_PROBLEMS and checks
+
+
+@pytest.mark.parametrize("name", sorted(FULL_SIZE_PROBLEMS))
+def test_templates_render_at_both_sizes(name: str) -> None:
+    problem = FULL_SIZE_PROBLEMS[name]
+    for full in (True, False):
+        assert "$" not in problem.source(full)
+    assert input_bytes(problem, full=True) > 16 * input_bytes(problem, full=False)
+    if problem.category == "activation":  # the largest level-1 inputs
+        assert input_bytes(problem) == 4096 * 393216 * 4
 
 
 @pytest.mark.parametrize("name", sorted(FULL_SIZE_HONEST))
