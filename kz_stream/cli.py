@@ -17,7 +17,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kz_stream.config import Settings, load_settings, validated_copy
+from kz_stream.config import (
+    ConfigError,
+    Settings,
+    describe_validation_error,
+    load_settings,
+    validated_copy,
+)
 
 app = typer.Typer(
     name="kz",
@@ -53,6 +59,13 @@ def _one_line_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except Exception as e:  # the CLI's edge: report, never dump a traceback
             if os.environ.get("KZ_DEBUG"):
                 raise
+            if isinstance(e, ConfigError):
+                # Already names the key, value, expectation and source (two lines at most).
+                lines = str(e).splitlines()[:2]
+                err_console.print(f"[red]error:[/red] config: {lines[0]}", highlight=False)
+                for line in lines[1:]:
+                    err_console.print(f"       {line}", highlight=False)
+                raise typer.Exit(1) from None
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             err_console.print(f"[red]error:[/red] {type(e).__name__}: {msg}", highlight=False)
             raise typer.Exit(1) from None
@@ -65,12 +78,16 @@ _OPTION_OF_FIELD = {"roles": "--role", "proposer_steps": "--steps-per-turn",
                     "coder_steps": "--steps-per-turn", "max_tokens": "--max-new-tokens"}
 
 
-def _bad_option(e: ValidationError) -> typer.BadParameter:
+def _option(loc: tuple[int | str, ...]) -> str:
+    field = str(loc[0]) if loc else "?"
+    return _OPTION_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+
+
+def _bad_option(e: ValidationError) -> ConfigError:
     """The first invalid setting, named as its command-line option."""
-    first = e.errors()[0]
-    field = str(first["loc"][0]) if first["loc"] else "?"
-    option = _OPTION_OF_FIELD.get(field, "--" + field.replace("_", "-"))
-    return typer.BadParameter(f"{option}: {first['msg']}")
+    return ConfigError(
+        describe_validation_error(e, lambda _loc: "command line", key=_option)
+    )
 
 
 def _settings(config: Path | None) -> Settings:
