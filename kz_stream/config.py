@@ -27,6 +27,7 @@ __all__ = [
     "LLMConfig",
     "LearnerSettings",
     "ProposerSettings",
+    "ResilienceSettings",
     "Settings",
     "TopicsConfig",
     "VerifierSettings",
@@ -133,6 +134,22 @@ class LearnerSettings(_Section):
     group_timeout_s: float = Field(default=600.0, gt=0)
 
 
+class ResilienceSettings(_Section):
+    """How services ride out outages and judge their own health."""
+
+    backoff_initial_s: float = Field(default=0.2, gt=0, description="First retry delay.")
+    backoff_max_s: float = Field(default=30.0, gt=0, description="Cap of the doubling delay.")
+    probe_interval_s: float = Field(
+        default=5.0, gt=0, description="How often the store and broker are probed."
+    )
+    stuck_after_s: float = Field(
+        default=1800.0, gt=0, description="A batch running longer makes its consumer stuck."
+    )
+    create_topics: bool = Field(
+        default=True, description="Create missing topics (at start and when found missing)."
+    )
+
+
 class Settings(BaseSettings):
     """Everything a service needs to know about its surroundings."""
 
@@ -155,6 +172,7 @@ class Settings(BaseSettings):
     coder: CoderSettings = Field(default_factory=CoderSettings)
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
+    resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -56,7 +56,7 @@ class PolicyFollower:
         ctx = self.service.ctx
         # A fresh group per process: a restarted engine must see the latest version again
         # (the topic is compacted, so reading it from the start is cheap).
-        return await ctx.bus.subscribe(
+        return await self.service.subscribe(
             f"kz-{self.replica}-policy-{uuid.uuid4().hex[:8]}",
             [ctx.settings.topics.policy],
             self.handle,
@@ -121,7 +121,7 @@ class CoderService(Service):
     async def run(self) -> None:
         topics = self.ctx.settings.topics
         policy_sub = await self.policy.subscribe()
-        sub = await self.ctx.bus.subscribe(
+        sub = await self.subscribe(
             self.group,
             [topics.modules],
             self.handle_modules,

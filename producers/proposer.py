@@ -70,7 +70,7 @@ class ProposerService(Service):
     async def run(self) -> None:
         topics = self.ctx.settings.topics
         await self._load_seen_hashes()
-        frontier_sub = await self.ctx.bus.subscribe(
+        frontier_sub = await self.subscribe(
             f"kz-{self.config.replica}-frontier-{uuid.uuid4().hex[:8]}",
             [topics.frontier],
             self.handle_frontier,

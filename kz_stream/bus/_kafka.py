@@ -52,10 +52,13 @@ from kz_stream.bus._port import (
     TopicSpec,
 )
 from kz_stream.events import Event, encode_event
+from kz_stream.faults import DependencyUnavailable
 
 __all__ = ["KafkaBus"]
 
 log = logging.getLogger("kz_stream.bus")
+
+_PING_TIMEOUT_S = 5.0
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -117,8 +120,10 @@ class _KafkaSubscription(ConsumerCore):
         # applied: paused partitions return no records.
         if assigned:
             consumer.pause(*assigned)
-        if self._offsets is not None and assigned:
-            stored = await self._offsets.load_offsets(self.group)
+        offsets = self._offsets
+        if offsets is not None and assigned:
+            # A store outage is waited out here too, or the assignment would be lost to it.
+            stored = await self._wait_out(lambda: offsets.load_offsets(self.group))
             for tp in assigned:
                 pos = stored.get(f"{tp.topic}:{tp.partition}")
                 if pos is not None:
@@ -291,6 +296,20 @@ class KafkaBus:
             producer, self._producer = self._producer, None
             await producer.stop()
 
+    async def ping(self, topics: Sequence[str] = ()) -> list[str]:
+        """Asks the cluster for its metadata (see the port)."""
+        producer = self._require_producer()
+        try:
+            async with asyncio.timeout(_PING_TIMEOUT_S):
+                metadata = await producer.client.fetch_all_metadata()
+        except (KafkaError, OSError, TimeoutError) as e:
+            why = str(e) or type(e).__name__
+            raise DependencyUnavailable(
+                "broker", f"Kafka at {self.bootstrap_servers} does not answer: {why}"
+            ) from e
+        known = metadata.topics()
+        return [t for t in topics if t not in known]
+
     def _require_producer(self) -> Any:
         if self._producer is None:
             raise RuntimeError("KafkaBus.start() has not been called")
@@ -409,6 +428,7 @@ class KafkaBus:
         max_in_flight: int = 2,
         max_retries: int = 3,
         retry_backoff: float = 0.2,
+        max_backoff: float = 30.0,
         dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC,
         from_beginning: bool = True,
         decode: bool = True,
@@ -424,6 +444,7 @@ class KafkaBus:
             max_in_flight=max_in_flight,
             max_retries=max_retries,
             retry_backoff=retry_backoff,
+            max_backoff=max_backoff,
             dead_letter_topic=dead_letter_topic,
             from_beginning=from_beginning,
             decode=decode,

@@ -143,8 +143,12 @@ class _MemorySubscription(ConsumerCore):
     async def _assign(self, partitions: Sequence[TP]) -> None:
         if self._stopping:
             return
+        offsets = self._offsets
         try:
-            stored = await self._offsets.load_offsets(self.group) if self._offsets else {}
+            # A store outage is waited out: the assignment is not lost to it.
+            stored = (
+                await self._wait_out(lambda: offsets.load_offsets(self.group)) if offsets else {}
+            )
         except Exception as e:
             self._fail(e)
             return
@@ -260,6 +264,10 @@ class InMemoryBus:
             t = self._topics[name] = _Topic(name, self.default_partitions, compacted=False)
         return t
 
+    async def ping(self, topics: Sequence[str] = ()) -> list[str]:
+        """Always answers; topics spring into being when used, so none is missing."""
+        return []
+
     async def create_topics(self, topics: Sequence[TopicSpec]) -> None:
         for spec in topics:
             if spec.name not in self._topics:
@@ -316,6 +324,7 @@ class InMemoryBus:
         max_in_flight: int = 2,
         max_retries: int = 3,
         retry_backoff: float = 0.2,
+        max_backoff: float = 30.0,
         dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC,
         from_beginning: bool = True,
         decode: bool = True,
@@ -335,6 +344,7 @@ class InMemoryBus:
             max_in_flight=max_in_flight,
             max_retries=max_retries,
             retry_backoff=retry_backoff,
+            max_backoff=max_backoff,
             dead_letter_topic=dead_letter_topic,
             from_beginning=from_beginning,
             decode=decode,

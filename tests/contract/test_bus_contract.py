@@ -38,6 +38,7 @@ from kz_stream.bus import (
     open_bus,
 )
 from kz_stream.events import Event, KernelVerified, encode_event, new_event
+from kz_stream.faults import DependencyUnavailable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -430,6 +431,41 @@ async def test_transient_failure_is_retried_not_dead_lettered(make_bus: MakeBus)
     await sub.stop()
     assert applied.ids() == [e.event_id for e in events]  # in order, once
     assert sub.stats.retries == 2 and sub.stats.dead_lettered == 0
+
+
+async def test_an_outage_is_waited_out_past_max_retries_and_nothing_is_dead_lettered(
+    make_bus: MakeBus,
+) -> None:
+    bus = await make_bus()
+    topic, dlq, group = unique("outage"), unique("dlq"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=1), TopicSpec(dlq, partitions=1)])
+    events = [verdict(i, "kernel-0") for i in range(5)]
+    await bus.publish_many(topic, events)
+    applied = Collector()
+    down = True
+    calls = 0
+
+    async def store_down(batch: Sequence[BusMessage]) -> None:
+        nonlocal calls
+        calls += 1
+        if down:
+            raise DependencyUnavailable("store", "connection refused")
+        await applied(batch)
+
+    sub = await bus.subscribe(
+        group, [topic], store_down, max_retries=1, retry_backoff=0.01, max_backoff=0.05,
+        dead_letter_topic=dlq,
+    )
+    # Many more calls than max_retries allows for a poison record: still not dead-lettered.
+    await wait_for(lambda: calls > 10, "retries past max_retries")
+    assert sub.outage == "store unreachable: DependencyUnavailable: connection refused"
+    down = False
+    await wait_for(lambda: len(applied.messages) >= 5, "all 5 events after the outage")
+    await wait_for(lambda: sub.outage is None, "the outage to end")
+    await sub.stop()
+    assert applied.ids() == [e.event_id for e in events]
+    assert sub.stats.dead_lettered == 0 and sub.stats.retries == 0
+    assert sub.stats.outages == 1 and sub.stats.outage_retries >= 10
 
 
 async def test_malformed_records_go_to_dead_letter_with_the_field_named(
