@@ -45,6 +45,7 @@ from aiokafka.partitioner import murmur2
 from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore, event_headers
 from kz_stream.bus._port import (
     DEFAULT_DEAD_LETTER_TOPIC,
+    BusMessage,
     Handler,
     InfrastructureError,
     OffsetStore,
@@ -59,6 +60,7 @@ __all__ = ["KafkaBus"]
 log = logging.getLogger("kz_stream.bus")
 
 _PING_TIMEOUT_S = 5.0
+_READ_TIMEOUT_S = 60.0
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -295,6 +297,47 @@ class KafkaBus:
         if self._producer is not None:
             producer, self._producer = self._producer, None
             await producer.stop()
+
+    async def read_topic(self, topic: str) -> list[BusMessage]:
+        """Reads up to the fetch high-water mark of each partition (tansu under-reports
+        ``end_offsets()``), with a consumer of no group (see the port)."""
+        tps = [TopicPartition(topic, p) for p in await self._partitions(topic)]
+        consumer = AIOKafkaConsumer(
+            **{k: v for k, v in self._consumer_options.items()
+               if k in ("bootstrap_servers", "client_id", "max_partition_fetch_bytes",
+                        "fetch_max_bytes")},
+            group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+        )
+        await consumer.start()
+        out: list[BusMessage] = []
+        try:
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            async with asyncio.timeout(_READ_TIMEOUT_S):
+                while True:
+                    data = await consumer.getmany(timeout_ms=200)
+                    for tp, records in data.items():
+                        out.extend(
+                            BusMessage(tp.topic, tp.partition, r.offset, r.key,
+                                       r.value if r.value is not None else b"",
+                                       dict(r.headers) if r.headers else {})
+                            for r in records
+                        )
+                    if all([await self._read_up(consumer, tp) for tp in tps]):
+                        break
+        except TimeoutError as e:
+            raise DependencyUnavailable(
+                "broker", f"reading {topic!r} at {self.bootstrap_servers} did not finish"
+            ) from e
+        finally:
+            await consumer.stop()
+        return sorted(out, key=lambda m: (m.partition, m.offset))
+
+    @staticmethod
+    async def _read_up(consumer: Any, tp: TopicPartition) -> bool:
+        """Whether ``tp`` has been read to the high-water mark of its last fetch."""
+        highwater = consumer.highwater(tp)
+        return highwater is not None and bool(await consumer.position(tp) >= highwater)
 
     async def ping(self, topics: Sequence[str] = ()) -> list[str]:
         """Asks the cluster for its metadata (see the port)."""

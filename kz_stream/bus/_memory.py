@@ -26,6 +26,7 @@ from aiokafka.partitioner import murmur2
 from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore, event_headers
 from kz_stream.bus._port import (
     DEFAULT_DEAD_LETTER_TOPIC,
+    BusMessage,
     Handler,
     OffsetStore,
     Subscription,
@@ -263,6 +264,13 @@ class InMemoryBus:
         if t is None:
             t = self._topics[name] = _Topic(name, self.default_partitions, compacted=False)
         return t
+
+    async def read_topic(self, topic: str) -> list[BusMessage]:
+        return [
+            BusMessage(topic, p, offset, r.key, r.value, dict(r.headers))
+            for p, records in enumerate(self._topic(topic).logs)
+            for offset, r in enumerate(records)
+        ]
 
     async def ping(self, topics: Sequence[str] = ()) -> list[str]:
         """Always answers; topics spring into being when used, so none is missing."""

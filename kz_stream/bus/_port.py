@@ -109,6 +109,10 @@ class Bus(Protocol):
     async def close(self) -> None:
         """Stops every subscription (letting running batches finish) and the producer."""
 
+    async def read_topic(self, topic: str) -> list[BusMessage]:
+        """Every record in ``topic`` now, from its start, undecoded (``event`` None), in
+        offset order per partition; joins no group and commits nothing (``kz dlq``)."""
+
     async def ping(self, topics: Sequence[str] = ()) -> list[str]:
         """Raises ``kz_stream.faults.DependencyUnavailable`` when the bus does not answer;
         returns those of ``topics`` that do not exist."""

@@ -37,6 +37,7 @@ from kz_stream.bus import (
     offsets_after,
     open_bus,
 )
+from kz_stream.dlq import HEADER_REDRIVEN_FROM, list_dead_letters, redrive
 from kz_stream.events import Event, KernelVerified, encode_event, new_event
 from kz_stream.faults import DependencyUnavailable
 
@@ -509,6 +510,51 @@ async def test_malformed_records_go_to_dead_letter_with_the_field_named(
         assert m.headers[HEADER_ORIGINAL_OFFSET] == str(i).encode()
         assert m.headers[HEADER_ERROR_TYPE] == b"EventDecodeError"
     assert sub.stats.dead_lettered == 4
+
+
+async def test_dead_letters_are_listed_with_their_origin_and_redriven_as_they_were(
+    make_bus: MakeBus,
+) -> None:
+    bus = await make_bus()
+    topic, dlq, group = unique("work"), unique("dlq"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=2), TopicSpec(dlq, partitions=1)])
+    assert await list_dead_letters(bus, dlq) == []  # an empty topic reads as empty
+    poison, good = verdict(1, "kernel-poison"), verdict(2, "kernel-good")
+    await bus.publish(topic, poison)
+    await bus.publish(topic, good)
+    await bus.publish_raw(topic, b"not json", key=b"junk")
+    applied = Collector()
+    fixed = False
+
+    async def handler(batch: Sequence[BusMessage]) -> None:
+        if not fixed and any(m.event is not None and m.event.event_id == poison.event_id
+                             for m in batch):
+            raise ValueError("cannot apply kernel-poison")
+        await applied(batch)
+
+    sub = await bus.subscribe(group, [topic], handler, max_retries=0, retry_backoff=0.01,
+                              dead_letter_topic=dlq)
+    await wait_for(lambda: sub.stats.dead_lettered == 2 and len(applied.messages) == 1,
+                   "one applied, two dead-lettered")
+    letters = await list_dead_letters(bus, dlq)
+    by_key = {d.message.key: d for d in letters}
+    assert set(by_key) == {b"kernel-poison", b"junk"}
+    letter = by_key[b"kernel-poison"]
+    assert letter.origin_topic == topic and letter.group == group
+    assert letter.error == "ValueError: cannot apply kernel-poison"
+    assert letter.event_type == "KernelVerified"
+    assert letter.origin.startswith(f"{topic}:") and letter.message.value == encode_event(poison)
+
+    fixed = True
+    report = await redrive(bus, dlq, [letter])
+    assert report.redriven == [letter] and report.skipped == []
+    await wait_for(lambda: len(applied.messages) == 2, "the re-driven event applied")
+    await sub.stop()
+    again = applied.messages[-1]
+    assert again.event is not None and again.event.event_id == poison.event_id
+    assert again.headers[HEADER_REDRIVEN_FROM] == f"{dlq}:{letter.where}".encode()
+    assert again.headers[HEADER_TYPE] == b"KernelVerified"
+    assert HEADER_ERROR not in again.headers and HEADER_ORIGINAL_TOPIC not in again.headers
 
 
 async def test_compacted_topic_delivers_the_latest_value_per_key(make_bus: MakeBus) -> None:
