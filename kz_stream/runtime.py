@@ -277,20 +277,23 @@ class DependencyMonitor:
         return result
 
     async def _topics(self, missing: list[str]) -> None:
+        """Creates missing topics where allowed; logs a line only when the set of missing
+        topics changes (a broker that lost its storage, not a line per probe)."""
+        why = "resilience.create_topics is false"
         if missing and self._settings.resilience.create_topics:
             wanted = [s for s in self._settings.topics.specs() if s.name in missing]
             try:
                 await self.ctx.bus.create_topics(wanted)
-                created, missing = missing, await self.ctx.bus.ping(missing)
-                self.log.warning("topics_created", topics=[t for t in created if t not in missing])
+                still = await self.ctx.bus.ping(missing)
+                self.log.warning("topics_created", topics=[t for t in missing if t not in still])
+                missing, why = still, "created, but the broker does not show them"
             except Exception as e:
-                self.log.warning("topics_not_created", topics=missing, error=str(e))
+                why = f"cannot create them: {type(e).__name__}: {e}"
         if missing != self._missing:
             if missing:
-                self.log.error(
-                    "topics_missing", topics=missing,
-                    hint="create them, or set resilience.create_topics = true",
-                )
+                self.log.error("topics_missing", topics=missing, why=why)
+            elif self._missing:
+                self.log.warning("topics_present", topics=self._missing)
             self._missing = missing
         _TOPICS_MISSING.set(len(missing))
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -134,6 +135,7 @@ class _KafkaSubscription(ConsumerCore):
 
     async def _fetch_loop(self) -> None:
         consumer = self._consumer
+        failing_since: float | None = None
         while True:
             if not self._room() and not self._paused and not self._settling:
                 await self._hold()
@@ -143,12 +145,23 @@ class _KafkaSubscription(ConsumerCore):
                 return
             except KafkaError as e:
                 if e.retriable:
-                    log.warning("group %s: fetch failed (%s); retrying", self.group, e)
+                    # One line when fetching starts failing and one when it works again:
+                    # a broker restart is not a line every half second.
+                    if failing_since is None:
+                        failing_since = time.monotonic()
+                        log.warning("group %s: fetch failed (%s); retrying until it works",
+                                    self.group, e)
                     await asyncio.sleep(0.5)
                     continue
                 self._fail(e)
                 return
+            if failing_since is not None:
+                log.warning("group %s: fetching again after %.1fs", self.group,
+                            time.monotonic() - failing_since)
+                failing_since = None
             if not data:
+                if not (self._settling or self._stopping):
+                    await self._rewind_past_end()
                 continue
             if self._settling or self._stopping:
                 # Records handed out while positions are being reset: put them back so
@@ -161,6 +174,31 @@ class _KafkaSubscription(ConsumerCore):
             for tp, records in data.items():
                 batch.add_records(tp.topic, tp.partition, records)
             self._enqueue(batch)
+
+    async def _rewind_past_end(self) -> None:
+        """Reads a partition from its start when our position is past its end.
+
+        That happens when the topic was deleted and created again (a broker that lost its
+        storage): the stored or committed offsets belong to the old log. Kafka answers
+        such a fetch with OFFSET_OUT_OF_RANGE and aiokafka resets, but tansu answers with
+        nothing, so the consumer would wait there and skip the new log's first records.
+        The highwater is that of the last fetch at the current position (aiokafka drops
+        answers for any other), so a position above it is past the end.
+        """
+        consumer = self._consumer
+        paused = consumer.paused()  # paused partitions fetch nothing: no highwater news
+        for tp in consumer.assignment():
+            highwater = consumer.highwater(tp)
+            if highwater is None or tp in paused:
+                continue
+            position = await consumer.position(tp)
+            if position > highwater:
+                log.warning(
+                    "group %s: %s:%d is at %d but its log ends at %d (the topic was created "
+                    "again); reading it from the start", self.group, tp.topic, tp.partition,
+                    position, highwater,
+                )
+                await consumer.seek_to_beginning(tp)
 
     async def _hold(self) -> None:
         """Waits for room in the queue; pauses the partitions if none comes soon.

@@ -23,15 +23,15 @@ from kz_stream.bus import KafkaBus
 from kz_stream.config import ResilienceSettings, Settings, TopicsConfig
 from kz_stream.events import Event, KernelVerified, VerdictStatus, new_event
 from kz_stream.faults import is_transient
-from kz_stream.infra import LocalPostgres, free_port
-from kz_stream.runtime import ServiceContext, run_services
+from kz_stream.infra import LocalBroker, LocalPostgres, free_port
+from kz_stream.runtime import DependencyMonitor, ServiceContext, run_services
 from kz_stream.store import open_store
 from tests.contract.test_bus_contract import KAFKA_TEST_OPTIONS, wait_for
 from tests.integration.test_learner_restart import GROUPS, fill_store, read, start_learner
 from tests.rl.tiny import tiny_model, tiny_tokenizer
 from tests.unit.test_runtime import get
 
-pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 FAST_RETRIES = ResilienceSettings(backoff_initial_s=0.05, backoff_max_s=0.5, probe_interval_s=0.2)
 
@@ -62,6 +62,13 @@ def verdicts(n: int, tag: str) -> list[Event]:
     ]
 
 
+def unique_topics() -> tuple[str, TopicsConfig]:
+    """A tag and topic names of this test only (the session's broker is shared)."""
+    tag = uuid.uuid4().hex[:8]
+    names = ("modules", "kernels", "verdicts", "frontier", "policy", "dead_letter")
+    return tag, TopicsConfig(**{f: f"{f}-{tag}" for f in names}, partitions=2)
+
+
 async def stored_ids(url: str) -> set[str]:
     """Event ids in the store, or an empty set while it does not answer."""
     try:
@@ -74,14 +81,12 @@ async def stored_ids(url: str) -> set[str]:
 
 
 @pytest.mark.kafka
+@pytest.mark.postgres
 async def test_the_recorder_waits_out_a_postgres_restart_with_nothing_lost_or_dead_lettered(
     own_postgres: LocalPostgres, kafka_bootstrap: str
 ) -> None:
     pg = own_postgres
-    tag = uuid.uuid4().hex[:8]
-    topics = TopicsConfig(**{f: f"{f}-{tag}" for f in
-                             ("modules", "kernels", "verdicts", "frontier", "policy",
-                              "dead_letter")}, partitions=2)
+    tag, topics = unique_topics()
     settings = Settings(database_url=pg.url, topics=topics, resilience=FAST_RETRIES)
     port = free_port()
     health_url, metrics_url = f"http://127.0.0.1:{port}/healthz", f"http://127.0.0.1:{port}/metrics"
@@ -140,6 +145,7 @@ async def test_the_recorder_waits_out_a_postgres_restart_with_nothing_lost_or_de
     assert 'kz_consumer_dead_lettered_total{group="kz-recorder",service="recorder"} 0.0' in metrics
 
 
+@pytest.mark.postgres
 def test_the_learner_survives_a_postgres_restart_and_trains_every_group_once(
     own_postgres: LocalPostgres, tmp_path: Path
 ) -> None:
@@ -206,3 +212,86 @@ def test_the_learner_survives_a_postgres_restart_and_trains_every_group_once(
     assert sorted(used) == sorted(group_ids)  # every group once: none lost, none repeated
     versions = [p["version"] for p in read(url, "PolicyVersionPublished")]
     assert versions == list(range(1, GROUPS + 1))
+
+
+@pytest.fixture
+def own_broker() -> Iterator[LocalBroker]:
+    """A tansu broker of this test's own (memory storage: a restart loses every topic)."""
+    broker = LocalBroker().start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.mark.kafka
+async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
+    own_broker: LocalBroker, tmp_path: Path
+) -> None:
+    tag, topics = unique_topics()
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    settings = Settings(database_url=url, topics=topics, resilience=FAST_RETRIES)
+    port = free_port()
+    health_url = f"http://127.0.0.1:{port}/healthz"
+
+    def dependencies() -> dict[str, Any]:
+        status, body = get(health_url)
+        return {"status": status, **json.loads(body)["dependencies"]}
+
+    async with open_store(url) as store:
+        bus = KafkaBus(own_broker.bootstrap, client_id=f"restart-{tag}", **KAFKA_TEST_OPTIONS)
+        await bus.start()
+        await bus.create_topics(topics.specs())
+        recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
+        run = asyncio.create_task(
+            run_services([recorder], http_port=port, install_signal_handlers=False)
+        )
+        try:
+            await bus.publish_many(topics.verdicts, verdicts(300, "a"))
+            await wait_for(lambda: recorder.appended_total >= 300, "the first 300 events")
+
+            own_broker.stop()
+            await wait_for(lambda: not dependencies()["broker"]["up"], "the broker reported down")
+            assert dependencies()["status"] == 503
+            # The same address, nothing stored: as a broker replaced with an empty one.
+            LocalBroker(port=own_broker.port).start()
+            await wait_for(lambda: dependencies()["status"] == 200,
+                           "broker up, topics recreated, recorder healthy", within=120)
+            after = verdicts(100, "b")
+            await bus.publish_many(topics.verdicts, after)
+            await wait_for(lambda: recorder.appended_total >= 400, "the 100 new events")
+        finally:
+            recorder.request_stop()
+            await run
+            await bus.close()
+    assert recorder.subscriptions[0].stats.dead_lettered == 0
+    assert {str(e.event_id) for e in after} <= await stored_ids(url)
+
+
+@pytest.mark.kafka
+async def test_missing_topics_are_an_unhealthy_state_and_created_where_allowed(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    tag, topics = unique_topics()
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    forbidden = Settings(database_url=url, topics=topics,
+                         resilience=ResilienceSettings(create_topics=False))
+    async with open_store(url) as store:
+        bus = KafkaBus(kafka_bootstrap, client_id=f"topics-{tag}", **KAFKA_TEST_OPTIONS)
+        await bus.start()
+        try:
+            monitor = DependencyMonitor(ServiceContext(settings=forbidden, store=store, bus=bus))
+            await monitor.probe()
+            state = monitor.health()
+            assert state["broker"]["up"] and state["store"]["up"]
+            assert state["topics"] == {"up": False, "detail": "missing: " + ", ".join(
+                topics.all())}
+            assert await bus.ping(topics.all()) == topics.all()  # nothing was created
+
+            allowed = forbidden.model_copy(update={"resilience": ResilienceSettings()})
+            monitor = DependencyMonitor(ServiceContext(settings=allowed, store=store, bus=bus))
+            await monitor.probe()
+            assert monitor.health()["topics"] == {"up": True, "detail": ""}
+            assert await bus.ping(topics.all()) == []
+        finally:
+            await bus.close()
