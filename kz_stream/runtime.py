@@ -472,3 +472,7 @@ async def run_services(
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
         health.stop()
+        # Frozen objects are never collected, not even when the interpreter exits; Triton's
+        # nanobind bindings then list each of their objects left in a cycle as a leak
+        # (dozens of lines after every `kz run`). Unfrozen, the final collections free them.
+        gc.unfreeze()
