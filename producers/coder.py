@@ -88,7 +88,10 @@ class PolicyFollower:
             producer=ctx.producer_id,
             correlation_id=ctx.settings.run_id,
         )
-        await ctx.bus.publish(ctx.settings.topics.policy, loaded, key=f"loaded-{self.replica}")
+        key = f"loaded-{self.replica}"
+        await self.service.wait_out(
+            lambda: ctx.bus.publish(ctx.settings.topics.policy, loaded, key=key)
+        )
         self.service.metrics.published("PolicyVersionLoaded")
         self.service.log.info("policy_loaded", role=self.role, version=newest.version)
         async with self.changed:
@@ -184,7 +187,10 @@ class CoderService(Service):
                     causation_id=cause.event_id,
                 )
             )
-        await self.ctx.bus.publish_many(self.ctx.settings.topics.kernels, events)
+        # Waited out here: the bus retrying the handler would sample the group again.
+        await self.wait_out(
+            lambda: self.ctx.bus.publish_many(self.ctx.settings.topics.kernels, events)
+        )
         self.groups_started += 1
         self.metrics.published("KernelGenerated", len(events))
         self.log.info(

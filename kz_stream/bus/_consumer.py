@@ -203,6 +203,7 @@ class ConsumerCore(ABC):
         # The outage being waited out ("store unreachable: ..."), None when there is none.
         self.outage: str | None = None
         self._in_outage = asyncio.Event()
+        self._outage_since = 0.0
         # time.monotonic() when the running batch started (None while idle).
         self.busy_since: float | None = None
 
@@ -396,8 +397,6 @@ class ConsumerCore(ABC):
         )
         self.outage = None
         self._in_outage.clear()
-
-    _outage_since = 0.0
 
     # -- retries and isolation -------------------------------------------------------
 
