@@ -38,6 +38,7 @@ from aiokafka.errors import (
     ConsumerStoppedError,
     IllegalStateError,
     KafkaError,
+    KafkaTimeoutError,
     TopicAlreadyExistsError,
     for_code,
 )
@@ -62,6 +63,7 @@ log = logging.getLogger("kz_stream.bus")
 
 _PING_TIMEOUT_S = 5.0
 _READ_TIMEOUT_S = 60.0
+_COMMIT_TIMEOUT_S = 15.0
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -235,7 +237,13 @@ class _KafkaSubscription(ConsumerCore):
     async def _commit(self, positions: dict[TP, int]) -> None:
         offsets = {TopicPartition(t, p): off for (t, p), off in positions.items()}
         try:
-            await self._consumer.commit(offsets)
+            # aiokafka retries a commit forever while the broker or the topic is gone; a
+            # bound turns that into an outage the core waits out visibly (health, one log
+            # line) and that a stop can give up at once.
+            async with asyncio.timeout(_COMMIT_TIMEOUT_S):
+                await self._consumer.commit(offsets)
+        except TimeoutError as e:
+            raise KafkaTimeoutError(f"offset commit for group {self.group} timed out") from e
         except (CommitFailedError, IllegalStateError) as e:
             # The partitions moved on; their new owner refetches from the last commit.
             log.warning("group %s: commit lost to a rebalance (%s); records will be redelivered",
@@ -248,8 +256,18 @@ class _KafkaSubscription(ConsumerCore):
 
     async def _leave(self) -> None:
         self._bus._subscriptions.discard(self)
-        if self._consumer is not None:
+        if self._consumer is None:
+            return
+        try:
             await self._consumer.stop()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # a cancellation of our own
+            # aiokafka's fetcher lets out the CancelledError of a fetch it cancelled itself
+            # (one sleeping between retries while the broker is down), and then the client
+            # is never closed: close it here.
+            await self._consumer._client.close()
 
 
 class KafkaBus:

@@ -295,3 +295,26 @@ async def test_missing_topics_are_an_unhealthy_state_and_created_where_allowed(
             assert await bus.ping(topics.all()) == []
         finally:
             await bus.close()
+
+
+@pytest.mark.kafka
+async def test_a_recorder_stops_promptly_while_its_broker_is_down(
+    own_broker: LocalBroker, tmp_path: Path
+) -> None:
+    _, topics = unique_topics()
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    settings = Settings(database_url=url, topics=topics, resilience=FAST_RETRIES)
+    async with open_store(url) as store:
+        bus = KafkaBus(own_broker.bootstrap, **KAFKA_TEST_OPTIONS)
+        await bus.start()
+        await bus.create_topics(topics.specs())
+        recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
+        run = asyncio.create_task(run_services([recorder], install_signal_handlers=False))
+        await bus.publish_many(topics.verdicts, verdicts(50, "a"))
+        await wait_for(lambda: recorder.appended_total >= 50, "the events stored")
+        own_broker.stop()
+        recorder.request_stop()
+        # Bounded only so that a hang fails the test instead of the suite's timeout.
+        await asyncio.wait_for(run, 120)
+        await asyncio.wait_for(bus.close(), 120)
+    assert recorder.appended_total == 50
