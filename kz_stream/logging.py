@@ -20,10 +20,13 @@ class RepeatFilter(logging.Filter):
     aiokafka retries some failures every 100 ms and logs each try (``OffsetCommit failed
     ... UnknownTopicOrPartitionError`` after a broker lost its topics grew a log by a MB a
     minute). A message is the same when its logger and format string are; the one let
-    through after a quiet spell says how many were held back. Other loggers pass as they are.
+    through after a quiet spell says how many were held back. SQLAlchemy's pool likewise
+    logs a traceback for every connection a database restart broke. Other loggers pass as
+    they are.
     """
 
-    def __init__(self, prefixes: tuple[str, ...] = ("aiokafka",), interval: float = 60.0,
+    def __init__(self, prefixes: tuple[str, ...] = ("aiokafka", "sqlalchemy.pool"),
+                 interval: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.prefixes, self.interval, self.clock = prefixes, interval, clock
