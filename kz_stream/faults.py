@@ -17,6 +17,7 @@ __all__ = [
     "Backoff",
     "DependencyUnavailable",
     "dependency_of",
+    "describe_outage",
     "is_transient",
     "wait_out",
 ]
@@ -101,6 +102,12 @@ def dependency_of(error: BaseException) -> str | None:
             return "network"
         e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     return None
+
+
+def describe_outage(error: BaseException) -> str:
+    """One line for health and logs: ``store unreachable: OperationalError: ...``."""
+    text = f"{dependency_of(error) or 'dependency'} unreachable: {type(error).__name__}: {error}"
+    return text[:500]
 
 
 def is_transient(error: BaseException) -> bool:

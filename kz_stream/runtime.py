@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from kz_stream.bus import Bus, BusMessage, Handler, Subscription
 from kz_stream.config import Settings
-from kz_stream.faults import Backoff, dependency_of, wait_out
+from kz_stream.faults import Backoff, dependency_of, describe_outage, wait_out
 from kz_stream.logging import get_logger
 from kz_stream.projections import GC_GEN0_THRESHOLD
 from kz_stream.store import EventStore
@@ -393,7 +393,7 @@ class Service(ABC):
     def _on_outage(self, error: BaseException, attempt: int, delay: float) -> None:
         dependency = dependency_of(error) or "dependency"
         _OUTAGE_RETRIES.labels(self.name, dependency).inc()
-        self.outage = f"{dependency} unreachable: {type(error).__name__}: {error}"[:500]
+        self.outage = describe_outage(error)
         if attempt == 0 or delay >= self.backoff.cap:  # one line, then one per capped wait
             self.log.warning("outage", dependency=dependency, error=self.outage,
                              retry_in_s=round(delay, 2))

@@ -43,7 +43,7 @@ from kz_stream.bus._port import (
     SubscriptionStats,
 )
 from kz_stream.events import Event, EventDecodeError, decode_event
-from kz_stream.faults import Backoff, dependency_of, wait_out
+from kz_stream.faults import Backoff, describe_outage, wait_out
 
 log = logging.getLogger("kz_stream.bus")
 
@@ -379,7 +379,7 @@ class ConsumerCore(ABC):
         if self.outage is None:
             self.stats.outages += 1
             self._outage_since = time.monotonic()
-        self.outage = f"{dependency_of(error)} unreachable: {describe_error(error)}"[:500]
+        self.outage = describe_outage(error)
         self._in_outage.set()
         # One line when it starts, then one per capped wait: not a line per retry.
         if attempt == 0 or delay >= self._backoff.cap:
