@@ -156,6 +156,10 @@ class _ConsumerCollector(Collector):
             "kz_consumer_busy_seconds", "How long the running batch has been running",
             labels=["service", "group"],
         )
+        lag = GaugeMetricFamily(
+            "kz_consumer_lag", "Records behind the ends of the consumer's partitions",
+            labels=["service", "group"],
+        )
         now = time.monotonic()
         for service in self._services:
             for sub in service.subscriptions:
@@ -164,9 +168,13 @@ class _ConsumerCollector(Collector):
                     family.add_metric(labels, getattr(sub.stats, name))
                 outage.add_metric(labels, 0.0 if sub.outage is None else 1.0)
                 busy.add_metric(labels, 0.0 if sub.busy_since is None else now - sub.busy_since)
+                behind = sub.lag()
+                if behind is not None:
+                    lag.add_metric(labels, behind)
         yield from counters.values()
         yield outage
         yield busy
+        yield lag
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -354,6 +362,7 @@ class Service(ABC):
             consumers[sub.group] = {
                 "outage": sub.outage,
                 "busy_s": round(busy, 1),
+                "lag": sub.lag(),
                 "dead_lettered": sub.stats.dead_lettered,
             }
             if sub.outage is not None:

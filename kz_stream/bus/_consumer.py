@@ -206,6 +206,8 @@ class ConsumerCore(ABC):
         self._outage_since = 0.0
         # time.monotonic() when the running batch started (None while idle).
         self.busy_since: float | None = None
+        # Next offset to handle per partition, as of the last commit (for lag).
+        self._done: dict[TP, int] = {}
 
     # -- adapter hooks ---------------------------------------------------------------
 
@@ -224,6 +226,10 @@ class ConsumerCore(ABC):
     @abstractmethod
     async def _stop_fetching(self) -> None: ...
 
+    def _log_ends(self) -> dict[TP, int]:
+        """The known end (next offset to be written) of assigned partitions' logs."""
+        return {}
+
     @abstractmethod
     async def _leave(self) -> None:
         """Leaves the group and releases the transport."""
@@ -232,6 +238,13 @@ class ConsumerCore(ABC):
 
     def assignment(self) -> frozenset[TP]:
         return self._assigned
+
+    def lag(self) -> int | None:
+        """Records behind the log ends, over the assigned partitions this member has
+        committed a batch of; None before the first."""
+        ends = self._log_ends()
+        behind = [ends[tp] - pos for tp, pos in self._done.items() if tp in ends]
+        return sum(max(0, n) for n in behind) if behind else None
 
     async def stop(self, grace: float | None = None) -> None:
         if self._stop_task is None:
@@ -285,6 +298,7 @@ class ConsumerCore(ABC):
         finish and commit (cancelling it after ``revoke_timeout``)."""
         self._settling = True
         self._assigned = frozenset()
+        self._done.clear()
         self.stats.dropped_batches += len(self._queue)
         self._queue.clear()
         await self._finish_running(self._revoke_timeout)
@@ -363,6 +377,7 @@ class ConsumerCore(ABC):
             await self._apply(batch.messages)
         if batch.epoch == self._epoch:
             await self._wait_out(lambda: self._commit(batch.positions))
+            self._done.update(batch.positions)
             self.stats.batches += 1
 
     # -- outages -----------------------------------------------------------------------

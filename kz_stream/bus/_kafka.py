@@ -249,6 +249,16 @@ class _KafkaSubscription(ConsumerCore):
             log.warning("group %s: commit lost to a rebalance (%s); records will be redelivered",
                         self.group, e)
 
+    def _log_ends(self) -> dict[TP, int]:
+        # The fetch high-water marks (tansu under-reports end_offsets()).
+        consumer = self._consumer
+        ends = {}
+        for tp in consumer.assignment() if consumer is not None else ():
+            highwater = consumer.highwater(tp)
+            if highwater is not None:
+                ends[(tp.topic, tp.partition)] = int(highwater)
+        return ends
+
     async def _stop_fetching(self) -> None:
         if self._fetch_task is not None:
             self._fetch_task.cancel()

@@ -228,6 +228,9 @@ class _MemorySubscription(ConsumerCore):
     async def _commit(self, positions: dict[TP, int]) -> None:
         self._group_state.committed.update(positions)
 
+    def _log_ends(self) -> dict[TP, int]:
+        return {tp: len(self.bus._topic(tp[0]).logs[tp[1]]) for tp in self._assigned}
+
     async def _stop_fetching(self) -> None:
         for t in self.topics:
             self.bus._topic(t).watchers.discard(self._wake)

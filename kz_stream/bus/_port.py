@@ -93,6 +93,10 @@ class Subscription(Protocol):
     def assignment(self) -> frozenset[tuple[str, int]]:
         """The (topic, partition) pairs this subscription currently owns."""
 
+    def lag(self) -> int | None:
+        """Records between the last committed batch and the ends of the logs (None until a
+        batch is committed on this assignment)."""
+
     async def stop(self, grace: float | None = None) -> None:
         """Stops fetching, drops fetched batches not yet started (they are redelivered),
         waits up to ``grace`` seconds (None: as long as it takes) for the running batch

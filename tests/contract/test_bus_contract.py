@@ -512,6 +512,31 @@ async def test_malformed_records_go_to_dead_letter_with_the_field_named(
     assert sub.stats.dead_lettered == 4
 
 
+async def test_lag_counts_the_records_behind_the_last_committed_batch(
+    make_bus: MakeBus,
+) -> None:
+    bus = await make_bus()
+    topic, group = unique("lag"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=1)])
+    await bus.publish_many(topic, [verdict(i, "kernel-0") for i in range(10)])
+    applied = Collector()
+    release = asyncio.Event()
+
+    async def first_then_wait(batch: Sequence[BusMessage]) -> None:
+        if applied.batches:
+            await release.wait()
+        await applied(batch)
+
+    sub = await bus.subscribe(group, [topic], first_then_wait, max_batch=2)
+    assert sub.lag() is None  # nothing committed yet: unknown, not zero
+    await wait_for(lambda: sub.stats.batches == 1, "the first batch committed")
+    assert sub.lag() == 8
+    release.set()
+    await wait_for(lambda: len(applied.messages) == 10, "all 10 events")
+    await wait_for(lambda: sub.lag() == 0, "no lag")
+    await sub.stop()
+
+
 async def test_dead_letters_are_listed_with_their_origin_and_redriven_as_they_were(
     make_bus: MakeBus,
 ) -> None:

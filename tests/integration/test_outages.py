@@ -143,6 +143,7 @@ async def test_the_recorder_waits_out_a_postgres_restart_with_nothing_lost_or_de
                if line.startswith("kz_consumer_outage_retries_total{")]
     assert retries and float(retries[0].split()[-1]) >= 3
     assert 'kz_consumer_dead_lettered_total{group="kz-recorder",service="recorder"} 0.0' in metrics
+    assert 'kz_consumer_lag{group="kz-recorder",service="recorder"} 0.0' in metrics
 
 
 @pytest.mark.postgres
