@@ -6,6 +6,11 @@ used) and ``PolicyVersionPublished`` in one transaction, then announces the poli
 ``kz.policy``. On restart the learner replays the store: groups named by a stored step are
 never trained on again, and it resumes from the checkpoint of the last *published*
 version (a checkpoint written by a step that never committed is discarded).
+
+A store or broker outage is waited out, not died of: appends and publishes are retried
+with backoff (the same events, so a retry after a commit whose answer was lost is a no-op),
+and a tail or replay that breaks resumes from the last position applied once the store
+answers again. Meanwhile the service reports itself unhealthy.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kz_stream.events import Event, FrontierUpdated, PolicyVersionPublished, new_event
+from kz_stream.faults import is_transient
 from kz_stream.frontier import FrontierConfig, RunState, compute_frontier
 from kz_stream.rl import AlternationConfig, AlternationSchedule, Group, Role, Sample
 from kz_stream.runtime import Service, ServiceContext
@@ -66,8 +72,7 @@ class LearnerService(Service):
     # -- lifecycle --------------------------------------------------------------------
 
     async def run(self) -> None:
-        async for batch in self.ctx.store.read_all(0):
-            self.state.apply_all(batch)
+        await self._through_outages(self._replay)
         self.steps_done = self.state.training_steps
         self.log.info(
             "learner_replayed",
@@ -88,13 +93,38 @@ class LearnerService(Service):
             if follow.done() and not follow.cancelled() and follow.exception():
                 raise follow.exception()  # type: ignore[misc]
 
+    async def _replay(self) -> None:
+        """Applies the store from where the read model stands (0 on a fresh start)."""
+        async for batch in self.ctx.store.read_all(self.state.position):
+            self.state.apply_all(batch)
+
+    async def _through_outages(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Runs ``loop``; when an outage breaks it, waits until the store answers and runs
+        it again (it resumes from ``state.position``). Other errors raise."""
+        failures = 0
+        while True:
+            try:
+                await loop()
+                return
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                delay = self.backoff.delay(failures)
+                failures += 1
+                self._on_outage(e, 0, delay)
+                # A store that answers at once but keeps failing the loop must not spin.
+                await asyncio.sleep(delay)
+                await self.wait_out(self.ctx.store.last_position)
+                if self.outage is not None:
+                    self._on_recovered(failures)
+
     async def _load_learner(self, role: Role) -> None:
         directory = self.config.checkpoint_dir / role
         published = self.state.published.get(role)
         _discard_unpublished(directory, role, published.version if published else 0)
         learner = await asyncio.to_thread(self.make_learner, role, directory)
         self.learners[role] = learner
-        history = await self.ctx.store.read_stream(f"policy-{role}")
+        history = await self.wait_out(lambda: self.ctx.store.read_stream(f"policy-{role}"))
         if history:
             # Re-announce the stored event (same event_id, so the recorder skips it): a crash
             # may have come between the store commit and the publish.
@@ -109,7 +139,12 @@ class LearnerService(Service):
     async def _follow(self) -> None:
         # The ticker and the tail run side by side; a failure in either stops both and is
         # raised (a ticker that died quietly would stop timed training for good).
-        both = {asyncio.create_task(self._tick()), asyncio.create_task(self._tail())}
+        # The tail resumes by itself after an outage; the ticker's store and bus calls wait
+        # outages out in place, so a step trained during one still commits (and only once).
+        both = {
+            asyncio.create_task(self._tick()),
+            asyncio.create_task(self._through_outages(self._tail)),
+        }
         try:
             done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -160,9 +195,12 @@ class LearnerService(Service):
             producer=self.ctx.producer_id,
             correlation_id=self.ctx.settings.run_id,
         )
-        await self.ctx.store.append([event], tracking={self.tracking_name: self._tracking()})
+        tracking = {self.tracking_name: self._tracking()}
+        await self.wait_out(lambda: self.ctx.store.append([event], tracking=tracking))
         self.state.apply_own(event)
-        await self.ctx.bus.publish(self.ctx.settings.topics.frontier, event, key="frontier")
+        await self.wait_out(
+            lambda: self.ctx.bus.publish(self.ctx.settings.topics.frontier, event, key="frontier")
+        )
         self.metrics.published("FrontierUpdated")
         self._frontier_at, self._frontier_basis = now, basis
         return frontier
@@ -278,7 +316,10 @@ class LearnerService(Service):
                 correlation_id=self.ctx.settings.run_id,
             )
             events.append(announcement)
-        await self.ctx.store.append(events, tracking={self.tracking_name: self._tracking()})
+        # Retried as it is through an outage: the step is trained already, and these events
+        # (same ids) are appended once however many tries it takes.
+        tracking = {self.tracking_name: self._tracking()}
+        await self.wait_out(lambda: self.ctx.store.append(events, tracking=tracking))
         for e in events:
             self.state.apply_own(e)
         self.steps_done += 1
@@ -315,7 +356,9 @@ class LearnerService(Service):
 
     async def _announce(self, event: Event) -> None:
         role = event.payload["role"]
-        await self.ctx.bus.publish(self.ctx.settings.topics.policy, event, key=role)
+        await self.wait_out(
+            lambda: self.ctx.bus.publish(self.ctx.settings.topics.policy, event, key=role)
+        )
         self.metrics.published("PolicyVersionPublished")
 
 

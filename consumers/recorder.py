@@ -24,7 +24,7 @@ class Recorder(Service):
     async def run(self) -> None:
         topics = self.ctx.settings.topics
         names = [t for t in topics.all() if t != topics.dead_letter]
-        sub = await self.ctx.bus.subscribe(
+        sub = await self.subscribe(
             self.group,
             names,
             self.record,

@@ -60,7 +60,7 @@ class VerifierService(Service):
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
-        sub = await self.ctx.bus.subscribe(
+        sub = await self.subscribe(
             self.group,
             [topics.kernels],
             self.verify_batch,
@@ -88,7 +88,9 @@ class VerifierService(Service):
             return self._modules[module_id]
         delay, waited = 0.05, 0.0
         while True:
-            records = await self.ctx.store.read_stream(f"module-{module_id}")
+            records = await self.wait_out(
+                lambda: self.ctx.store.read_stream(f"module-{module_id}")
+            )
             for r in records:
                 if r.event.type == "ModuleProposed":
                     source = payload_as(r.event, ModuleProposed).source
@@ -117,7 +119,7 @@ class VerifierService(Service):
             group_id=kernel.group_id,
             policy_version=kernel.policy_version,
         )
-        history = await self.ctx.store.read_stream(event.stream_id)
+        history = await self.wait_out(lambda: self.ctx.store.read_stream(event.stream_id))
         version = max([r.event.stream_version for r in history] + [event.stream_version]) + 1
         return new_event(
             payload,
@@ -138,8 +140,14 @@ class VerifierService(Service):
             for m in batch if m.event is not None and m.event.type == "KernelGenerated"
         }.values())
         verdicts = await asyncio.gather(*(self._verify_one(e) for e in kernels))
-        await self.ctx.store.append(verdicts, tracking={self.group: offsets_after(batch)})
-        await self.ctx.bus.publish_many(self.ctx.settings.topics.verdicts, verdicts)
+        # An outage is waited out here, not by the bus retrying the handler: that would
+        # verify the whole batch again.
+        await self.wait_out(
+            lambda: self.ctx.store.append(verdicts, tracking={self.group: offsets_after(batch)})
+        )
+        await self.wait_out(
+            lambda: self.ctx.bus.publish_many(self.ctx.settings.topics.verdicts, verdicts)
+        )
         for v in verdicts:
             self.metrics.handled("KernelVerified")
             status = v.payload.get("status", "")

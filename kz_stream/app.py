@@ -40,7 +40,9 @@ async def open_context(
         bus = open_bus(settings.bus_url)
         try:
             await bus.start()
-            await bus.create_topics(settings.topics.specs())
+            if settings.resilience.create_topics:
+                await bus.create_topics(settings.topics.specs())
+            # Otherwise the DependencyMonitor's first probe reports any that are missing.
             yield ServiceContext(
                 settings=settings,
                 store=store,

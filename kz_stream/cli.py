@@ -17,7 +17,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kz_stream.config import Settings, load_settings, validated_copy
+from kz_stream.config import (
+    ConfigError,
+    Settings,
+    describe_validation_error,
+    load_settings,
+    validated_copy,
+)
 
 app = typer.Typer(
     name="kz",
@@ -29,6 +35,8 @@ infra_app = typer.Typer(help="Start and stop local PostgreSQL and the Kafka-prot
 db_app = typer.Typer(help="Event store schema.")
 app.add_typer(infra_app, name="infra")
 app.add_typer(db_app, name="db")
+dlq_app = typer.Typer(help="Inspect and re-drive dead letters.")
+app.add_typer(dlq_app, name="dlq")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -53,6 +61,13 @@ def _one_line_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except Exception as e:  # the CLI's edge: report, never dump a traceback
             if os.environ.get("KZ_DEBUG"):
                 raise
+            if isinstance(e, ConfigError):
+                # Already names the key, value, expectation and source (two lines at most).
+                lines = str(e).splitlines()[:2]
+                err_console.print(f"[red]error:[/red] config: {lines[0]}", highlight=False)
+                for line in lines[1:]:
+                    err_console.print(f"       {line}", highlight=False)
+                raise typer.Exit(1) from None
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             err_console.print(f"[red]error:[/red] {type(e).__name__}: {msg}", highlight=False)
             raise typer.Exit(1) from None
@@ -65,12 +80,16 @@ _OPTION_OF_FIELD = {"roles": "--role", "proposer_steps": "--steps-per-turn",
                     "coder_steps": "--steps-per-turn", "max_tokens": "--max-new-tokens"}
 
 
-def _bad_option(e: ValidationError) -> typer.BadParameter:
+def _option(loc: tuple[int | str, ...]) -> str:
+    field = str(loc[0]) if loc else "?"
+    return _OPTION_OF_FIELD.get(field, "--" + field.replace("_", "-"))
+
+
+def _bad_option(e: ValidationError) -> ConfigError:
     """The first invalid setting, named as its command-line option."""
-    first = e.errors()[0]
-    field = str(first["loc"][0]) if first["loc"] else "?"
-    option = _OPTION_OF_FIELD.get(field, "--" + field.replace("_", "-"))
-    return typer.BadParameter(f"{option}: {first['msg']}")
+    return ConfigError(
+        describe_validation_error(e, lambda _loc: "command line", key=_option)
+    )
 
 
 def _settings(config: Path | None) -> Settings:
@@ -175,6 +194,108 @@ def _redact(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+# ----------------------------------------------------------------------------------- dlq
+
+OriginOption = Annotated[
+    str | None, typer.Option("--origin", help="Only letters from this topic.")
+]
+GroupOption = Annotated[
+    str | None, typer.Option("--group", help="Only letters dead-lettered by this group.")
+]
+
+
+async def _dead_letters(settings: Settings, origin: str | None, group: str | None,
+                        offsets: list[int] | None = None) -> tuple[Any, list[Any]]:
+    """The started bus and the dead letters that pass the filters."""
+    from kz_stream.bus import open_bus
+    from kz_stream.dlq import list_dead_letters
+
+    if settings.embedded:
+        raise ValueError("the embedded bus (memory://) lives inside one process; set "
+                         "KZ_BUS_URL to the broker (kz infra up prints it)")
+    bus = open_bus(settings.bus_url, client_id="kz-dlq")
+    await bus.start()
+    try:
+        letters = await list_dead_letters(bus, settings.topics.dead_letter)
+    except BaseException:
+        await bus.close()
+        raise
+    return bus, [
+        d for d in letters
+        if (origin is None or d.origin_topic == origin)
+        and (group is None or d.group == group)
+        and (not offsets or d.message.offset in offsets)
+    ]
+
+
+@dlq_app.command("list")
+@_one_line_errors
+def dlq_list(
+    config: ConfigOption = None,
+    origin: OriginOption = None,
+    group: GroupOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per letter.")] = False,
+) -> None:
+    """Lists the dead letters: where each came from, which group gave up on it, and why."""
+    settings = _settings(config)
+
+    async def go() -> list[Any]:
+        bus, letters = await _dead_letters(settings, origin, group)
+        await bus.close()
+        return letters
+
+    letters = _run(go())
+    if as_json:
+        for d in letters:
+            sys.stdout.write(json.dumps(d.as_dict()) + "\n")
+        return
+    table = Table("offset", "origin", "group", "type", "error",
+                  title=f"{len(letters)} dead letter(s) in {settings.topics.dead_letter}")
+    for d in letters:
+        table.add_row(d.where, d.origin, d.group, d.event_type, d.error.splitlines()[0][:120])
+    console.print(table)
+
+
+@dlq_app.command("redrive")
+@_one_line_errors
+def dlq_redrive(
+    config: ConfigOption = None,
+    offset: Annotated[
+        list[int] | None, typer.Option(help="Only the letter at this dead-letter offset.")
+    ] = None,
+    origin: OriginOption = None,
+    group: GroupOption = None,
+    all_letters: Annotated[
+        bool, typer.Option("--all", help="Every letter (when no filter is given).")
+    ] = False,
+    dry_run: Annotated[bool, typer.Option(help="Show what would be re-driven.")] = False,
+) -> None:
+    """Publishes dead letters back to their origin topics, as they were."""
+    from kz_stream.dlq import redrive
+
+    if not (offset or origin or group or all_letters):
+        raise typer.BadParameter("choose letters with --offset, --origin or --group, or --all")
+    settings = _settings(config)
+
+    async def go() -> tuple[list[Any], list[Any]]:
+        bus, letters = await _dead_letters(settings, origin, group, offset)
+        try:
+            if dry_run:
+                return letters, []
+            report = await redrive(bus, settings.topics.dead_letter, letters)
+            return report.redriven, report.skipped
+        finally:
+            await bus.close()
+
+    done, skipped = _run(go())
+    verb = "would re-drive" if dry_run else "re-drove"
+    for d in done:
+        console.print(f"{verb} {d.where} -> {d.origin_topic}", highlight=False)
+    for d, why in skipped:
+        console.print(f"skipped {d.where}: {why}", highlight=False)
+    console.print(f"{verb} {len(done)} dead letter(s), skipped {len(skipped)}", highlight=False)
 
 
 # -------------------------------------------------------------------------------- serve

@@ -3,33 +3,54 @@ defaults. With nothing set, everything runs embedded: in-memory bus, SQLite file
 
 from __future__ import annotations
 
+import difflib
 import os
+import tomllib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from pydantic_settings.exceptions import SettingsError
 
 from kz_stream.bus import TopicSpec
 
 __all__ = [
     "CoderSettings",
+    "ConfigError",
     "LLMConfig",
     "LearnerSettings",
     "ProposerSettings",
+    "ResilienceSettings",
     "Settings",
     "TopicsConfig",
     "VerifierSettings",
+    "describe_validation_error",
     "load_settings",
 ]
 
+ENV_PREFIX = "KZ_"
+ENV_NESTED = "__"
+CONFIG_FILE_ENV = "KZ_CONFIG_FILE"
 
-class TopicsConfig(BaseModel):
+
+class ConfigError(ValueError):
+    """A setting is wrong; the message names the key, its value, what was expected and
+    where it came from, on one or two lines."""
+
+
+class _Section(BaseModel):
+    # A typo'd key is an error, not a setting silently left at its default.
+    model_config = ConfigDict(extra="forbid")
+
+
+class TopicsConfig(_Section):
     modules: str = "kz.modules"
     kernels: str = "kz.kernels"
     verdicts: str = "kz.verdicts"
@@ -53,7 +74,7 @@ class TopicsConfig(BaseModel):
         return [s.name for s in self.specs()]
 
 
-class LLMConfig(BaseModel):
+class LLMConfig(_Section):
     """Which engine a generator samples from (see ``kz_stream.llm.create_backend``)."""
 
     kind: Literal["transformers", "vllm-server", "vllm-engine"] = "transformers"
@@ -63,7 +84,7 @@ class LLMConfig(BaseModel):
     temperature: float = Field(default=1.0, ge=0)
 
 
-class ProposerSettings(BaseModel):
+class ProposerSettings(_Section):
     llm: LLMConfig = Field(default_factory=LLMConfig)
     proposals_per_prompt: int = Field(default=4, ge=1)
     concurrency: int = Field(default=2, ge=1)
@@ -71,14 +92,14 @@ class ProposerSettings(BaseModel):
     seed_modules: bool = True
 
 
-class CoderSettings(BaseModel):
+class CoderSettings(_Section):
     llm: LLMConfig = Field(default_factory=LLMConfig)
     group_size: int = Field(default=4, ge=1)
     backends: tuple[Literal["cuda", "triton"], ...] = ("triton",)
     max_staleness: int = Field(default=1, ge=0)
 
 
-class VerifierSettings(BaseModel):
+class VerifierSettings(_Section):
     devices: list[int] | None = Field(
         default=None, description="GPU indices; None: all visible; []: the CPU path."
     )
@@ -93,7 +114,7 @@ def validated_copy(model: ModelT, **changes: Any) -> ModelT:
     return type(model).model_validate({**model.model_dump(), **changes})
 
 
-class LearnerSettings(BaseModel):
+class LearnerSettings(_Section):
     model: str | None = Field(default=None, description="Base model dir; None: SmolLM2.")
     checkpoint_dir: Path = Path(".kz/policies")
     roles: tuple[Literal["proposer", "coder"], ...] = ("proposer", "coder")
@@ -113,11 +134,27 @@ class LearnerSettings(BaseModel):
     group_timeout_s: float = Field(default=600.0, gt=0)
 
 
+class ResilienceSettings(_Section):
+    """How services ride out outages and judge their own health."""
+
+    backoff_initial_s: float = Field(default=0.2, gt=0, description="First retry delay.")
+    backoff_max_s: float = Field(default=30.0, gt=0, description="Cap of the doubling delay.")
+    probe_interval_s: float = Field(
+        default=5.0, gt=0, description="How often the store and broker are probed."
+    )
+    stuck_after_s: float = Field(
+        default=1800.0, gt=0, description="A batch running longer makes its consumer stuck."
+    )
+    create_topics: bool = Field(
+        default=True, description="Create missing topics (at start and when found missing)."
+    )
+
+
 class Settings(BaseSettings):
     """Everything a service needs to know about its surroundings."""
 
     model_config = SettingsConfigDict(
-        env_prefix="KZ_", env_nested_delimiter="__", extra="ignore", toml_file=None
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED, extra="forbid", toml_file=None
     )
 
     database_url: str = Field(
@@ -135,6 +172,7 @@ class Settings(BaseSettings):
     coder: CoderSettings = Field(default_factory=CoderSettings)
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
+    resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
 
     @classmethod
     def settings_customise_sources(
@@ -146,7 +184,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        config_file = os.environ.get("KZ_CONFIG_FILE")
+        config_file = os.environ.get(CONFIG_FILE_ENV)
         if config_file:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
         return tuple(sources)
@@ -156,10 +194,112 @@ class Settings(BaseSettings):
         return self.bus_url.startswith("memory://")
 
 
+Loc = tuple[int | str, ...]
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Reads settings; ``config_file`` (TOML) sits under environment variables."""
+    """Reads settings; ``config_file`` (TOML) sits under environment variables.
+
+    Raises ConfigError naming the key, value, expectation and source of a bad setting.
+    """
     if config_file is not None:
         if not config_file.exists():
-            raise FileNotFoundError(f"config file {config_file} does not exist")
-        os.environ["KZ_CONFIG_FILE"] = str(config_file)
-    return Settings(**overrides)
+            raise ConfigError(f"config file {config_file} does not exist (--config)")
+        os.environ[CONFIG_FILE_ENV] = str(config_file)
+    path_text = os.environ.get(CONFIG_FILE_ENV)
+    path = Path(path_text) if path_text else None
+    toml: dict[str, Any] = {}
+    if path is not None:
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist ({CONFIG_FILE_ENV})")
+        try:
+            toml = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    try:
+        return Settings(**overrides)
+    except ValidationError as e:
+        raise ConfigError(
+            describe_validation_error(e, lambda loc: _origin(loc, overrides, path, toml))
+        ) from None
+    except SettingsError as e:
+        # A nested env value that is not valid JSON (e.g. KZ_VERIFIER__DEVICES=0,1).
+        raise ConfigError(f"{e}; {_env_hint()}") from None
+
+
+def describe_validation_error(
+    error: ValidationError, origin: Callable[[Loc], str], *, key: Callable[[Loc], str] | None = None
+) -> str:
+    """The first problem as ``key = value (origin): expected ...``, and a second line
+    naming the others."""
+    problems = error.errors()
+    name = key or _dotted
+    first = problems[0]
+    loc = tuple(first["loc"])
+    if first["type"] == "extra_forbidden":
+        what = "unknown key" + _suggestion(error.title, loc)
+    else:
+        what = _expected(first["msg"])
+    line = f"{name(loc)} = {_show(first.get('input'))} ({origin(loc)}): {what}"
+    if len(problems) > 1:
+        others = ", ".join(name(tuple(p["loc"])) for p in problems[1:])
+        line += f"\nalso invalid: {others}"
+    return line
+
+
+def _dotted(loc: Loc) -> str:
+    return ".".join(str(part) for part in loc) or "?"
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _expected(msg: str) -> str:
+    for lead in ("Input should be ", "Value should be "):
+        if msg.startswith(lead):
+            return "expected " + msg[len(lead):]
+    return msg[:1].lower() + msg[1:]
+
+
+def _suggestion(model_name: str, loc: Loc) -> str:
+    """``; did you mean ...?`` with the closest known key at that level, if any."""
+    model: Any = Settings if model_name == "Settings" else None
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        model = field.annotation if field is not None else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ""
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _origin(loc: Loc, overrides: Mapping[str, Any], path: Path | None,
+            toml: Mapping[str, Any]) -> str:
+    """Where the value at ``loc`` came from, by the sources' precedence."""
+    if loc and loc[0] in overrides:
+        return f"argument {loc[0]}"
+    env = {k.upper(): k for k in os.environ}
+    for n in range(len(loc), 0, -1):
+        name = ENV_PREFIX + ENV_NESTED.join(str(p) for p in loc[:n]).upper()
+        if name in env:
+            return f"environment variable {env[name]}"
+    node: Any = toml
+    for part in loc:
+        if not isinstance(node, Mapping) or str(part) not in node:
+            break
+        node = node[str(part)]
+    else:
+        return f"in {path}"
+    if path is not None and loc and str(loc[0]) in toml:
+        return f"in {path}"
+    return "default"
+
+
+def _env_hint() -> str:
+    names = sorted(k for k in os.environ if k.upper().startswith(ENV_PREFIX)
+                   and ENV_NESTED in k)
+    return f"check {', '.join(names)}" if names else f"check the {ENV_PREFIX}* variables"

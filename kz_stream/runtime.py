@@ -1,5 +1,9 @@
 """The shape every long-lived service shares: settings, store and bus, JSON logs, a health
-endpoint with Prometheus metrics, and graceful shutdown on SIGTERM/SIGINT."""
+endpoint with Prometheus metrics, and graceful shutdown on SIGTERM/SIGINT.
+
+Health means something: ``/healthz`` answers 503 while the store or the broker does not
+answer a probe, a topic is missing, a consumer waits out an outage or has been on one
+batch for ``resilience.stuck_after_s``, or a service is unhealthy or shutting down."""
 
 from __future__ import annotations
 
@@ -11,21 +15,25 @@ import signal
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from kz_stream.bus import Bus, BusMessage
+from kz_stream.bus import Bus, BusMessage, Handler, Subscription
 from kz_stream.config import Settings
+from kz_stream.faults import Backoff, dependency_of, describe_outage, wait_out
 from kz_stream.logging import get_logger
 from kz_stream.projections import GC_GEN0_THRESHOLD
 from kz_stream.store import EventStore
 
 __all__ = [
     "REGISTRY",
+    "DependencyMonitor",
     "HealthServer",
     "Service",
     "ServiceContext",
@@ -33,6 +41,9 @@ __all__ = [
     "StoreOffsets",
     "run_services",
 ]
+
+
+T = TypeVar("T")
 
 
 class StoreOffsets:
@@ -66,6 +77,30 @@ _VALIDITY = Counter(
     "kz_modules_validated", "Proposed modules by validity", ["service", "valid"],
     registry=REGISTRY,
 )
+_OUTAGE_RETRIES = Counter(
+    "kz_outage_retries", "Store or broker operations of a service retried during an outage",
+    ["service", "dependency"], registry=REGISTRY,
+)
+_DEPENDENCY_UP = Gauge(
+    "kz_dependency_up", "1 while a dependency answers its probe, 0 while it does not",
+    ["dependency"], registry=REGISTRY,
+)
+_TOPICS_MISSING = Gauge(
+    "kz_topics_missing", "Configured topics the broker does not have", registry=REGISTRY
+)
+
+# SubscriptionStats fields exported as kz_consumer_<field>_total{service,group}.
+_CONSUMER_COUNTERS = {
+    "batches": "Batches whose offsets were committed",
+    "messages": "Messages the handler applied",
+    "retries": "Handler calls that failed on the records and were retried",
+    "dead_lettered": "Records sent to the dead-letter topic",
+    "outages": "Store or broker outages waited out",
+    "outage_retries": "Retries while waiting out an outage",
+    "dropped_batches": "Fetched batches given back uncommitted (rebalance, stop)",
+    "pauses": "Times fetching paused behind a full queue",
+    "assignments": "Partition assignments received",
+}
 
 
 class ServiceMetrics:
@@ -101,6 +136,47 @@ class ServiceMetrics:
             self.handled(t, n)
 
 
+class _ConsumerCollector(Collector):
+    """Reads the services' subscription stats at scrape time (the bus knows nothing of
+    Prometheus)."""
+
+    def __init__(self, services: Sequence[Service]) -> None:
+        self._services = services
+
+    def collect(self) -> Iterator[Metric]:
+        counters = {
+            name: CounterMetricFamily(f"kz_consumer_{name}", doc, labels=["service", "group"])
+            for name, doc in _CONSUMER_COUNTERS.items()
+        }
+        outage = GaugeMetricFamily(
+            "kz_consumer_outage", "1 while the consumer waits out an outage",
+            labels=["service", "group"],
+        )
+        busy = GaugeMetricFamily(
+            "kz_consumer_busy_seconds", "How long the running batch has been running",
+            labels=["service", "group"],
+        )
+        lag = GaugeMetricFamily(
+            "kz_consumer_lag", "Records behind the ends of the consumer's partitions",
+            labels=["service", "group"],
+        )
+        now = time.monotonic()
+        for service in self._services:
+            for sub in service.subscriptions:
+                labels = [service.name, sub.group]
+                for name, family in counters.items():
+                    family.add_metric(labels, getattr(sub.stats, name))
+                outage.add_metric(labels, 0.0 if sub.outage is None else 1.0)
+                busy.add_metric(labels, 0.0 if sub.busy_since is None else now - sub.busy_since)
+                behind = sub.lag()
+                if behind is not None:
+                    lag.add_metric(labels, behind)
+        yield from counters.values()
+        yield outage
+        yield busy
+        yield lag
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -113,8 +189,17 @@ class HealthServer:
     but with a health route in front of its metrics app.
     """
 
-    def __init__(self, host: str, port: int, services: list[Service]) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        services: list[Service],
+        monitor: DependencyMonitor | None = None,
+    ) -> None:
         self._services = services
+        self._monitor = monitor
+        self._collector = _ConsumerCollector(services)
+        REGISTRY.register(self._collector)
         self._metrics_app = make_wsgi_app(REGISTRY)
         self._server: WSGIServer = make_server(host, port, self._app, handler_class=_QuietHandler)
         self.port = int(self._server.server_port)
@@ -124,8 +209,11 @@ class HealthServer:
         path = environ.get("PATH_INFO", "")
         if path == "/healthz":
             states = {s.name: s.health() for s in self._services}
-            ok = all(st["healthy"] for st in states.values())
-            body = json.dumps({"healthy": ok, "services": states}).encode()
+            deps = self._monitor.health() if self._monitor is not None else {}
+            ok = all(st["healthy"] for st in states.values()) and all(
+                d["up"] for d in deps.values()
+            )
+            body = json.dumps({"healthy": ok, "dependencies": deps, "services": states}).encode()
             start_response(
                 "200 OK" if ok else "503 Service Unavailable",
                 [("Content-Type", "application/json")],
@@ -142,6 +230,80 @@ class HealthServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        REGISTRY.unregister(self._collector)
+
+
+class DependencyMonitor:
+    """Probes the store and the broker every ``probe_interval_s`` and checks that every
+    configured topic exists, creating missing ones where ``resilience.create_topics``
+    allows. Logs one line when a dependency goes down or comes back, not one per probe."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self._settings = ctx.settings
+        self._down: dict[str, str] = {}  # dependency -> why it is down
+        self._missing: list[str] = []
+        self.log = get_logger("kz.health")
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        deps: dict[str, dict[str, Any]] = {
+            name: {"up": name not in self._down, "detail": self._down.get(name, "")}
+            for name in ("store", "broker")
+        }
+        deps["topics"] = {
+            "up": not self._missing,
+            "detail": f"missing: {', '.join(self._missing)}" if self._missing else "",
+        }
+        return deps
+
+    async def run(self) -> None:
+        while True:
+            await self.probe()
+            await asyncio.sleep(self._settings.resilience.probe_interval_s)
+
+    async def probe(self) -> None:
+        """One round of probes (tests call it to see a state change at once)."""
+        await self._check("store", self.ctx.store.ping())
+        missing = await self._check("broker", self.ctx.bus.ping(self._settings.topics.all()))
+        if missing is not None:
+            await self._topics(missing)
+
+    async def _check(self, name: str, probe: Awaitable[T]) -> T | None:
+        try:
+            result = await probe
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"[:500]
+            if name not in self._down:
+                self.log.warning("dependency_down", dependency=name, error=why)
+            self._down[name] = why
+            _DEPENDENCY_UP.labels(name).set(0)
+            return None
+        if name in self._down:
+            self.log.warning("dependency_up", dependency=name)
+            del self._down[name]
+        _DEPENDENCY_UP.labels(name).set(1)
+        return result
+
+    async def _topics(self, missing: list[str]) -> None:
+        """Creates missing topics where allowed; logs a line only when the set of missing
+        topics changes (a broker that lost its storage, not a line per probe)."""
+        why = "resilience.create_topics is false"
+        if missing and self._settings.resilience.create_topics:
+            wanted = [s for s in self._settings.topics.specs() if s.name in missing]
+            try:
+                await self.ctx.bus.create_topics(wanted)
+                still = await self.ctx.bus.ping(missing)
+                self.log.warning("topics_created", topics=[t for t in missing if t not in still])
+                missing, why = still, "created, but the broker does not show them"
+            except Exception as e:
+                why = f"cannot create them: {type(e).__name__}: {e}"
+        if missing != self._missing:
+            if missing:
+                self.log.error("topics_missing", topics=missing, why=why)
+            elif self._missing:
+                self.log.warning("topics_present", topics=self._missing)
+            self._missing = missing
+        _TOPICS_MISSING.set(len(missing))
 
 
 @dataclass
@@ -169,6 +331,11 @@ class Service(ABC):
         self.log = get_logger(f"kz.{self.name}").bind(service=self.name)
         self._healthy = True
         self._health_detail = ""
+        self.subscriptions: list[Subscription] = []
+        # The outage this service's own store or broker calls wait out (see wait_out).
+        self.outage: str | None = None
+        r = ctx.settings.resilience
+        self.backoff = Backoff(r.backoff_initial_s, r.backoff_max_s)
 
     @abstractmethod
     async def run(self) -> None: ...
@@ -180,11 +347,69 @@ class Service(ABC):
         self._healthy, self._health_detail = healthy, detail
 
     def health(self) -> dict[str, Any]:
+        """Unhealthy when set so, stopping, waiting out an outage, or a consumer is waiting
+        one out or stuck on a batch; ``detail`` says which."""
+        problems = [self._health_detail] if not self._healthy else []
+        if self.stopping.is_set():
+            problems.append("shutting down")
+        if self.outage is not None:
+            problems.append(self.outage)
+        stuck_after = self.ctx.settings.resilience.stuck_after_s
+        now = time.monotonic()
+        consumers: dict[str, Any] = {}
+        for sub in self.subscriptions:
+            busy = 0.0 if sub.busy_since is None else now - sub.busy_since
+            consumers[sub.group] = {
+                "outage": sub.outage,
+                "busy_s": round(busy, 1),
+                "lag": sub.lag(),
+                "dead_lettered": sub.stats.dead_lettered,
+            }
+            if sub.outage is not None:
+                problems.append(f"consumer {sub.group}: {sub.outage}")
+            elif busy > stuck_after:
+                problems.append(f"consumer {sub.group}: stuck on one batch for {busy:.0f}s")
         return {
-            "healthy": self._healthy,
-            "detail": self._health_detail,
+            "healthy": not problems,
+            "detail": "; ".join(problems),
             "uptime_s": round(time.time() - self.started_at, 1),
+            "consumers": consumers,
         }
+
+    async def subscribe(self, group: str, topics: Sequence[str], handler: Handler,
+                        **options: Any) -> Subscription:
+        """``bus.subscribe`` with the run's dead-letter topic and outage backoff; the
+        subscription counts in this service's health and metrics."""
+        r = self.ctx.settings.resilience
+        options = {
+            "dead_letter_topic": self.ctx.settings.topics.dead_letter,
+            "retry_backoff": r.backoff_initial_s,
+            "max_backoff": r.backoff_max_s,
+            **options,
+        }
+        sub = await self.ctx.bus.subscribe(group, topics, handler, **options)
+        self.subscriptions.append(sub)
+        return sub
+
+    async def wait_out(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Runs ``op`` (a store or bus call), waiting out outages with backoff while the
+        service reports itself unhealthy; other errors raise."""
+        return await wait_out(
+            op, backoff=self.backoff, on_retry=self._on_outage,
+            on_recovered=self._on_recovered,
+        )
+
+    def _on_outage(self, error: BaseException, attempt: int, delay: float) -> None:
+        dependency = dependency_of(error) or "dependency"
+        _OUTAGE_RETRIES.labels(self.name, dependency).inc()
+        self.outage = describe_outage(error)
+        if attempt == 0 or delay >= self.backoff.cap:  # one line, then one per capped wait
+            self.log.warning("outage", dependency=dependency, error=self.outage,
+                             retry_in_s=round(delay, 2))
+
+    def _on_recovered(self, attempts: int) -> None:
+        self.log.warning("outage_over", retries=attempts)
+        self.outage = None
 
 
 def _tune_gc() -> None:
@@ -212,11 +437,18 @@ async def run_services(
     """Runs services until all return or SIGTERM/SIGINT asks them to stop.
 
     A service that fails stops the others (one process, one fate), and the error re-raises.
+    While they run, a DependencyMonitor probes their store and bus (when they have them).
     """
     log = get_logger("kz.runtime")
     _tune_gc()
-    health = HealthServer(http_host, http_port, services)
+    ctx = services[0].ctx if services else None
+    monitor = (
+        DependencyMonitor(ctx)
+        if ctx is not None and ctx.store is not None and ctx.bus is not None else None
+    )
+    health = HealthServer(http_host, http_port, services, monitor)
     health.start()
+    probes = asyncio.create_task(monitor.run()) if monitor is not None else None
     log.info("http_listening", port=health.port, services=[s.name for s in services])
     loop = asyncio.get_running_loop()
 
@@ -239,11 +471,17 @@ async def run_services(
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 raise r
     finally:
+        if probes is not None:
+            probes.cancel()
         for t in tasks:
             t.cancel()
         with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *([probes] if probes else []), return_exceptions=True)
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
         health.stop()
+        # Frozen objects are never collected, not even when the interpreter exits; Triton's
+        # nanobind bindings then list each of their objects left in a cycle as a leak
+        # (dozens of lines after every `kz run`). Unfrozen, the final collections free them.
+        gc.unfreeze()

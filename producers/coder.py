@@ -56,7 +56,7 @@ class PolicyFollower:
         ctx = self.service.ctx
         # A fresh group per process: a restarted engine must see the latest version again
         # (the topic is compacted, so reading it from the start is cheap).
-        return await ctx.bus.subscribe(
+        return await self.service.subscribe(
             f"kz-{self.replica}-policy-{uuid.uuid4().hex[:8]}",
             [ctx.settings.topics.policy],
             self.handle,
@@ -88,7 +88,10 @@ class PolicyFollower:
             producer=ctx.producer_id,
             correlation_id=ctx.settings.run_id,
         )
-        await ctx.bus.publish(ctx.settings.topics.policy, loaded, key=f"loaded-{self.replica}")
+        key = f"loaded-{self.replica}"
+        await self.service.wait_out(
+            lambda: ctx.bus.publish(ctx.settings.topics.policy, loaded, key=key)
+        )
         self.service.metrics.published("PolicyVersionLoaded")
         self.service.log.info("policy_loaded", role=self.role, version=newest.version)
         async with self.changed:
@@ -121,7 +124,7 @@ class CoderService(Service):
     async def run(self) -> None:
         topics = self.ctx.settings.topics
         policy_sub = await self.policy.subscribe()
-        sub = await self.ctx.bus.subscribe(
+        sub = await self.subscribe(
             self.group,
             [topics.modules],
             self.handle_modules,
@@ -184,7 +187,10 @@ class CoderService(Service):
                     causation_id=cause.event_id,
                 )
             )
-        await self.ctx.bus.publish_many(self.ctx.settings.topics.kernels, events)
+        # Waited out here: the bus retrying the handler would sample the group again.
+        await self.wait_out(
+            lambda: self.ctx.bus.publish_many(self.ctx.settings.topics.kernels, events)
+        )
         self.groups_started += 1
         self.metrics.published("KernelGenerated", len(events))
         self.log.info(

@@ -69,8 +69,8 @@ class ProposerService(Service):
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
-        await self._load_seen_hashes()
-        frontier_sub = await self.ctx.bus.subscribe(
+        await self.wait_out(self._load_seen_hashes)
+        frontier_sub = await self.subscribe(
             f"kz-{self.config.replica}-frontier-{uuid.uuid4().hex[:8]}",
             [topics.frontier],
             self.handle_frontier,
@@ -183,7 +183,7 @@ class ProposerService(Service):
             producer=self.ctx.producer_id,
             correlation_id=self.ctx.settings.run_id,
         )
-        await self.ctx.bus.publish(self.ctx.settings.topics.modules, event)
+        await self.wait_out(lambda: self.ctx.bus.publish(self.ctx.settings.topics.modules, event))
         self.published += 1
         self.valid += validation.valid
         self.metrics.validated(validation.valid)

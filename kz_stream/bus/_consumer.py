@@ -1,6 +1,11 @@
 """Consumer machinery both adapters share: batches, bounded in-flight work, retries,
 isolation of poison messages, dead letters and commits.
 
+A store or broker outage hit by the handler, a commit or a dead letter is waited out (see
+``kz_stream.faults``): the batch is retried with capped backoff for as long as it takes,
+fetching pauses behind it, and ``outage`` says why until it passes. Only errors about the
+records themselves count towards ``max_retries`` and end in the dead-letter topic.
+
 An adapter feeds ``ConsumerCore._enqueue`` with batches of fetched records and implements
 four hooks: commit, pause/resume fetching, stop fetching, leave the group. The core runs
 one batch at a time (so per-partition order holds), commits a batch's offsets only after
@@ -14,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kz_stream.bus._port import (
     DEFAULT_DEAD_LETTER_TOPIC,
@@ -37,10 +43,12 @@ from kz_stream.bus._port import (
     SubscriptionStats,
 )
 from kz_stream.events import Event, EventDecodeError, decode_event
+from kz_stream.faults import Backoff, describe_outage, wait_out
 
 log = logging.getLogger("kz_stream.bus")
 
 TP = tuple[str, int]
+T = TypeVar("T")
 PublishRaw = Callable[[str, bytes, bytes | None, Mapping[str, bytes]], Awaitable[None]]
 
 # Headers are small; an error text that long is a traceback pasted into a message.
@@ -149,6 +157,7 @@ class ConsumerConfig:
     max_in_flight: int = 2
     max_retries: int = 3
     retry_backoff: float = 0.2
+    max_backoff: float = _MAX_BACKOFF_S
     dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC
     from_beginning: bool = True
     decode: bool = True
@@ -171,7 +180,7 @@ class ConsumerCore(ABC):
         self._max_batch = config.max_batch
         self._max_in_flight = config.max_in_flight
         self._max_retries = config.max_retries
-        self._retry_backoff = config.retry_backoff
+        self._backoff = Backoff(config.retry_backoff, config.max_backoff)
         self._dead_letter_topic = config.dead_letter_topic
         self._from_beginning = config.from_beginning
         self._decode = config.decode
@@ -191,6 +200,14 @@ class ConsumerCore(ABC):
         self._stop_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._error: BaseException | None = None
+        # The outage being waited out ("store unreachable: ..."), None when there is none.
+        self.outage: str | None = None
+        self._in_outage = asyncio.Event()
+        self._outage_since = 0.0
+        # time.monotonic() when the running batch started (None while idle).
+        self.busy_since: float | None = None
+        # Next offset to handle per partition, as of the last commit (for lag).
+        self._done: dict[TP, int] = {}
 
     # -- adapter hooks ---------------------------------------------------------------
 
@@ -209,6 +226,10 @@ class ConsumerCore(ABC):
     @abstractmethod
     async def _stop_fetching(self) -> None: ...
 
+    def _log_ends(self) -> dict[TP, int]:
+        """The known end (next offset to be written) of assigned partitions' logs."""
+        return {}
+
     @abstractmethod
     async def _leave(self) -> None:
         """Leaves the group and releases the transport."""
@@ -217,6 +238,13 @@ class ConsumerCore(ABC):
 
     def assignment(self) -> frozenset[TP]:
         return self._assigned
+
+    def lag(self) -> int | None:
+        """Records behind the log ends, over the assigned partitions this member has
+        committed a batch of; None before the first."""
+        ends = self._log_ends()
+        behind = [ends[tp] - pos for tp, pos in self._done.items() if tp in ends]
+        return sum(max(0, n) for n in behind) if behind else None
 
     async def stop(self, grace: float | None = None) -> None:
         if self._stop_task is None:
@@ -270,6 +298,7 @@ class ConsumerCore(ABC):
         finish and commit (cancelling it after ``revoke_timeout``)."""
         self._settling = True
         self._assigned = frozenset()
+        self._done.clear()
         self.stats.dropped_batches += len(self._queue)
         self._queue.clear()
         await self._finish_running(self._revoke_timeout)
@@ -279,12 +308,25 @@ class ConsumerCore(ABC):
         run = self._running
         if run is None or run.done() or run is asyncio.current_task():
             return
-        done, _ = await asyncio.wait({run}, timeout=grace)
-        if not done:
-            log.warning(
-                "group %s: batch still running after %ss; cancelled, its records will be "
-                "redelivered", self.group, grace,
+        # A batch waiting out an outage has nothing to finish: it is given up at once.
+        outage = asyncio.create_task(self._in_outage.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {run, outage}, timeout=grace, return_when=asyncio.FIRST_COMPLETED
             )
+        finally:
+            outage.cancel()
+        if run not in done:
+            if self.outage is None:
+                log.warning(
+                    "group %s: batch still running after %ss; cancelled, its records will "
+                    "be redelivered", self.group, grace,
+                )
+            else:
+                log.warning(
+                    "group %s: batch waiting out an outage (%s) given up; its records will "
+                    "be redelivered", self.group, self.outage,
+                )
             run.cancel()
             await asyncio.wait({run})
 
@@ -301,6 +343,7 @@ class ConsumerCore(ABC):
                 continue
             task = asyncio.create_task(self._process(batch), name=f"kz-bus-batch:{self.group}")
             self._running = task
+            self.busy_since = time.monotonic()
             try:
                 await asyncio.wait({task})
             except asyncio.CancelledError:
@@ -309,6 +352,11 @@ class ConsumerCore(ABC):
                 raise
             finally:
                 self._running = None
+                self.busy_since = None
+                # A batch given up while waiting out an outage (stop, rebalance) ends it
+                # here; the next batch finds out for itself whether it is over.
+                self.outage = None
+                self._in_outage.clear()
             if task.cancelled():
                 self.stats.dropped_batches += 1
                 if not (self._stopping or self._settling):
@@ -328,22 +376,57 @@ class ConsumerCore(ABC):
         if batch.messages:
             await self._apply(batch.messages)
         if batch.epoch == self._epoch:
-            await self._commit(batch.positions)
+            await self._wait_out(lambda: self._commit(batch.positions))
+            self._done.update(batch.positions)
             self.stats.batches += 1
+
+    # -- outages -----------------------------------------------------------------------
+
+    async def _wait_out(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Runs ``op``, waiting out outages (see module doc); other errors raise."""
+        return await wait_out(
+            op, backoff=self._backoff, on_retry=self._on_outage,
+            on_recovered=lambda _attempts: self._recovered(),
+        )
+
+    def _on_outage(self, error: BaseException, attempt: int, delay: float) -> None:
+        self.stats.outage_retries += 1
+        if self.outage is None:
+            self.stats.outages += 1
+            self._outage_since = time.monotonic()
+        self.outage = describe_outage(error)
+        self._in_outage.set()
+        # One line when it starts, then one per capped wait: not a line per retry.
+        if attempt == 0 or delay >= self._backoff.cap:
+            log.warning(
+                "group %s: %s; consumption paused, retrying every %.1fs at most",
+                self.group, self.outage, self._backoff.cap,
+            )
+
+    def _recovered(self) -> None:
+        if self.outage is None:
+            return
+        log.warning(
+            "group %s: recovered after %.1fs (%s); consumption resumes",
+            self.group, time.monotonic() - self._outage_since, self.outage,
+        )
+        self.outage = None
+        self._in_outage.clear()
 
     # -- retries and isolation -------------------------------------------------------
 
     async def _attempt(self, msgs: Sequence[BusMessage], retries: int) -> Exception | None:
-        """Calls the handler up to 1 + ``retries`` times; returns the last error."""
+        """Calls the handler up to 1 + ``retries`` times (outages waited out, not
+        counted); returns the last error."""
         error: Exception | None = None
         for attempt in range(retries + 1):
             try:
-                await self._handler(msgs)
+                await self._wait_out(lambda: self._handler(msgs))
             except Exception as e:
                 error = e
                 if attempt < retries:
                     self.stats.retries += 1
-                    delay = min(self._retry_backoff * 2**attempt, _MAX_BACKOFF_S)
+                    delay = self._backoff.delay(attempt)
                     log.warning(
                         "group %s: handler failed on %d message(s) (%s); retry %d/%d in %.2fs",
                         self.group, len(msgs), describe_error(e), attempt + 1, retries, delay,
@@ -385,7 +468,9 @@ class ConsumerCore(ABC):
             )
             return
         headers = dead_letter_headers(msg, error, self.group)
-        await self._publish_raw(self._dead_letter_topic, msg.value, msg.key, headers)
+        await self._wait_out(
+            lambda: self._publish_raw(self._dead_letter_topic, msg.value, msg.key, headers)
+        )
         self.stats.dead_lettered += 1
         log.error(
             "group %s: %s:%d@%d dead-lettered to %s: %s",

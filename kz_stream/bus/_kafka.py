@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from aiokafka.errors import (
     ConsumerStoppedError,
     IllegalStateError,
     KafkaError,
+    KafkaTimeoutError,
     TopicAlreadyExistsError,
     for_code,
 )
@@ -45,6 +47,7 @@ from aiokafka.partitioner import murmur2
 from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore, event_headers
 from kz_stream.bus._port import (
     DEFAULT_DEAD_LETTER_TOPIC,
+    BusMessage,
     Handler,
     InfrastructureError,
     OffsetStore,
@@ -52,10 +55,15 @@ from kz_stream.bus._port import (
     TopicSpec,
 )
 from kz_stream.events import Event, encode_event
+from kz_stream.faults import DependencyUnavailable
 
 __all__ = ["KafkaBus"]
 
 log = logging.getLogger("kz_stream.bus")
+
+_PING_TIMEOUT_S = 5.0
+_READ_TIMEOUT_S = 60.0
+_COMMIT_TIMEOUT_S = 15.0
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -117,8 +125,10 @@ class _KafkaSubscription(ConsumerCore):
         # applied: paused partitions return no records.
         if assigned:
             consumer.pause(*assigned)
-        if self._offsets is not None and assigned:
-            stored = await self._offsets.load_offsets(self.group)
+        offsets = self._offsets
+        if offsets is not None and assigned:
+            # A store outage is waited out here too, or the assignment would be lost to it.
+            stored = await self._wait_out(lambda: offsets.load_offsets(self.group))
             for tp in assigned:
                 pos = stored.get(f"{tp.topic}:{tp.partition}")
                 if pos is not None:
@@ -127,6 +137,7 @@ class _KafkaSubscription(ConsumerCore):
 
     async def _fetch_loop(self) -> None:
         consumer = self._consumer
+        failing_since: float | None = None
         while True:
             if not self._room() and not self._paused and not self._settling:
                 await self._hold()
@@ -136,12 +147,23 @@ class _KafkaSubscription(ConsumerCore):
                 return
             except KafkaError as e:
                 if e.retriable:
-                    log.warning("group %s: fetch failed (%s); retrying", self.group, e)
+                    # One line when fetching starts failing and one when it works again:
+                    # a broker restart is not a line every half second.
+                    if failing_since is None:
+                        failing_since = time.monotonic()
+                        log.warning("group %s: fetch failed (%s); retrying until it works",
+                                    self.group, e)
                     await asyncio.sleep(0.5)
                     continue
                 self._fail(e)
                 return
+            if failing_since is not None:
+                log.warning("group %s: fetching again after %.1fs", self.group,
+                            time.monotonic() - failing_since)
+                failing_since = None
             if not data:
+                if not (self._settling or self._stopping):
+                    await self._rewind_past_end()
                 continue
             if self._settling or self._stopping:
                 # Records handed out while positions are being reset: put them back so
@@ -154,6 +176,31 @@ class _KafkaSubscription(ConsumerCore):
             for tp, records in data.items():
                 batch.add_records(tp.topic, tp.partition, records)
             self._enqueue(batch)
+
+    async def _rewind_past_end(self) -> None:
+        """Reads a partition from its start when our position is past its end.
+
+        That happens when the topic was deleted and created again (a broker that lost its
+        storage): the stored or committed offsets belong to the old log. Kafka answers
+        such a fetch with OFFSET_OUT_OF_RANGE and aiokafka resets, but tansu answers with
+        nothing, so the consumer would wait there and skip the new log's first records.
+        The highwater is that of the last fetch at the current position (aiokafka drops
+        answers for any other), so a position above it is past the end.
+        """
+        consumer = self._consumer
+        paused = consumer.paused()  # paused partitions fetch nothing: no highwater news
+        for tp in consumer.assignment():
+            highwater = consumer.highwater(tp)
+            if highwater is None or tp in paused:
+                continue
+            position = await consumer.position(tp)
+            if position > highwater:
+                log.warning(
+                    "group %s: %s:%d is at %d but its log ends at %d (the topic was created "
+                    "again); reading it from the start", self.group, tp.topic, tp.partition,
+                    position, highwater,
+                )
+                await consumer.seek_to_beginning(tp)
 
     async def _hold(self) -> None:
         """Waits for room in the queue; pauses the partitions if none comes soon.
@@ -190,11 +237,27 @@ class _KafkaSubscription(ConsumerCore):
     async def _commit(self, positions: dict[TP, int]) -> None:
         offsets = {TopicPartition(t, p): off for (t, p), off in positions.items()}
         try:
-            await self._consumer.commit(offsets)
+            # aiokafka retries a commit forever while the broker or the topic is gone; a
+            # bound turns that into an outage the core waits out visibly (health, one log
+            # line) and that a stop can give up at once.
+            async with asyncio.timeout(_COMMIT_TIMEOUT_S):
+                await self._consumer.commit(offsets)
+        except TimeoutError as e:
+            raise KafkaTimeoutError(f"offset commit for group {self.group} timed out") from e
         except (CommitFailedError, IllegalStateError) as e:
             # The partitions moved on; their new owner refetches from the last commit.
             log.warning("group %s: commit lost to a rebalance (%s); records will be redelivered",
                         self.group, e)
+
+    def _log_ends(self) -> dict[TP, int]:
+        # The fetch high-water marks (tansu under-reports end_offsets()).
+        consumer = self._consumer
+        ends = {}
+        for tp in consumer.assignment() if consumer is not None else ():
+            highwater = consumer.highwater(tp)
+            if highwater is not None:
+                ends[(tp.topic, tp.partition)] = int(highwater)
+        return ends
 
     async def _stop_fetching(self) -> None:
         if self._fetch_task is not None:
@@ -203,8 +266,18 @@ class _KafkaSubscription(ConsumerCore):
 
     async def _leave(self) -> None:
         self._bus._subscriptions.discard(self)
-        if self._consumer is not None:
+        if self._consumer is None:
+            return
+        try:
             await self._consumer.stop()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # a cancellation of our own
+            # aiokafka's fetcher lets out the CancelledError of a fetch it cancelled itself
+            # (one sleeping between retries while the broker is down), and then the client
+            # is never closed: close it here.
+            await self._consumer._client.close()
 
 
 class KafkaBus:
@@ -290,6 +363,61 @@ class KafkaBus:
         if self._producer is not None:
             producer, self._producer = self._producer, None
             await producer.stop()
+
+    async def read_topic(self, topic: str) -> list[BusMessage]:
+        """Reads up to the fetch high-water mark of each partition (tansu under-reports
+        ``end_offsets()``), with a consumer of no group (see the port)."""
+        tps = [TopicPartition(topic, p) for p in await self._partitions(topic)]
+        consumer = AIOKafkaConsumer(
+            **{k: v for k, v in self._consumer_options.items()
+               if k in ("bootstrap_servers", "client_id", "max_partition_fetch_bytes",
+                        "fetch_max_bytes")},
+            group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+        )
+        await consumer.start()
+        out: list[BusMessage] = []
+        try:
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            async with asyncio.timeout(_READ_TIMEOUT_S):
+                while True:
+                    data = await consumer.getmany(timeout_ms=200)
+                    for tp, records in data.items():
+                        out.extend(
+                            BusMessage(tp.topic, tp.partition, r.offset, r.key,
+                                       r.value if r.value is not None else b"",
+                                       dict(r.headers) if r.headers else {})
+                            for r in records
+                        )
+                    if all([await self._read_up(consumer, tp) for tp in tps]):
+                        break
+        except TimeoutError as e:
+            raise DependencyUnavailable(
+                "broker", f"reading {topic!r} at {self.bootstrap_servers} did not finish"
+            ) from e
+        finally:
+            await consumer.stop()
+        return sorted(out, key=lambda m: (m.partition, m.offset))
+
+    @staticmethod
+    async def _read_up(consumer: Any, tp: TopicPartition) -> bool:
+        """Whether ``tp`` has been read to the high-water mark of its last fetch."""
+        highwater = consumer.highwater(tp)
+        return highwater is not None and bool(await consumer.position(tp) >= highwater)
+
+    async def ping(self, topics: Sequence[str] = ()) -> list[str]:
+        """Asks the cluster for its metadata (see the port)."""
+        producer = self._require_producer()
+        try:
+            async with asyncio.timeout(_PING_TIMEOUT_S):
+                metadata = await producer.client.fetch_all_metadata()
+        except (KafkaError, OSError, TimeoutError) as e:
+            why = str(e) or type(e).__name__
+            raise DependencyUnavailable(
+                "broker", f"Kafka at {self.bootstrap_servers} does not answer: {why}"
+            ) from e
+        known = metadata.topics()
+        return [t for t in topics if t not in known]
 
     def _require_producer(self) -> Any:
         if self._producer is None:
@@ -409,6 +537,7 @@ class KafkaBus:
         max_in_flight: int = 2,
         max_retries: int = 3,
         retry_backoff: float = 0.2,
+        max_backoff: float = 30.0,
         dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC,
         from_beginning: bool = True,
         decode: bool = True,
@@ -424,6 +553,7 @@ class KafkaBus:
             max_in_flight=max_in_flight,
             max_retries=max_retries,
             retry_backoff=retry_backoff,
+            max_backoff=max_backoff,
             dead_letter_topic=dead_letter_topic,
             from_beginning=from_beginning,
             decode=decode,

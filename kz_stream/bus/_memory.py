@@ -26,6 +26,7 @@ from aiokafka.partitioner import murmur2
 from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore, event_headers
 from kz_stream.bus._port import (
     DEFAULT_DEAD_LETTER_TOPIC,
+    BusMessage,
     Handler,
     OffsetStore,
     Subscription,
@@ -143,8 +144,12 @@ class _MemorySubscription(ConsumerCore):
     async def _assign(self, partitions: Sequence[TP]) -> None:
         if self._stopping:
             return
+        offsets = self._offsets
         try:
-            stored = await self._offsets.load_offsets(self.group) if self._offsets else {}
+            # A store outage is waited out: the assignment is not lost to it.
+            stored = (
+                await self._wait_out(lambda: offsets.load_offsets(self.group)) if offsets else {}
+            )
         except Exception as e:
             self._fail(e)
             return
@@ -223,6 +228,9 @@ class _MemorySubscription(ConsumerCore):
     async def _commit(self, positions: dict[TP, int]) -> None:
         self._group_state.committed.update(positions)
 
+    def _log_ends(self) -> dict[TP, int]:
+        return {tp: len(self.bus._topic(tp[0]).logs[tp[1]]) for tp in self._assigned}
+
     async def _stop_fetching(self) -> None:
         for t in self.topics:
             self.bus._topic(t).watchers.discard(self._wake)
@@ -259,6 +267,17 @@ class InMemoryBus:
         if t is None:
             t = self._topics[name] = _Topic(name, self.default_partitions, compacted=False)
         return t
+
+    async def read_topic(self, topic: str) -> list[BusMessage]:
+        return [
+            BusMessage(topic, p, offset, r.key, r.value, dict(r.headers))
+            for p, records in enumerate(self._topic(topic).logs)
+            for offset, r in enumerate(records)
+        ]
+
+    async def ping(self, topics: Sequence[str] = ()) -> list[str]:
+        """Always answers; topics spring into being when used, so none is missing."""
+        return []
 
     async def create_topics(self, topics: Sequence[TopicSpec]) -> None:
         for spec in topics:
@@ -316,6 +335,7 @@ class InMemoryBus:
         max_in_flight: int = 2,
         max_retries: int = 3,
         retry_backoff: float = 0.2,
+        max_backoff: float = 30.0,
         dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC,
         from_beginning: bool = True,
         decode: bool = True,
@@ -335,6 +355,7 @@ class InMemoryBus:
             max_in_flight=max_in_flight,
             max_retries=max_retries,
             retry_backoff=retry_backoff,
+            max_backoff=max_backoff,
             dead_letter_topic=dead_letter_topic,
             from_beginning=from_beginning,
             decode=decode,

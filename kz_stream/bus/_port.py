@@ -25,8 +25,9 @@ DEFAULT_DEAD_LETTER_TOPIC = "kz.dead-letter"
 
 
 class InfrastructureError(Exception):
-    """A fault outside the event itself (database down, disk full): retried, then
-    dead-lettered. Bad kernels are verdicts, never this."""
+    """A fault outside the event itself that does not pass by itself (a topic that cannot
+    be created): retried, then dead-lettered. Outages (``kz_stream.faults``) are waited
+    out instead. Bad kernels are verdicts, never this."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,9 @@ class SubscriptionStats:
 
     batches: int = 0  # batches whose offsets were committed
     messages: int = 0  # messages the handler applied
-    retries: int = 0  # handler calls that raised and were retried
+    retries: int = 0  # handler calls that raised (not for an outage) and were retried
+    outages: int = 0  # store or broker outages waited out (each one counted once)
+    outage_retries: int = 0  # retries while waiting out an outage (handler, commit, DLQ)
     dead_lettered: int = 0  # records sent to the dead-letter topic
     dropped_batches: int = 0  # fetched batches given back uncommitted (rebalance, stop)
     pauses: int = 0  # times fetching paused because max_in_flight batches were waiting
@@ -80,10 +83,19 @@ class SubscriptionStats:
 
 
 class Subscription(Protocol):
+    group: str
     stats: SubscriptionStats
+    # The store or broker outage being waited out, None when there is none.
+    outage: str | None
+    # time.monotonic() when the running batch started, None while idle.
+    busy_since: float | None
 
     def assignment(self) -> frozenset[tuple[str, int]]:
         """The (topic, partition) pairs this subscription currently owns."""
+
+    def lag(self) -> int | None:
+        """Records between the last committed batch and the ends of the logs (None until a
+        batch is committed on this assignment)."""
 
     async def stop(self, grace: float | None = None) -> None:
         """Stops fetching, drops fetched batches not yet started (they are redelivered),
@@ -100,6 +112,14 @@ class Bus(Protocol):
 
     async def close(self) -> None:
         """Stops every subscription (letting running batches finish) and the producer."""
+
+    async def read_topic(self, topic: str) -> list[BusMessage]:
+        """Every record in ``topic`` now, from its start, undecoded (``event`` None), in
+        offset order per partition; joins no group and commits nothing (``kz dlq``)."""
+
+    async def ping(self, topics: Sequence[str] = ()) -> list[str]:
+        """Raises ``kz_stream.faults.DependencyUnavailable`` when the bus does not answer;
+        returns those of ``topics`` that do not exist."""
 
     async def create_topics(self, topics: Sequence[TopicSpec]) -> None:
         """Creates missing topics; existing ones are left as they are."""
@@ -139,6 +159,7 @@ class Bus(Protocol):
         max_in_flight: int = 2,
         max_retries: int = 3,
         retry_backoff: float = 0.2,
+        max_backoff: float = 30.0,
         dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC,
         from_beginning: bool = True,
         decode: bool = True,
@@ -149,7 +170,10 @@ class Bus(Protocol):
         slow handler keeps its partitions. A handler that raises is retried ``max_retries``
         times (backoff ``retry_backoff`` seconds, doubling); then the batch is split to
         isolate the failing messages, which go to ``dead_letter_topic``; the rest are
-        applied and the consumer goes on. Undecodable records go there at once. With
+        applied and the consumer goes on. Undecodable records go there at once. An outage
+        of the store or broker (``kz_stream.faults.is_transient``) is never dead-lettered:
+        the same call is retried, backoff doubling up to ``max_backoff`` seconds, until it
+        passes, while fetching pauses and ``outage`` names it. With
         ``decode=False`` handlers get every record raw (``event`` None).
         """
 

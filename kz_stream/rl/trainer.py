@@ -66,13 +66,22 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from trl.trainer.grpo_config import GRPOConfig
-from trl.trainer.grpo_trainer import GRPOTrainer
 
 from kz_stream.events import TrainingStepCompleted
 from kz_stream.rl.groups import Group, Sample, TrainingBatch, build_batch
 from kz_stream.rl.rewards import RewardConfig, ca_grpo_rewards, proposer_reward
 from kz_stream.rl.schedule import Role
+
+with warnings.catch_warnings():
+    # TRL checks the installed vLLM's version in several of its modules at import and warns
+    # from each when it is newer than TRL was tested with. TRL's vLLM client and generation
+    # are never used here (rollouts come from the store; see KzGRPOTrainer), so the warning
+    # concerns nothing the user runs.
+    warnings.filterwarnings(
+        "ignore", message=r"TRL currently supports vLLM versions", category=UserWarning
+    )
+    from trl.trainer.grpo_config import GRPOConfig
+    from trl.trainer.grpo_trainer import GRPOTrainer
 
 __all__ = [
     "CoderLearner",

@@ -101,4 +101,8 @@ class EventStore(Protocol):
 
     async def last_position(self) -> int: ...
 
+    async def ping(self) -> None:
+        """Raises ``kz_stream.faults.DependencyUnavailable`` when the database does not
+        answer."""
+
     async def get_tracking(self, name: str) -> dict[str, int]: ...

@@ -52,6 +52,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from kz_stream.events import EVENT_TYPES, Event
+from kz_stream.faults import DependencyUnavailable
 from kz_stream.store._migrate import upgrade_connection
 from kz_stream.store._port import (
     AppendResult,
@@ -91,6 +92,9 @@ _TRIMMED_PAYLOAD = (
 )
 _READ_COLUMNS = (events.c.global_position, events.c.recorded_at,
                  *(events.c[name] for name in EVENT_COLUMNS))
+
+# A health probe that waits longer than this calls the database unreachable.
+_PING_TIMEOUT_S = 5.0
 
 
 def _async_url(url: str | URL) -> URL:
@@ -549,6 +553,17 @@ class SqlEventStore:
             yield listener.wait
         finally:
             await listener.close()
+
+    async def ping(self) -> None:
+        engine, _ = self._engines()
+        try:
+            async with asyncio.timeout(_PING_TIMEOUT_S), engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        except Exception as e:
+            where = self._url.render_as_string(hide_password=True)
+            raise DependencyUnavailable(
+                "store", f"{where} does not answer: {type(e).__name__}: {e}"
+            ) from e
 
     async def last_position(self) -> int:
         engine, _ = self._engines()

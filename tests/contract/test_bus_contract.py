@@ -37,7 +37,9 @@ from kz_stream.bus import (
     offsets_after,
     open_bus,
 )
+from kz_stream.dlq import HEADER_REDRIVEN_FROM, list_dead_letters, redrive
 from kz_stream.events import Event, KernelVerified, encode_event, new_event
+from kz_stream.faults import DependencyUnavailable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -432,6 +434,41 @@ async def test_transient_failure_is_retried_not_dead_lettered(make_bus: MakeBus)
     assert sub.stats.retries == 2 and sub.stats.dead_lettered == 0
 
 
+async def test_an_outage_is_waited_out_past_max_retries_and_nothing_is_dead_lettered(
+    make_bus: MakeBus,
+) -> None:
+    bus = await make_bus()
+    topic, dlq, group = unique("outage"), unique("dlq"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=1), TopicSpec(dlq, partitions=1)])
+    events = [verdict(i, "kernel-0") for i in range(5)]
+    await bus.publish_many(topic, events)
+    applied = Collector()
+    down = True
+    calls = 0
+
+    async def store_down(batch: Sequence[BusMessage]) -> None:
+        nonlocal calls
+        calls += 1
+        if down:
+            raise DependencyUnavailable("store", "connection refused")
+        await applied(batch)
+
+    sub = await bus.subscribe(
+        group, [topic], store_down, max_retries=1, retry_backoff=0.01, max_backoff=0.05,
+        dead_letter_topic=dlq,
+    )
+    # Many more calls than max_retries allows for a poison record: still not dead-lettered.
+    await wait_for(lambda: calls > 10, "retries past max_retries")
+    assert sub.outage == "store unreachable: DependencyUnavailable: connection refused"
+    down = False
+    await wait_for(lambda: len(applied.messages) >= 5, "all 5 events after the outage")
+    await wait_for(lambda: sub.outage is None, "the outage to end")
+    await sub.stop()
+    assert applied.ids() == [e.event_id for e in events]
+    assert sub.stats.dead_lettered == 0 and sub.stats.retries == 0
+    assert sub.stats.outages == 1 and sub.stats.outage_retries >= 10
+
+
 async def test_malformed_records_go_to_dead_letter_with_the_field_named(
     make_bus: MakeBus,
 ) -> None:
@@ -473,6 +510,76 @@ async def test_malformed_records_go_to_dead_letter_with_the_field_named(
         assert m.headers[HEADER_ORIGINAL_OFFSET] == str(i).encode()
         assert m.headers[HEADER_ERROR_TYPE] == b"EventDecodeError"
     assert sub.stats.dead_lettered == 4
+
+
+async def test_lag_counts_the_records_behind_the_last_committed_batch(
+    make_bus: MakeBus,
+) -> None:
+    bus = await make_bus()
+    topic, group = unique("lag"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=1)])
+    await bus.publish_many(topic, [verdict(i, "kernel-0") for i in range(10)])
+    applied = Collector()
+    release = asyncio.Event()
+
+    async def first_then_wait(batch: Sequence[BusMessage]) -> None:
+        if applied.batches:
+            await release.wait()
+        await applied(batch)
+
+    sub = await bus.subscribe(group, [topic], first_then_wait, max_batch=2)
+    assert sub.lag() is None  # nothing committed yet: unknown, not zero
+    await wait_for(lambda: sub.stats.batches == 1, "the first batch committed")
+    assert sub.lag() == 8
+    release.set()
+    await wait_for(lambda: len(applied.messages) == 10, "all 10 events")
+    await wait_for(lambda: sub.lag() == 0, "no lag")
+    await sub.stop()
+
+
+async def test_dead_letters_are_listed_with_their_origin_and_redriven_as_they_were(
+    make_bus: MakeBus,
+) -> None:
+    bus = await make_bus()
+    topic, dlq, group = unique("work"), unique("dlq"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=2), TopicSpec(dlq, partitions=1)])
+    assert await list_dead_letters(bus, dlq) == []  # an empty topic reads as empty
+    poison, good = verdict(1, "kernel-poison"), verdict(2, "kernel-good")
+    await bus.publish(topic, poison)
+    await bus.publish(topic, good)
+    await bus.publish_raw(topic, b"not json", key=b"junk")
+    applied = Collector()
+    fixed = False
+
+    async def handler(batch: Sequence[BusMessage]) -> None:
+        if not fixed and any(m.event is not None and m.event.event_id == poison.event_id
+                             for m in batch):
+            raise ValueError("cannot apply kernel-poison")
+        await applied(batch)
+
+    sub = await bus.subscribe(group, [topic], handler, max_retries=0, retry_backoff=0.01,
+                              dead_letter_topic=dlq)
+    await wait_for(lambda: sub.stats.dead_lettered == 2 and len(applied.messages) == 1,
+                   "one applied, two dead-lettered")
+    letters = await list_dead_letters(bus, dlq)
+    by_key = {d.message.key: d for d in letters}
+    assert set(by_key) == {b"kernel-poison", b"junk"}
+    letter = by_key[b"kernel-poison"]
+    assert letter.origin_topic == topic and letter.group == group
+    assert letter.error == "ValueError: cannot apply kernel-poison"
+    assert letter.event_type == "KernelVerified"
+    assert letter.origin.startswith(f"{topic}:") and letter.message.value == encode_event(poison)
+
+    fixed = True
+    report = await redrive(bus, dlq, [letter])
+    assert report.redriven == [letter] and report.skipped == []
+    await wait_for(lambda: len(applied.messages) == 2, "the re-driven event applied")
+    await sub.stop()
+    again = applied.messages[-1]
+    assert again.event is not None and again.event.event_id == poison.event_id
+    assert again.headers[HEADER_REDRIVEN_FROM] == f"{dlq}:{letter.where}".encode()
+    assert again.headers[HEADER_TYPE] == b"KernelVerified"
+    assert HEADER_ERROR not in again.headers and HEADER_ORIGINAL_TOPIC not in again.headers
 
 
 async def test_compacted_topic_delivers_the_latest_value_per_key(make_bus: MakeBus) -> None:

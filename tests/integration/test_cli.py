@@ -8,11 +8,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from kz_stream.bus import BusMessage, KafkaBus, TopicSpec
+from kz_stream.bus._consumer import dead_letter_headers, event_headers
 from kz_stream.cli import app
 from kz_stream.events import (
     KernelGenerated,
@@ -20,6 +23,7 @@ from kz_stream.events import (
     ModuleProposed,
     ModuleValidation,
     VerdictStatus,
+    encode_event,
     new_event,
 )
 from kz_stream.store import open_store
@@ -182,3 +186,56 @@ def test_an_impossible_setting_is_one_error_naming_the_option_before_anything_st
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1, result.output  # the CLI's one-line error
     assert named in result.output and "AssertionError" not in result.output
+
+
+@pytest.mark.kafka
+def test_dlq_list_and_redrive_on_the_broker(kafka_bootstrap: str) -> None:
+    tag = uuid.uuid4().hex[:8]
+    origin, dlq = f"kernels-{tag}", f"dlq-{tag}"
+    env = {"KZ_BUS_URL": f"kafka://{kafka_bootstrap}", "KZ_TOPICS__DEAD_LETTER": dlq}
+    event = new_event(
+        KernelVerified(kernel_id="k", module_id="m", group_id="g", status=VerdictStatus.CORRECT),
+        stream_id="kernel-k", stream_version=1,
+    )
+    dead = BusMessage(origin, 0, 41, b"kernel-k", encode_event(event), event_headers(event))
+
+    async def setup() -> None:
+        bus = KafkaBus(kafka_bootstrap)
+        await bus.start()
+        await bus.create_topics([TopicSpec(origin, 1), TopicSpec(dlq, 1)])
+        headers = dead_letter_headers(dead, ValueError("no such module"), "kz-verifier")
+        await bus.publish_raw(dlq, dead.value, key=dead.key, headers=headers)
+        await bus.close()
+
+    asyncio.run(setup())
+    listed = kz("dlq", "list", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    [letter] = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert letter["origin"] == f"{origin}:0@41" and letter["group"] == "kz-verifier"
+    assert letter["error"] == "ValueError: no such module" and letter["type"] == "KernelVerified"
+    human = kz("dlq", "list", env=env)
+    assert "1 dead letter(s)" in human.stdout and "kz-verifier" in human.stdout
+
+    refused = kz("dlq", "redrive", env=env)
+    assert refused.returncode != 0 and "--all" in refused.stderr
+    redriven = kz("dlq", "redrive", "--origin", origin, env=env)
+    assert redriven.returncode == 0, redriven.stderr
+    assert f"re-drove 0@0 -> {origin}" in redriven.stdout
+
+    async def read_origin() -> list[BusMessage]:
+        bus = KafkaBus(kafka_bootstrap)
+        await bus.start()
+        try:
+            return await bus.read_topic(origin)
+        finally:
+            await bus.close()
+
+    [again] = asyncio.run(read_origin())
+    assert again.value == dead.value and again.key == dead.key
+    assert again.headers["kz-redriven-from"] == f"{dlq}:0@0".encode()
+    assert "kz-error" not in again.headers
+
+
+def test_dlq_refuses_the_embedded_bus() -> None:
+    out = kz("dlq", "list", env={"KZ_BUS_URL": "memory://"})
+    assert out.returncode == 1 and "embedded bus" in out.stderr

@@ -1,0 +1,321 @@
+"""Outages are waited out: a PostgreSQL restart under the recorder (on the real broker)
+and under the learner loses no event, dead-letters none, and the services report
+themselves unhealthy meanwhile and healthy again after, by themselves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from consumers.recorder import Recorder
+from kz_stream.bus import KafkaBus
+from kz_stream.config import ResilienceSettings, Settings, TopicsConfig
+from kz_stream.events import Event, KernelVerified, VerdictStatus, new_event
+from kz_stream.faults import is_transient
+from kz_stream.infra import LocalBroker, LocalPostgres, free_port
+from kz_stream.runtime import DependencyMonitor, ServiceContext, run_services
+from kz_stream.store import open_store
+from tests.contract.test_bus_contract import KAFKA_TEST_OPTIONS, wait_for
+from tests.integration.test_learner_restart import GROUPS, fill_store, read, start_learner
+from tests.rl.tiny import tiny_model, tiny_tokenizer
+from tests.unit.test_runtime import get
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+FAST_RETRIES = ResilienceSettings(backoff_initial_s=0.05, backoff_max_s=0.5, probe_interval_s=0.2)
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[LocalPostgres]:
+    """A PostgreSQL cluster of this test's own, so that it can be stopped and started."""
+    root = Path(tempfile.mkdtemp(prefix="kz-pg-outage-"))
+    root.chmod(0o755)  # the postgres user must reach it when we are root
+    pg = LocalPostgres(root / "pg", database="kz").start()
+    try:
+        yield pg
+    finally:
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def verdicts(n: int, tag: str) -> list[Event]:
+    return [
+        new_event(
+            KernelVerified(kernel_id=f"{tag}{i}", module_id="m", group_id="g",
+                           status=VerdictStatus.INCORRECT, reason="r"),
+            stream_id=f"kernel-{tag}{i}",
+            stream_version=1,
+            producer="test",
+        )
+        for i in range(n)
+    ]
+
+
+def unique_topics() -> tuple[str, TopicsConfig]:
+    """A tag and topic names of this test only (the session's broker is shared)."""
+    tag = uuid.uuid4().hex[:8]
+    names = ("modules", "kernels", "verdicts", "frontier", "policy", "dead_letter")
+    return tag, TopicsConfig(**{f: f"{f}-{tag}" for f in names}, partitions=2)
+
+
+async def stored_ids(url: str) -> set[str]:
+    """Event ids in the store, or an empty set while it does not answer."""
+    try:
+        async with open_store(url, create_schema=False) as store:
+            return {str(r.event.event_id) async for b in store.read_all(0) for r in b}
+    except Exception as e:
+        if is_transient(e):
+            return set()
+        raise
+
+
+@pytest.mark.kafka
+@pytest.mark.postgres
+async def test_the_recorder_waits_out_a_postgres_restart_with_nothing_lost_or_dead_lettered(
+    own_postgres: LocalPostgres, kafka_bootstrap: str
+) -> None:
+    pg = own_postgres
+    tag, topics = unique_topics()
+    settings = Settings(database_url=pg.url, topics=topics, resilience=FAST_RETRIES)
+    port = free_port()
+    health_url, metrics_url = f"http://127.0.0.1:{port}/healthz", f"http://127.0.0.1:{port}/metrics"
+    published: list[Event] = []
+    async with open_store(pg.url) as store:
+        bus = KafkaBus(kafka_bootstrap, client_id=f"outage-{tag}", **KAFKA_TEST_OPTIONS)
+        await bus.start()
+        await bus.create_topics(topics.specs())
+        recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
+        run = asyncio.create_task(
+            run_services([recorder], http_port=port, install_signal_handlers=False)
+        )
+        try:
+            before = verdicts(200, "a")
+            await bus.publish_many(topics.verdicts, before)
+            published += before
+            await wait_for(lambda: recorder.appended_total >= 200, "the first 200 events stored")
+
+            await asyncio.to_thread(pg.stop)
+            during = verdicts(200, "b")
+            await bus.publish_many(topics.verdicts, during)
+            published += during
+            await wait_for(lambda: bool(recorder.subscriptions)
+                        and recorder.subscriptions[0].outage is not None,
+                        "the recorder to meet the outage")
+            status, body = await asyncio.to_thread(get, health_url)
+            assert status == 503
+            health = json.loads(body)
+            assert health["services"]["recorder"]["detail"].startswith(
+                "consumer kz-recorder: store unreachable: "
+            )
+            _, metrics = await asyncio.to_thread(get, metrics_url)
+            assert 'kz_consumer_outage{group="kz-recorder",service="recorder"} 1.0' in metrics
+            await wait_for(lambda: recorder.subscriptions[0].stats.outage_retries >= 3,
+                        "retries during the outage")
+
+            await asyncio.to_thread(pg.start)
+            after = verdicts(200, "c")
+            await bus.publish_many(topics.verdicts, after)
+            published += after
+            await wait_for(lambda: recorder.appended_total >= 600, "all 600 events stored")
+            await wait_for(lambda: get(health_url)[0] == 200, "healthy again")
+            _, metrics = await asyncio.to_thread(get, metrics_url)
+        finally:
+            recorder.request_stop()
+            await run
+            await bus.close()
+    stats = recorder.subscriptions[0].stats
+    assert stats.dead_lettered == 0 and stats.outages >= 1
+    assert await stored_ids(pg.url) == {str(e.event_id) for e in published}
+    assert recorder.appended_total == 600  # none applied twice
+    assert 'kz_dependency_up{dependency="store"} 1.0' in metrics
+    retries = [line for line in metrics.splitlines()
+               if line.startswith("kz_consumer_outage_retries_total{")]
+    assert retries and float(retries[0].split()[-1]) >= 3
+    assert 'kz_consumer_dead_lettered_total{group="kz-recorder",service="recorder"} 0.0' in metrics
+    assert 'kz_consumer_lag{group="kz-recorder",service="recorder"} 0.0' in metrics
+
+
+@pytest.mark.postgres
+def test_the_learner_survives_a_postgres_restart_and_trains_every_group_once(
+    own_postgres: LocalPostgres, tmp_path: Path
+) -> None:
+    pg = own_postgres
+    model_dir = tmp_path / "tiny"
+    tiny_model().save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    url = pg.url
+    group_ids = fill_store(url, range(GROUPS // 2))
+    port = free_port()
+    env = {
+        **os.environ,
+        "KZ_DATABASE_URL": url,
+        "KZ_BUS_URL": "memory://",
+        "KZ_HTTP_PORT": str(port),
+        "KZ_RESILIENCE__BACKOFF_MAX_S": "0.5",
+        "KZ_RESILIENCE__PROBE_INTERVAL_S": "0.2",
+        "KZ_LEARNER__MODEL": str(model_dir),
+        "KZ_LEARNER__CHECKPOINT_DIR": str(tmp_path / "policies"),
+        "KZ_LEARNER__ORDER": '["coder"]',
+        "KZ_LEARNER__LEARNING_RATE": "0.01",
+        "KZ_LEARNER__LORA_R": "4",
+        "KZ_LEARNER__MAX_STALENESS": str(GROUPS),
+    }
+    log = tmp_path / "learner.log"
+    learner = start_learner(env, log)
+    health_url = f"http://127.0.0.1:{port}/healthz"
+
+    def wait(cond: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 300
+        while not cond():
+            assert learner.poll() is None, log.read_text()[-3000:]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.1)
+
+    def health() -> tuple[int, dict[str, Any]]:
+        try:
+            status, body = get(health_url)
+        except OSError:
+            return 0, {}
+        return status, json.loads(body)
+
+    def learner_outage() -> bool:
+        status, body = health()
+        detail = body.get("services", {}).get("learner", {}).get("detail", "")
+        return status == 503 and detail.startswith("store unreachable: ")
+
+    try:
+        # Every group there is trained: the learner is tailing the store when it stops.
+        wait(lambda: len(read(url, "TrainingStepCompleted")) >= GROUPS // 2, "the first steps")
+        pg.stop()
+        wait(learner_outage, "the learner to meet the outage and report it")
+        pg.start()
+        group_ids |= fill_store(url, range(GROUPS // 2, GROUPS))
+        wait(lambda: len(read(url, "TrainingStepCompleted")) >= GROUPS, "every step")
+        wait(lambda: health()[0] == 200, "the learner to be healthy again")
+    finally:
+        learner.send_signal(signal.SIGTERM)
+        code = learner.wait(timeout=60)
+    assert code == 0, log.read_text()[-3000:]
+    steps = read(url, "TrainingStepCompleted")
+    used = [gid for s in steps for gid in s["group_ids"]]
+    assert sorted(used) == sorted(group_ids)  # every group once: none lost, none repeated
+    versions = [p["version"] for p in read(url, "PolicyVersionPublished")]
+    assert versions == list(range(1, GROUPS + 1))
+
+
+@pytest.fixture
+def own_broker() -> Iterator[LocalBroker]:
+    """A tansu broker of this test's own (memory storage: a restart loses every topic)."""
+    broker = LocalBroker().start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.mark.kafka
+async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
+    own_broker: LocalBroker, tmp_path: Path
+) -> None:
+    tag, topics = unique_topics()
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    settings = Settings(database_url=url, topics=topics, resilience=FAST_RETRIES)
+    port = free_port()
+    health_url = f"http://127.0.0.1:{port}/healthz"
+
+    def dependencies() -> dict[str, Any]:
+        status, body = get(health_url)
+        return {"status": status, **json.loads(body)["dependencies"]}
+
+    async with open_store(url) as store:
+        bus = KafkaBus(own_broker.bootstrap, client_id=f"restart-{tag}", **KAFKA_TEST_OPTIONS)
+        await bus.start()
+        await bus.create_topics(topics.specs())
+        recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
+        run = asyncio.create_task(
+            run_services([recorder], http_port=port, install_signal_handlers=False)
+        )
+        try:
+            await bus.publish_many(topics.verdicts, verdicts(300, "a"))
+            await wait_for(lambda: recorder.appended_total >= 300, "the first 300 events")
+
+            own_broker.stop()
+            await wait_for(lambda: not dependencies()["broker"]["up"], "the broker reported down")
+            assert dependencies()["status"] == 503
+            # The same address, nothing stored: as a broker replaced with an empty one.
+            LocalBroker(port=own_broker.port).start()
+            await wait_for(lambda: dependencies()["status"] == 200,
+                           "broker up, topics recreated, recorder healthy", within=120)
+            after = verdicts(100, "b")
+            await bus.publish_many(topics.verdicts, after)
+            await wait_for(lambda: recorder.appended_total >= 400, "the 100 new events")
+        finally:
+            recorder.request_stop()
+            await run
+            await bus.close()
+    assert recorder.subscriptions[0].stats.dead_lettered == 0
+    assert {str(e.event_id) for e in after} <= await stored_ids(url)
+
+
+@pytest.mark.kafka
+async def test_missing_topics_are_an_unhealthy_state_and_created_where_allowed(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    tag, topics = unique_topics()
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    forbidden = Settings(database_url=url, topics=topics,
+                         resilience=ResilienceSettings(create_topics=False))
+    async with open_store(url) as store:
+        bus = KafkaBus(kafka_bootstrap, client_id=f"topics-{tag}", **KAFKA_TEST_OPTIONS)
+        await bus.start()
+        try:
+            monitor = DependencyMonitor(ServiceContext(settings=forbidden, store=store, bus=bus))
+            await monitor.probe()
+            state = monitor.health()
+            assert state["broker"]["up"] and state["store"]["up"]
+            assert state["topics"] == {"up": False, "detail": "missing: " + ", ".join(
+                topics.all())}
+            assert await bus.ping(topics.all()) == topics.all()  # nothing was created
+
+            allowed = forbidden.model_copy(update={"resilience": ResilienceSettings()})
+            monitor = DependencyMonitor(ServiceContext(settings=allowed, store=store, bus=bus))
+            await monitor.probe()
+            assert monitor.health()["topics"] == {"up": True, "detail": ""}
+            assert await bus.ping(topics.all()) == []
+        finally:
+            await bus.close()
+
+
+@pytest.mark.kafka
+async def test_a_recorder_stops_promptly_while_its_broker_is_down(
+    own_broker: LocalBroker, tmp_path: Path
+) -> None:
+    _, topics = unique_topics()
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    settings = Settings(database_url=url, topics=topics, resilience=FAST_RETRIES)
+    async with open_store(url) as store:
+        bus = KafkaBus(own_broker.bootstrap, **KAFKA_TEST_OPTIONS)
+        await bus.start()
+        await bus.create_topics(topics.specs())
+        recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
+        run = asyncio.create_task(run_services([recorder], install_signal_handlers=False))
+        await bus.publish_many(topics.verdicts, verdicts(50, "a"))
+        await wait_for(lambda: recorder.appended_total >= 50, "the events stored")
+        own_broker.stop()
+        recorder.request_stop()
+        # Bounded only so that a hang fails the test instead of the suite's timeout.
+        await asyncio.wait_for(run, 120)
+        await asyncio.wait_for(bus.close(), 120)
+    assert recorder.appended_total == 50

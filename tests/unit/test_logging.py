@@ -1,0 +1,40 @@
+"""A library's repeated log line is let through once per interval, with a count."""
+
+from __future__ import annotations
+
+import logging
+
+from kz_stream.logging import RepeatFilter
+
+
+def record(name: str, msg: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord(name, logging.ERROR, __file__, 1, msg, args, None)
+
+
+def test_a_flood_of_one_aiokafka_message_is_one_line_per_interval() -> None:
+    now = [0.0]
+    f = RepeatFilter(interval=60.0, clock=lambda: now[0])
+    template = "OffsetCommit failed for group %s on partition %s with offset %s: %s"
+    name = "aiokafka.consumer.group_coordinator"
+    passed = []
+    for i in range(600):  # a minute of retries every 100 ms
+        now[0] = i * 0.1
+        r = record(name, template, "kz-coder", f"tp{i % 8}", i, "UnknownTopicOrPartitionError")
+        if f.filter(r):
+            passed.append(r)
+    now[0] = 60.0
+    later = record(name, template, "kz-coder", "tp0", 600, "UnknownTopicOrPartitionError")
+    assert f.filter(later)
+    assert len(passed) == 1
+    assert later.getMessage() == (
+        "OffsetCommit failed for group kz-coder on partition tp0 with offset 600: "
+        "UnknownTopicOrPartitionError [599 more like this in 60s]"
+    )
+
+
+def test_other_loggers_and_other_messages_pass() -> None:
+    f = RepeatFilter(clock=lambda: 0.0)
+    assert all(f.filter(record("kz_stream.bus", "group %s: failed", "g")) for _ in range(5))
+    assert f.filter(record("aiokafka.conn", "first %s", 1))
+    assert f.filter(record("aiokafka.conn", "second %s", 1))
+    assert not f.filter(record("aiokafka.conn", "first %s", 2))
