@@ -9,16 +9,20 @@ import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kz_stream.config import Settings, validated_copy
 from kz_stream.logging import configure_logging
 from kz_stream.runtime import Service, ServiceContext, run_services
 
+if TYPE_CHECKING:
+    from kz_stream.verify import Verifier
+
 __all__ = [
     "RunOptions",
     "RunReport",
     "ensure_sqlite_dir",
+    "make_verifier",
     "open_context",
     "projection_by_name",
     "run_coevolution",
@@ -71,11 +75,8 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
         return Recorder(ctx)
     if name == "verifier":
         from consumers.verifier import VerifierService
-        from kz_stream.verify import Verifier, VerifierConfig
 
-        devices = settings.verifier.devices
-        config = VerifierConfig() if devices is None else VerifierConfig(devices=devices)
-        return VerifierService(ctx, Verifier(config))
+        return VerifierService(ctx, make_verifier(settings))
     if name == "proposer":
         from producers.proposer import ProposerConfig, ProposerService
         from producers.seeds import SEED_MODULES
@@ -128,6 +129,14 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
             ),
         )
     raise ValueError(f"unknown service {name!r}")
+
+
+def make_verifier(settings: Settings) -> Verifier:
+    """The verifier the settings describe (its GPUs; ``[]``: the CPU path)."""
+    from kz_stream.verify import Verifier, VerifierConfig
+
+    devices = settings.verifier.devices
+    return Verifier(VerifierConfig() if devices is None else VerifierConfig(devices=devices))
 
 
 def _backend(llm: Any) -> Any:
