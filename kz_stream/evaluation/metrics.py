@@ -31,6 +31,7 @@ __all__ = [
     "SuiteMetrics",
     "fast_p",
     "geomean_speedup",
+    "level_name",
     "pass_at_k",
     "summarize",
     "summarize_levels",
@@ -167,6 +168,11 @@ def summarize(
     )
 
 
+def level_name(level: int | None) -> str:
+    """A level's row name in reports."""
+    return f"level {level}" if level is not None else "no level"
+
+
 def summarize_levels(
     results: Sequence[ProblemResult], *, seed: int = 0
 ) -> Mapping[str, SuiteMetrics]:
@@ -174,7 +180,6 @@ def summarize_levels(
     levels = sorted({r.level for r in results}, key=lambda v: (v is None, v or 0))
     out: dict[str, SuiteMetrics] = {}
     for level in levels:
-        name = f"level {level}" if level is not None else "no level"
-        out[name] = summarize([r for r in results if r.level == level], seed=seed)
+        out[level_name(level)] = summarize([r for r in results if r.level == level], seed=seed)
     out["overall"] = summarize(results, seed=seed)
     return out
