@@ -441,6 +441,15 @@ def train(
     _run(run_named_services(settings, ["learner"]))
 
 
+def _progress_bars(*, counts: bool = False) -> Progress:
+    """Progress bars on stderr: description, bar, [done/total,] a detail field, time."""
+    columns = [TextColumn("{task.description}"), BarColumn()]
+    if counts:
+        columns.append(TextColumn("{task.completed}/{task.total}"))
+    columns += [TextColumn("{task.fields[detail]}"), TimeElapsedColumn()]
+    return Progress(*columns, console=err_console)
+
+
 @app.command("run")
 @_one_line_errors
 def run_loop(
@@ -474,13 +483,7 @@ def run_loop(
     total_steps = rounds * steps_per_turn * len(options.order)
     shown_rounds: set[int] = set()
 
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[detail]}"),
-        TimeElapsedColumn(),
-        console=err_console,
-    ) as progress:
+    with _progress_bars() as progress:
         steps = progress.add_task("training steps", total=total_steps, detail="")
         events = progress.add_task("events", total=None, detail="")
 
@@ -603,14 +606,7 @@ def eval_run(
         f"evaluation {options.run_id}: {len(loaded.problems)} problems × {samples} samples",
         highlight=False,
     )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.fields[detail]}"),
-        TimeElapsedColumn(),
-        console=err_console,
-    ) as bars:
+    with _progress_bars(counts=True) as bars:
         gen = bars.add_task("generated", total=None, detail="")
         ver = bars.add_task("verified", total=None, detail="")
 
@@ -646,9 +642,8 @@ def eval_report(
 
     settings = _settings(config)
     out = out or Path(".kz/eval") / run_id
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=err_console) as bars:
-        task = bars.add_task("reading the store", total=None)
+    with _progress_bars() as bars:
+        task = bars.add_task("reading the store", total=None, detail="")
 
         async def go() -> Any:
             async with open_store(settings.database_url, create_schema=False) as store:
