@@ -135,8 +135,8 @@ def make_verifier(settings: Settings) -> Verifier:
     """The verifier the settings describe (its GPUs; ``[]``: the CPU path)."""
     from kz_stream.verify import Verifier, VerifierConfig
 
-    devices = settings.verifier.devices
-    return Verifier(VerifierConfig() if devices is None else VerifierConfig(devices=devices))
+    chosen = settings.verifier.model_dump(include={"devices", "prewarm"}, exclude_none=True)
+    return Verifier(VerifierConfig(**chosen))
 
 
 def _backend(llm: Any) -> Any:

@@ -82,6 +82,11 @@ class VerifierSettings(BaseModel):
     devices: list[int] | None = Field(
         default=None, description="GPU indices; None: all visible; []: the CPU path."
     )
+    prewarm: int | None = Field(
+        default=None,
+        ge=0,
+        description="Workers started ahead of need per device; None: the verifier's default.",
+    )
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
