@@ -25,6 +25,7 @@ __all__ = [
     "make_verifier",
     "open_context",
     "projection_by_name",
+    "redact_url",
     "run_coevolution",
     "run_named_services",
     "service_by_name",
@@ -63,6 +64,13 @@ def ensure_sqlite_dir(url: str) -> None:
     u = make_url(url)
     if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
         os.makedirs(os.path.dirname(os.path.abspath(u.database)), exist_ok=True)
+
+
+def redact_url(url: str) -> str:
+    """A database URL with its password hidden, for messages."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def service_by_name(name: str, ctx: ServiceContext) -> Service:

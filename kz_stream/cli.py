@@ -31,6 +31,8 @@ app.add_typer(infra_app, name="infra")
 app.add_typer(db_app, name="db")
 eval_app = typer.Typer(help="Evaluate a Coder policy on a KernelBench-format suite.")
 app.add_typer(eval_app, name="eval")
+dataset_app = typer.Typer(help="Hugging Face datasets replayed from the event store.")
+app.add_typer(dataset_app, name="dataset")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -174,9 +176,9 @@ def db_upgrade(config: ConfigOption = None, revision: str = "head") -> None:
 
 
 def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
+    from kz_stream.app import redact_url
 
-    return make_url(url).render_as_string(hide_password=True)
+    return redact_url(url)
 
 
 # -------------------------------------------------------------------------------- serve
@@ -665,6 +667,62 @@ def eval_report(
     console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in report.statuses.items()),
                   highlight=False)
     console.print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)
+
+
+# ------------------------------------------------------------------------------- dataset
+
+
+@dataset_app.command("export")
+@_one_line_errors
+def dataset_export(
+    out: Annotated[Path, typer.Argument(help="Output folder (parquet files and README.md).")],
+    sets: Annotated[
+        list[str] | None, typer.Option("--set", help="sft and/or verdicts (default both).")
+    ] = None,
+    run: Annotated[
+        list[str] | None, typer.Option(help="Only kernels of these runs (correlation ids).")
+    ] = None,
+    status: Annotated[
+        list[str] | None, typer.Option(help="Only verdicts with these statuses.")
+    ] = None,
+    verifier_version: Annotated[
+        list[str] | None, typer.Option(help="Only verdicts of these verifier versions.")
+    ] = None,
+    include_eval: Annotated[
+        bool, typer.Option(help="Keep evaluation runs (left out unless --run names them).")
+    ] = False,
+    config: ConfigOption = None,
+) -> None:
+    """Writes the SFT set (best correct kernel per module and backend) and the verdict set
+    (every verdict with its kernel) as parquet with a dataset card, replaying the store."""
+    from kz_stream.export import ExportFilter, collect_rows, write_export
+    from kz_stream.store import open_store
+
+    names = list(dict.fromkeys(sets or ["sft", "verdicts"]))
+    for name in names:
+        if name not in ("sft", "verdicts"):
+            raise typer.BadParameter(f"--set: {name!r} is not sft or verdicts")
+    flt = ExportFilter(runs=set(run or ()), statuses=set(status or ()),
+                       verifier_versions=set(verifier_version or ()),
+                       include_evaluation=include_eval)
+    settings = _settings(config)
+    with _progress_bars(counts=True) as bars:
+        task = bars.add_task("replaying the store", total=None, detail="")
+
+        async def go() -> Any:
+            async with open_store(settings.database_url, create_schema=False) as store:
+                return await collect_rows(
+                    store, flt, on_batch=lambda pos, end: bars.update(task, completed=pos,
+                                                                      total=end))
+
+        rows, position = _run(go())
+        counts = write_export(rows, out, names, flt=flt,  # type: ignore[arg-type]
+                              store_url=settings.database_url, position=position)
+    console.print(
+        ", ".join(f"{name}: {n:,} rows" for name, n in counts.items())
+        + f" (store position {position:,}) written to {out}",
+        highlight=False,
+    )
 
 
 def main() -> None:
