@@ -42,6 +42,7 @@ from kz_stream.events import (
     KernelVerified,
     ModuleProposed,
     ModuleValidation,
+    PolicyVersionPublished,
     new_event,
     payload_as,
 )
@@ -142,7 +143,8 @@ async def open_policy(spec: str, store: EventStore, options: EvalOptions) -> LLM
     - ``base``: the embedded SmolLM2 (or ``options.model``, a model folder);
     - a folder: a LoRA adapter (``adapter_config.json``) on the base model, or a model;
     - ``run:<run id>[:<version>]``: a Coder policy version that run published (its newest
-      when the version is left out), loaded as the generators load it;
+      when the version is left out), loaded as the generators load it, on the base model
+      it was trained from;
     - ``http(s)://…``: an OpenAI-compatible endpoint (``options.model`` names the served
       model); only text is asked for, so hosted models work.
     """
@@ -156,7 +158,9 @@ async def open_policy(spec: str, store: EventStore, options: EvalOptions) -> LLM
     if spec.startswith("run:"):
         run_id, _, version = spec[len("run:"):].partition(":")
         published = await _published_policy(store, run_id, int(version) if version else None)
-        backend = create_backend("transformers", model=options.model)
+        # The base the learner trained on, unless --model names another.
+        base = options.model or published.base_model or None
+        backend = create_backend("transformers", model=base)
         await backend.load_policy(published.version, published.uri, kind=published.kind)
         return backend
     if _is_adapter(spec):
@@ -176,9 +180,9 @@ def _is_adapter(folder: str) -> bool:
     return (path / "adapter_config.json").exists()
 
 
-async def _published_policy(store: EventStore, run_id: str, version: int | None) -> Any:
-    from kz_stream.events import PolicyVersionPublished
-
+async def _published_policy(
+    store: EventStore, run_id: str, version: int | None
+) -> PolicyVersionPublished:
     found: dict[int, PolicyVersionPublished] = {}
     async for batch in store.read_all(0, types=["PolicyVersionPublished"]):
         for r in batch:

@@ -18,7 +18,10 @@ pytestmark = pytest.mark.slow
 
 
 def published(version: int, uri: str) -> PolicyVersionPublished:
-    return PolicyVersionPublished(role="coder", version=version, uri=uri, sha256="0" * 64)
+    from kz_stream.llm.models import smollm2_dir
+
+    return PolicyVersionPublished(role="coder", version=version, uri=uri, sha256="0" * 64,
+                                  base_model=str(smollm2_dir()))
 
 
 def test_policy_specs(tmp_path: Path) -> None:
