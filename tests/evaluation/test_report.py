@@ -56,9 +56,9 @@ def run_events() -> list[Event]:
     return events
 
 
-def load(tmp_path: Path) -> EvalRecord:
+def load(url: str) -> EvalRecord:
     async def go() -> EvalRecord | None:
-        async with open_store(f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3") as store:
+        async with open_store(url) as store:
             await store.append(run_events())
             # Another run's kernel in the same store is not part of this report.
             await store.append([new_event(
@@ -73,8 +73,8 @@ def load(tmp_path: Path) -> EvalRecord:
     return record
 
 
-def test_report_numbers_grid_and_files(tmp_path: Path) -> None:
-    record = load(tmp_path)
+def test_report_numbers_grid_and_files(store_url: str, tmp_path: Path) -> None:
+    record = load(store_url)
     assert len(record.kernels) == 9 and len(record.verdicts) == 8
     report = build_report(record)
     assert report.verified == 8 and report.expected == 9

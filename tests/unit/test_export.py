@@ -53,8 +53,8 @@ def events() -> list[Event]:
     return out
 
 
-def test_sets_and_filters(tmp_path: Path) -> None:
-    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
+    url = store_url
 
     async def go() -> None:
         async with open_store(url) as store:
