@@ -9,6 +9,7 @@ import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kz_stream.config import Settings, validated_copy
@@ -22,6 +23,7 @@ __all__ = [
     "RunOptions",
     "RunReport",
     "ensure_sqlite_dir",
+    "evaluation_hashes",
     "make_verifier",
     "open_context",
     "projection_by_name",
@@ -99,6 +101,7 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
                 max_modules=p.max_modules,
                 sampling=_sampling(p.llm),
                 seed_modules=SEED_MODULES if p.seed_modules else (),
+                evaluation_hashes=evaluation_hashes(p.decontaminate),
             ),
         )
     if name == "coder":
@@ -137,6 +140,18 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
             ),
         )
     raise ValueError(f"unknown service {name!r}")
+
+
+def evaluation_hashes(suites: Sequence[Path]) -> dict[str, str]:
+    """Normalized hashes of the problems of evaluation suites -> "evaluation problem <id>"."""
+    from kz_stream.evaluation.suite import load_suite
+    from kz_stream.modules.extraction import normalized_hash
+
+    return {
+        normalized_hash(p.source): f"evaluation problem {p.problem_id}"
+        for suite in suites
+        for p in load_suite(suite).problems
+    }
 
 
 def make_verifier(settings: Settings) -> Verifier:
@@ -220,7 +235,6 @@ class RunOptions:
     def apply(self, settings: Settings) -> Settings:
         """The settings of a one-process run of this size (the verifier on the CPU path
         unless a GPU is visible)."""
-        from pathlib import Path
 
         def llm(cfg: Any) -> Any:
             return validated_copy(cfg, max_tokens=self.max_new_tokens)

@@ -69,6 +69,11 @@ class ProposerSettings(BaseModel):
     concurrency: int = Field(default=2, ge=1)
     max_modules: int | None = None
     seed_modules: bool = True
+    decontaminate: list[Path] = Field(
+        default_factory=list,
+        description="Evaluation suites whose problems proposals must not copy (besides "
+        "every problem a kz eval run stored).",
+    )
 
 
 class CoderSettings(BaseModel):
