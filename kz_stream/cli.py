@@ -572,7 +572,9 @@ def eval_run(
     max_new_tokens: Annotated[int | None, typer.Option(min=1, help="Completion cap.")] = None,
     temperature: Annotated[float | None, typer.Option(min=0.0, help="Temperature.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
-    concurrency: Annotated[int, typer.Option(min=1, help="Problems sampled at once.")] = 4,
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="Generations and verifications in flight at once.")
+    ] = 4,
     config: ConfigOption = None,
 ) -> None:
     """Samples the policy on every problem, verifies every kernel and stores it all as

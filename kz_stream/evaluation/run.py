@@ -89,7 +89,7 @@ class EvalOptions:
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=2048))
     model: str | None = None  # served model name (endpoint) or base model dir (adapter)
     api_key: str | None = None
-    concurrency: int = 4  # problems sampled at once; kernels in verification at once
+    concurrency: int = 4  # generations (one per problem) and verifications in flight at once
 
 
 @dataclass
