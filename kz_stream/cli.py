@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
@@ -674,6 +675,11 @@ def eval_report(
 # ------------------------------------------------------------------------------- dataset
 
 
+def _utc(moment: datetime | None) -> datetime | None:
+    """A command-line time, read as UTC when it names no zone."""
+    return moment.replace(tzinfo=UTC) if moment and moment.tzinfo is None else moment
+
+
 @dataset_app.command("export")
 @_one_line_errors
 def dataset_export(
@@ -693,6 +699,12 @@ def dataset_export(
     include_eval: Annotated[
         bool, typer.Option(help="Keep evaluation runs (left out unless --run names them).")
     ] = False,
+    since: Annotated[
+        datetime | None, typer.Option(help="Kernels generated at or after this time (UTC).")
+    ] = None,
+    until: Annotated[
+        datetime | None, typer.Option(help="Kernels generated before this time (UTC).")
+    ] = None,
     config: ConfigOption = None,
 ) -> None:
     """Writes the SFT set (best correct kernel per module and backend) and the verdict set
@@ -706,7 +718,7 @@ def dataset_export(
             raise typer.BadParameter(f"--set: {name!r} is not sft or verdicts")
     flt = ExportFilter(runs=set(run or ()), statuses=set(status or ()),
                        verifier_versions=set(verifier_version or ()),
-                       include_evaluation=include_eval)
+                       include_evaluation=include_eval, since=_utc(since), until=_utc(until))
     settings = _settings(config)
     with _progress_bars(counts=True) as bars:
         task = bars.add_task("replaying the store", total=None, detail="")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,8 +40,14 @@ class ExportFilter:
     statuses: Collection[str] = ()  # verdict statuses (the verdicts set; sft is correct ones)
     verifier_versions: Collection[str] = ()
     include_evaluation: bool = False
+    since: datetime | None = None  # kernels generated at or after this time
+    until: datetime | None = None  # ... and before this one
 
-    def keeps_run(self, run_id: str | None) -> bool:
+    def keeps_kernel(self, run_id: str | None, generated_at: datetime) -> bool:
+        if (self.since and generated_at < self.since) or (
+            self.until and generated_at >= self.until
+        ):
+            return False
         if self.runs:
             return run_id in self.runs
         return self.include_evaluation or not is_evaluation(run_id)
@@ -95,7 +102,7 @@ def _apply(r: _Replay, event: Any, recorded_at: str, flt: ExportFilter) -> None:
         r.modules.setdefault(p["module_id"], p["source"])
         return
     if event.type == "KernelGenerated":
-        if flt.keeps_run(event.correlation_id):
+        if flt.keeps_kernel(event.correlation_id, event.occurred_at):
             r.kernels[p["kernel_id"]] = {
                 "kernel_id": p["kernel_id"],
                 "module_id": p["module_id"],
@@ -154,8 +161,8 @@ configs:
 
 Replayed from the event store `{store}` up to global position {position}.
 
-Filters: runs {runs}; statuses {statuses}; verifier versions {versions}; evaluation runs
-{evaluation}.
+Filters: runs {runs}; statuses {statuses}; verifier versions {versions}; kernels
+generated {window}; evaluation runs {evaluation}.
 
 {sections}
 """
@@ -221,6 +228,7 @@ def write_export(
         runs=", ".join(sorted(flt.runs)) or "all",
         statuses=", ".join(sorted(flt.statuses)) or "all",
         versions=", ".join(sorted(flt.verifier_versions)) or "all",
+        window=f"from {flt.since or 'the start'} until {flt.until or 'the export'}",
         evaluation="included" if flt.include_evaluation or flt.runs else "left out",
         sections="\n\n".join(f"## {n} ({counts[n]} rows)\n\n{_ABOUT[n]}" for n in names),
     )

@@ -4,6 +4,7 @@ their filters, written as parquet through `datasets` and read back."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -21,6 +22,7 @@ from kz_stream.events import (
 from kz_stream.export import ExportFilter, collect_rows
 from kz_stream.store import open_store
 
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 # kernel id -> (run, module, [(status, speedup, verifier version)] in order)
 KERNELS: dict[str, tuple[str, str, list[tuple[str, float | None, str]]]] = {
     "k1": ("run-a", "m1", [("correct", 1.5, "v1"), ("incorrect", None, "v2")]),  # re-scored
@@ -37,12 +39,13 @@ def events() -> list[Event]:
                                     validation=ModuleValidation(valid=True)),
                      stream_id=f"module-{m}", stream_version=0, correlation_id="run-a")
            for m in ("m1", "m2")]
-    for kid, (run, module, verdicts) in KERNELS.items():
+    for minute, (kid, (run, module, verdicts)) in enumerate(KERNELS.items()):
         out.append(new_event(
             KernelGenerated(kernel_id=kid, module_id=module, group_id=f"g-{module}",
                             backend="triton", source=f"kernel {kid}", prompt=f"prompt {module}",
                             policy_version=1),
-            stream_id=f"kernel-{kid}", stream_version=0, correlation_id=run))
+            stream_id=f"kernel-{kid}", stream_version=0, correlation_id=run,
+            occurred_at=T0 + timedelta(minutes=minute)))
         for i, (status, speedup, version) in enumerate(verdicts, start=1):
             out.append(new_event(
                 KernelVerified(kernel_id=kid, module_id=module, group_id=f"g-{module}",
@@ -74,6 +77,10 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
                                                              runs={"run-a", "eval-x"}))
             assert sorted(r["kernel_id"] for r in rows["verdicts"]) == ["k1", "k2", "k6"]
             assert [r["kernel_id"] for r in rows["sft"]] == ["k6"]  # 3.0x beats 2.0x
+            # A time window over when kernels were generated (k2 at minute 1, k4 at 3).
+            window = ExportFilter(since=T0 + timedelta(minutes=1), until=T0 + timedelta(minutes=3))
+            rows, _ = await collect_rows(store, window)
+            assert sorted({r["kernel_id"] for r in rows["verdicts"]}) == ["k2", "k3"]
             rows, _ = await collect_rows(store, ExportFilter(verifier_versions={"v2"}))
             assert [(r["kernel_id"], r["status"]) for r in rows["verdicts"]] == [
                 ("k1", "incorrect")]
@@ -82,7 +89,8 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
     asyncio.run(go())
 
     out = tmp_path / "export"
-    result = CliRunner().invoke(app, ["dataset", "export", str(out), "--run", "run-b"],
+    result = CliRunner().invoke(app, ["dataset", "export", str(out), "--run", "run-b",
+                                      "--since", "2026-11-30T12:03:00"],
                                 env={"KZ_DATABASE_URL": url, "COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "sft: 1 rows, verdicts: 2 rows" in result.stdout
@@ -95,6 +103,7 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
     assert verdicts.features["speedup"].dtype == "float64"  # typed though every value is None
     card = (out / "README.md").read_text()
     assert "config_name: sft" in card and "runs run-b" in card
+    assert "generated from 2026-11-30 12:03:00+00:00" in card  # --since, read as UTC
     # The card's configs make the folder loadable by name.
     sft = load_dataset(str(out), "sft", split="train", cache_dir=str(tmp_path / "hf"))
     assert sft["kernel"] == ["kernel k4"]
