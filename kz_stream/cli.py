@@ -709,14 +709,14 @@ def dataset_export(
 ) -> None:
     """Writes the SFT set (best correct kernel per module and backend) and the verdict set
     (every verdict with its kernel) as parquet with a dataset card, replaying the store."""
-    from kz_stream.export import ExportFilter, collect_rows, write_export
+    from kz_stream.export import KernelFilter, collect_rows, write_export
     from kz_stream.store import open_store
 
     names = list(dict.fromkeys(sets or ["sft", "verdicts"]))
     for name in names:
         if name not in ("sft", "verdicts"):
             raise typer.BadParameter(f"--set: {name!r} is not sft or verdicts")
-    flt = ExportFilter(runs=set(run or ()), statuses=set(status or ()),
+    flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
                        verifier_versions=set(verifier_version or ()),
                        include_evaluation=include_eval, since=_utc(since), until=_utc(until))
     settings = _settings(config)
@@ -737,6 +737,80 @@ def dataset_export(
         + f" (store position {position:,}) written to {out}",
         highlight=False,
     )
+
+
+# ------------------------------------------------------------------------------- rescore
+
+
+@app.command("rescore")
+@_one_line_errors
+def rescore_cmd(
+    run: Annotated[
+        list[str] | None, typer.Option(help="Only kernels of these runs (correlation ids).")
+    ] = None,
+    status: Annotated[
+        list[str] | None, typer.Option(help="Only kernels whose newest verdict has this status.")
+    ] = None,
+    since: Annotated[
+        datetime | None, typer.Option(help="Kernels generated at or after this time (UTC).")
+    ] = None,
+    until: Annotated[
+        datetime | None, typer.Option(help="Kernels generated before this time (UTC).")
+    ] = None,
+    include_eval: Annotated[
+        bool, typer.Option(help="Also evaluation runs (left out unless --run names them).")
+    ] = False,
+    concurrency: Annotated[int, typer.Option(min=1, help="Kernels in verification at once.")] = 4,
+    out: Annotated[Path | None, typer.Option(help="Write the drift as JSON here.")] = None,
+    config: ConfigOption = None,
+) -> None:
+    """Verifies stored kernels again under the current verifier version (new verdicts beside
+    the old; already judged ones are skipped) and reports which verdicts flipped, by check,
+    and the training steps that used them."""
+    from kz_stream.app import make_verifier, open_context
+    from kz_stream.export import KernelFilter
+    from kz_stream.rescore import Drift, plan_rescore, rescore
+    from kz_stream.verify import VERIFIER_VERSION
+
+    settings = _settings(config)
+    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
+        settings = settings.model_copy(update={"log_level": "WARNING"})
+    flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
+                       include_evaluation=include_eval, since=_utc(since), until=_utc(until))
+
+    async def go() -> Drift:
+        async with open_context(settings) as ctx:
+            plan = await plan_rescore(ctx.store, flt)
+            todo = len(plan.todo())
+            console.print(f"{todo} of {len(plan.kernels)} kernels to verify under "
+                          f"{VERIFIER_VERSION}", highlight=False)
+            with _progress_bars(counts=True) as bars:
+                task = bars.add_task("verified", total=todo, detail="")
+
+                async def publish(events: list[Any]) -> None:
+                    await ctx.bus.publish_many(settings.topics.verdicts, events)
+
+                return await rescore(
+                    ctx.store, make_verifier(settings), plan, producer=ctx.producer_id,
+                    publish=publish, concurrency=concurrency,
+                    on_verdict=lambda done, _: bars.update(task, completed=done))
+
+    d = _run(go())
+    table = Table("from", "to", "check", "kernels",
+                  title=f"{len(d.flipped_kernels)} of {d.compared} verdicts flipped")
+    for row in d.as_dict()["flips"]:
+        table.add_row(row["from"], row["to"], row["check"], str(row["kernels"]))
+    console.print(table)
+    if d.steps:
+        steps = Table("role", "step", "policy version", "flipped kernels used",
+                      title="training steps whose rewards used a flipped verdict")
+        for s in d.steps:
+            steps.add_row(s["role"], str(s["step"]), str(s["policy_version"]),
+                          str(len(s["flipped_kernels"])))
+        console.print(steps)
+    if out is not None:
+        out.write_text(json.dumps(d.as_dict(), indent=2) + "\n")
+        console.print(f"drift written to {out}", highlight=False)
 
 
 def main() -> None:

@@ -27,13 +27,13 @@ from kz_stream.events import is_evaluation
 from kz_stream.projections import current_payload
 from kz_stream.store import EventStore
 
-__all__ = ["ExportFilter", "collect_rows", "write_dataset", "write_export"]
+__all__ = ["KernelFilter", "collect_rows", "write_dataset", "write_export"]
 
 DatasetName = Literal["sft", "verdicts"]
 
 
 @dataclass(frozen=True)
-class ExportFilter:
+class KernelFilter:
     """Which kernels go into an export (empty collections: all)."""
 
     runs: Collection[str] = ()  # correlation ids of the kernels
@@ -78,7 +78,7 @@ def _better(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
 
 
 async def collect_rows(
-    store: EventStore, flt: ExportFilter, *, on_batch: Callable[[int, int], object] | None = None
+    store: EventStore, flt: KernelFilter, *, on_batch: Callable[[int, int], object] | None = None
 ) -> tuple[dict[DatasetName, list[dict[str, Any]]], int]:
     """Replays the store to the end it had when called; returns the rows of each set and
     the last position read. ``on_batch(position, end)`` follows the replay."""
@@ -96,7 +96,7 @@ async def collect_rows(
     return {"sft": [r.best[k] for k in sorted(r.best)], "verdicts": r.verdicts}, r.position
 
 
-def _apply(r: _Replay, event: Any, recorded_at: str, flt: ExportFilter) -> None:
+def _apply(r: _Replay, event: Any, recorded_at: str, flt: KernelFilter) -> None:
     p = current_payload(event)
     if event.type == "ModuleProposed":
         r.modules.setdefault(p["module_id"], p["source"])
@@ -211,7 +211,7 @@ def write_export(
     out: Path,
     names: Sequence[DatasetName],
     *,
-    flt: ExportFilter,
+    flt: KernelFilter,
     store_url: str,
     position: int,
 ) -> dict[str, int]:

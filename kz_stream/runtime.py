@@ -31,8 +31,15 @@ __all__ = [
     "ServiceContext",
     "ServiceMetrics",
     "StoreOffsets",
+    "first_error",
     "run_services",
 ]
+
+
+def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf of an exception group: what a TaskGroup's caller reports."""
+    first = group.exceptions[0]
+    return first_error(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 class StoreOffsets:

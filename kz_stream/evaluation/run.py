@@ -49,6 +49,7 @@ from kz_stream.events import (
 from kz_stream.llm.base import LLMBackend, SamplingParams
 from kz_stream.modules.extraction import normalized_hash
 from kz_stream.modules.prompts import coder_messages, prompt_text
+from kz_stream.runtime import first_error
 from kz_stream.store import EventStore
 from producers.coder import kernel_event
 
@@ -308,15 +309,10 @@ async def run_evaluation(
                     tg.create_task(generate_then_verify(pid, indices))
         except BaseExceptionGroup as group:
             # One failure cancels the rest (a TaskGroup); report it, not the group.
-            raise _first_leaf(group) from None
+            raise first_error(group) from None
         finally:
             await backend.close()
     return progress
-
-
-def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    first = group.exceptions[0]
-    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def _start_events(suite: Suite, started: EvaluationStarted, producer: str) -> list[Event]:

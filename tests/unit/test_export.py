@@ -19,7 +19,7 @@ from kz_stream.events import (
     VerdictStatus,
     new_event,
 )
-from kz_stream.export import ExportFilter, collect_rows
+from kz_stream.export import KernelFilter, collect_rows
 from kz_stream.store import open_store
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -62,7 +62,7 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
     async def go() -> None:
         async with open_store(url) as store:
             await store.append(events())
-            rows, position = await collect_rows(store, ExportFilter())
+            rows, position = await collect_rows(store, KernelFilter())
             assert position == await store.last_position()
             # Every verdict of a training run, re-scores included; the evaluation left out.
             assert sorted((r["kernel_id"], r["verifier_version"]) for r in rows["verdicts"]) == [
@@ -73,15 +73,15 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
             assert rows["sft"][0]["module_source"] == "src m1"
             assert rows["sft"][0]["prompt"] == "prompt m1"
 
-            rows, _ = await collect_rows(store, ExportFilter(statuses={"correct"},
+            rows, _ = await collect_rows(store, KernelFilter(statuses={"correct"},
                                                              runs={"run-a", "eval-x"}))
             assert sorted(r["kernel_id"] for r in rows["verdicts"]) == ["k1", "k2", "k6"]
             assert [r["kernel_id"] for r in rows["sft"]] == ["k6"]  # 3.0x beats 2.0x
             # A time window over when kernels were generated (k2 at minute 1, k4 at 3).
-            window = ExportFilter(since=T0 + timedelta(minutes=1), until=T0 + timedelta(minutes=3))
+            window = KernelFilter(since=T0 + timedelta(minutes=1), until=T0 + timedelta(minutes=3))
             rows, _ = await collect_rows(store, window)
             assert sorted({r["kernel_id"] for r in rows["verdicts"]}) == ["k2", "k3"]
-            rows, _ = await collect_rows(store, ExportFilter(verifier_versions={"v2"}))
+            rows, _ = await collect_rows(store, KernelFilter(verifier_versions={"v2"}))
             assert [(r["kernel_id"], r["status"]) for r in rows["verdicts"]] == [
                 ("k1", "incorrect")]
             assert rows["sft"] == []
