@@ -685,7 +685,7 @@ def _utc(moment: datetime | None) -> datetime | None:
 def dataset_export(
     out: Annotated[Path, typer.Argument(help="Output folder (parquet files and README.md).")],
     sets: Annotated[
-        list[str] | None, typer.Option("--set", help="sft and/or verdicts (default both).")
+        list[str] | None, typer.Option("--set", help="sft, verdicts, rl (default all).")
     ] = None,
     run: Annotated[
         list[str] | None, typer.Option(help="Only kernels of these runs (correlation ids).")
@@ -707,15 +707,16 @@ def dataset_export(
     ] = None,
     config: ConfigOption = None,
 ) -> None:
-    """Writes the SFT set (best correct kernel per module and backend) and the verdict set
-    (every verdict with its kernel) as parquet with a dataset card, replaying the store."""
+    """Writes the SFT set (best correct kernel per module and backend), the verdict set
+    (every verdict with its kernel) and the RL set (modules with their per-API frontier
+    statistics) as parquet with a dataset card, replaying the store."""
     from kz_stream.export import KernelFilter, collect_rows, write_export
     from kz_stream.store import open_store
 
-    names = list(dict.fromkeys(sets or ["sft", "verdicts"]))
+    names = list(dict.fromkeys(sets or ["sft", "verdicts", "rl"]))
     for name in names:
-        if name not in ("sft", "verdicts"):
-            raise typer.BadParameter(f"--set: {name!r} is not sft or verdicts")
+        if name not in ("sft", "verdicts", "rl"):
+            raise typer.BadParameter(f"--set: {name!r} is not sft, verdicts or rl")
     flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
                        verifier_versions=set(verifier_version or ()),
                        include_evaluation=include_eval, since=_utc(since), until=_utc(until))

@@ -1,12 +1,16 @@
 """``kz dataset export``: Hugging Face datasets (parquet and a dataset card) replayed from
 the event store.
 
-- ``sft``: per module and backend, the best correct kernel (highest measured speedup; the
-  earliest among equals, unmeasured speedups last) with the module, the Coder's prompt
-  and the kernel's speedup: supervised fine-tuning pairs.
+- ``sft``: per module and backend, the best correct kernel by its newest verdict (highest
+  measured speedup; the earliest among equals, unmeasured speedups last) with the module,
+  the Coder's prompt and the kernel's speedup: supervised fine-tuning pairs.
 - ``verdicts``: one row per verdict, with its kernel, verifier version and the policy
   version that wrote the kernel (a kernel verified again under a new verifier version has
   one row per version).
+- ``rl``: per valid module with judged kernels, the Coder's record on it (kernels,
+  correct, pass rate, median speedup) and per API of its set the capability map's
+  statistics (``kz frontier``'s), as the learner sees them (``RunState``, newest verdict
+  per kernel): prompts for training at the frontier.
 
 The export reads the store up to its end when it starts, in batches, and writes nothing
 to it, so it runs beside a live system. Evaluation runs (``eval-`` correlation ids) are
@@ -16,6 +20,8 @@ not hold the evaluation problems.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,12 +30,13 @@ from typing import Any, Literal
 
 from kz_stream.app import redact_url
 from kz_stream.events import is_evaluation
+from kz_stream.frontier import CapabilityMap, KernelRecord, RunState
 from kz_stream.projections import current_payload
 from kz_stream.store import EventStore
 
 __all__ = ["KernelFilter", "collect_rows", "write_dataset", "write_export"]
 
-DatasetName = Literal["sft", "verdicts"]
+DatasetName = Literal["sft", "verdicts", "rl"]
 
 
 @dataclass(frozen=True)
@@ -65,16 +72,35 @@ class _Replay:
     modules: dict[str, str] = field(default_factory=dict)  # module id -> source
     kernels: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel id -> row part
     verdicts: list[dict[str, Any]] = field(default_factory=list)
-    best: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    newest: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel id -> verdict
+    state: RunState = field(default_factory=RunState)  # the learner's view, for ``rl``
     position: int = 0
 
 
-def _better(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
-    if old is None:
-        return True
-    def key(row: dict[str, Any]) -> float:
-        return row["speedup"] if row["speedup"] is not None else float("-inf")
-    return key(new) > key(old)
+def _sft_rows(r: _Replay) -> list[dict[str, Any]]:
+    """Per module and backend, the correct kernel (by its newest verdict) with the highest
+    measured speedup; the earliest among equals, unmeasured speedups last."""
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for v in r.newest.values():  # in the order the kernels' newest verdicts were stored
+        if v["status"] != "correct":
+            continue
+        key = (v["module_id"], v["backend"])
+        speed = v["speedup"] if v["speedup"] is not None else float("-inf")
+        old = best.get(key)
+        if old is None or speed > (old["speedup"] if old["speedup"] is not None else -math.inf):
+            best[key] = {
+                "module_id": v["module_id"],
+                "backend": v["backend"],
+                "module_source": r.modules.get(v["module_id"], ""),
+                "prompt": v["prompt"],
+                "kernel": v["source"],
+                "speedup": v["speedup"],
+                "kernel_id": v["kernel_id"],
+                "run_id": v["run_id"],
+                "policy_version": v["policy_version"],
+                "verifier_version": v["verifier_version"],
+            }
+    return [best[k] for k in sorted(best)]
 
 
 async def collect_rows(
@@ -93,16 +119,52 @@ async def collect_rows(
             _apply(r, rec.event, rec.recorded_at.isoformat(), flt)
         if on_batch is not None:
             on_batch(r.position, end)
-    return {"sft": [r.best[k] for k in sorted(r.best)], "verdicts": r.verdicts}, r.position
+    sets: dict[DatasetName, list[dict[str, Any]]] = {
+        "sft": _sft_rows(r), "verdicts": r.verdicts, "rl": _rl_rows(r.state)
+    }
+    return sets, r.position
+
+
+def _rl_rows(state: RunState) -> list[dict[str, Any]]:
+    """Per valid module with judged kernels: the Coder's record on it and its APIs'
+    capability statistics."""
+    cmap = CapabilityMap.from_state(state)
+    kernels: dict[str, list[KernelRecord]] = {}
+    for k in state.kernels.values():
+        if k.decided:
+            kernels.setdefault(k.module_id, []).append(k)
+    rows = []
+    for m in sorted(state.modules.values(), key=lambda m: m.module_id):
+        mine = kernels.get(m.module_id, [])
+        if not m.valid or not mine:
+            continue
+        speeds = [k.verdict.speedup for k in mine
+                  if k.correct and k.verdict is not None and k.verdict.speedup is not None]
+        stats = [cmap.apis.get(api) for api in m.api_set]
+        rows.append({
+            "module_id": m.module_id,
+            "source": m.event.source,
+            "api_set": list(m.api_set),
+            "kernels": len(mine),
+            "correct": sum(k.correct for k in mine),
+            "pass_rate": sum(k.correct for k in mine) / len(mine),
+            "median_speedup": statistics.median(speeds) if speeds else None,
+            "api_kernels": [st.n if st else 0 for st in stats],
+            "api_pass_rates": [st.pass_rate if st else None for st in stats],
+            "api_median_speedups": [st.median_speedup if st else None for st in stats],
+        })
+    return rows
 
 
 def _apply(r: _Replay, event: Any, recorded_at: str, flt: KernelFilter) -> None:
     p = current_payload(event)
     if event.type == "ModuleProposed":
         r.modules.setdefault(p["module_id"], p["source"])
+        r.state.apply(event)  # a module is known whoever proposed it; kernels are filtered
         return
     if event.type == "KernelGenerated":
         if flt.keeps_kernel(event.correlation_id, event.occurred_at):
+            r.state.apply(event)
             r.kernels[p["kernel_id"]] = {
                 "kernel_id": p["kernel_id"],
                 "module_id": p["module_id"],
@@ -118,6 +180,7 @@ def _apply(r: _Replay, event: Any, recorded_at: str, flt: KernelFilter) -> None:
     kernel = r.kernels.get(p["kernel_id"])
     if kernel is None or not flt.keeps_version(p):
         return
+    r.state.apply(event)
     ci = p.get("speedup_ci") or (None, None)
     verdict = {
         **kernel,
@@ -133,22 +196,8 @@ def _apply(r: _Replay, event: Any, recorded_at: str, flt: KernelFilter) -> None:
     }
     if flt.keeps_status(p):
         r.verdicts.append(verdict)
-    if p["status"] == "correct":
-        key = (kernel["module_id"], kernel["backend"])
-        row = {
-            "module_id": kernel["module_id"],
-            "backend": kernel["backend"],
-            "module_source": r.modules.get(kernel["module_id"], ""),
-            "prompt": kernel["prompt"],
-            "kernel": kernel["source"],
-            "speedup": verdict["speedup"],
-            "kernel_id": kernel["kernel_id"],
-            "run_id": kernel["run_id"],
-            "policy_version": kernel["policy_version"],
-            "verifier_version": verdict["verifier_version"],
-        }
-        if _better(row, r.best.get(key)):
-            r.best[key] = row
+    r.newest.pop(p["kernel_id"], None)  # re-inserted: dict order is newest-verdict order
+    r.newest[p["kernel_id"]] = verdict
 
 
 _CARD = """\
@@ -172,6 +221,10 @@ _ABOUT: dict[DatasetName, str] = {
     "the module's source and the Coder's prompt (a JSON chat). Columns: module_id, backend, "
     "module_source, prompt, kernel, speedup, kernel_id, run_id, policy_version, "
     "verifier_version.",
+    "rl": "Per valid module with judged kernels among those exported: source, api_set, "
+    "the Coder's kernels, correct, pass_rate and median_speedup on it, and per API of its "
+    "set (aligned lists) the capability map's kernels, pass rate and median speedup. "
+    "Evaluation runs never count here (the learner's view of the store).",
     "verdicts": "One row per verdict: the kernel (id, module, group, run, backend, policy "
     "version, prompt, source) and the verdict (status, check, reason, max_rel_error, "
     "speedup and its 95% interval, verifier_version, verified_at).",
@@ -193,14 +246,23 @@ _COLUMNS: dict[DatasetName, dict[str, str]] = {
         "max_rel_error": "float64", "speedup": "float64", "speedup_ci_low": "float64",
         "speedup_ci_high": "float64", "verifier_version": "string", "verified_at": "string",
     },
+    "rl": {
+        "module_id": "string", "source": "string", "api_set": "list:string",
+        "kernels": "int64", "correct": "int64", "pass_rate": "float64",
+        "median_speedup": "float64", "api_kernels": "list:int64",
+        "api_pass_rates": "list:float64", "api_median_speedups": "list:float64",
+    },
 }  # fmt: skip
 
 
 def write_dataset(name: DatasetName, rows: Sequence[dict[str, Any]], path: Path) -> int:
     """Writes one set's rows as a parquet file through ``datasets``; returns the count."""
-    from datasets import Dataset, Features, Value
+    from datasets import Dataset, Features, List, Value
 
-    features = Features({col: Value(kind) for col, kind in _COLUMNS[name].items()})
+    def feature(kind: str) -> Any:
+        return List(Value(kind[len("list:"):])) if kind.startswith("list:") else Value(kind)
+
+    features = Features({col: feature(kind) for col, kind in _COLUMNS[name].items()})
     columns = {col: [row[col] for row in rows] for col in features}
     Dataset.from_dict(columns, features=features).to_parquet(str(path))
     return len(rows)

@@ -25,7 +25,7 @@ from kz_stream.store import open_store
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 # kernel id -> (run, module, [(status, speedup, verifier version)] in order)
 KERNELS: dict[str, tuple[str, str, list[tuple[str, float | None, str]]]] = {
-    "k1": ("run-a", "m1", [("correct", 1.5, "v1"), ("incorrect", None, "v2")]),  # re-scored
+    "k1": ("run-a", "m1", [("correct", 3.0, "v1"), ("incorrect", None, "v2")]),  # re-scored
     "k2": ("run-a", "m1", [("correct", 2.0, "v1")]),
     "k3": ("run-a", "m1", [("incorrect", None, "v1")]),
     "k4": ("run-b", "m2", [("correct", None, "v1")]),
@@ -68,10 +68,19 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
             assert sorted((r["kernel_id"], r["verifier_version"]) for r in rows["verdicts"]) == [
                 ("k1", "v1"), ("k1", "v2"), ("k2", "v1"), ("k3", "v1"), ("k4", "v1"),
                 ("k5", "v1")]
+            # k1 was fastest until its re-score failed it: the newest verdict counts.
             assert [(r["module_id"], r["kernel_id"], r["speedup"]) for r in rows["sft"]] == [
                 ("m1", "k2", 2.0), ("m2", "k4", None)]
             assert rows["sft"][0]["module_source"] == "src m1"
             assert rows["sft"][0]["prompt"] == "prompt m1"
+            # RL: the learner's view (k1's newest verdict is the failing re-score).
+            rl = {r["module_id"]: r for r in rows["rl"]}
+            assert (rl["m1"]["kernels"], rl["m1"]["correct"], rl["m1"]["median_speedup"]) == (
+                3, 1, 2.0)
+            assert rl["m2"]["pass_rate"] == 0.5 and rl["m2"]["median_speedup"] is None
+            assert rl["m1"]["api_set"] == ["torch.relu"] and rl["m1"]["api_kernels"] == [5]
+            assert rl["m1"]["api_pass_rates"] == [0.4]
+            assert rl["m1"]["api_median_speedups"] == [2.0]
 
             rows, _ = await collect_rows(store, KernelFilter(statuses={"correct"},
                                                              runs={"run-a", "eval-x"}))
@@ -93,7 +102,7 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
                                       "--since", "2026-11-30T12:03:00"],
                                 env={"KZ_DATABASE_URL": url, "COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "sft: 1 rows, verdicts: 2 rows" in result.stdout
+    assert "sft: 1 rows, verdicts: 2 rows, rl: 1 rows" in result.stdout
 
     from datasets import Dataset, load_dataset
 
@@ -107,6 +116,8 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
     # The card's configs make the folder loadable by name.
     sft = load_dataset(str(out), "sft", split="train", cache_dir=str(tmp_path / "hf"))
     assert sft["kernel"] == ["kernel k4"]
+    rl = Dataset.from_parquet(str(out / "rl.parquet"))
+    assert isinstance(rl, Dataset) and rl[0]["api_pass_rates"] == [0.5]
 
     empty = CliRunner().invoke(app, ["dataset", "export", str(tmp_path / "none"), "--set",
                                      "sft", "--run", "run-z"], env={"KZ_DATABASE_URL": url})
