@@ -176,6 +176,7 @@ def write_plots(report: EvalReport, out: Path) -> list[Path]:
     import numpy as np
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
     paths = [out / "pass_at_k.png", out / "speedups.png", out / "problems.png"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -187,6 +188,7 @@ def write_plots(report: EvalReport, out: Path) -> list[Path]:
         defined = [(k, v) for k, v in curve.items() if v is not None]
         if defined:
             ax.plot(*zip(*defined, strict=True), marker="o", label=name)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="k", ylabel="pass@k", ylim=(-0.02, 1.02), title="pass@k")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -199,6 +201,7 @@ def write_plots(report: EvalReport, out: Path) -> list[Path]:
     if speedups:
         ax.hist(speedups, bins=list(np.geomspace(min(speedups), max(speedups) * 1.001, 20)))
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())  # 0.5, 1, 2 rather than 10^x
         ax.axvline(1.0, color="k", lw=0.8)
     else:
         ax.text(0.5, 0.5, "no correct kernel with a measured speedup", ha="center",
