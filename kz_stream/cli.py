@@ -710,13 +710,14 @@ def dataset_export(
     """Writes the SFT set (best correct kernel per module and backend), the verdict set
     (every verdict with its kernel) and the RL set (modules with their per-API frontier
     statistics) as parquet with a dataset card, replaying the store."""
-    from kz_stream.export import KernelFilter, collect_rows, write_export
+    from kz_stream.export import DATASETS, DatasetName, KernelFilter, collect_rows, write_export
     from kz_stream.store import open_store
 
-    names = list(dict.fromkeys(sets or ["sft", "verdicts", "rl"]))
-    for name in names:
-        if name not in ("sft", "verdicts", "rl"):
-            raise typer.BadParameter(f"--set: {name!r} is not sft, verdicts or rl")
+    names: list[DatasetName] = []
+    for name in dict.fromkeys(sets or DATASETS):
+        if name not in DATASETS:
+            raise typer.BadParameter(f"--set: {name!r} is not one of {', '.join(DATASETS)}")
+        names.append(name)
     flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
                        verifier_versions=set(verifier_version or ()),
                        include_evaluation=include_eval, since=_utc(since), until=_utc(until))
@@ -727,11 +728,11 @@ def dataset_export(
         async def go() -> Any:
             async with open_store(settings.database_url, create_schema=False) as store:
                 return await collect_rows(
-                    store, flt, on_batch=lambda pos, end: bars.update(task, completed=pos,
-                                                                      total=end))
+                    store, flt, sets=names,
+                    on_batch=lambda pos, end: bars.update(task, completed=pos, total=end))
 
         rows, position = _run(go())
-        counts = write_export(rows, out, names, flt=flt,  # type: ignore[arg-type]
+        counts = write_export(rows, out, names, flt=flt,
                               store_url=settings.database_url, position=position)
     console.print(
         ", ".join(f"{name}: {n:,} rows" for name, n in counts.items())

@@ -34,9 +34,17 @@ from kz_stream.frontier import CapabilityMap, KernelRecord, RunState
 from kz_stream.projections import current_payload
 from kz_stream.store import EventStore
 
-__all__ = ["KernelFilter", "collect_rows", "write_dataset", "write_export"]
+__all__ = [
+    "DATASETS",
+    "DatasetName",
+    "KernelFilter",
+    "collect_rows",
+    "write_dataset",
+    "write_export",
+]
 
 DatasetName = Literal["sft", "verdicts", "rl"]
+DATASETS: tuple[DatasetName, ...] = ("sft", "verdicts", "rl")
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,7 @@ class _Replay:
     kernels: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel id -> row part
     verdicts: list[dict[str, Any]] = field(default_factory=list)
     newest: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel id -> verdict
-    state: RunState = field(default_factory=RunState)  # the learner's view, for ``rl``
+    state: RunState | None = None  # the learner's view, for ``rl`` (its decoding is costly)
     position: int = 0
 
 
@@ -104,12 +112,16 @@ def _sft_rows(r: _Replay) -> list[dict[str, Any]]:
 
 
 async def collect_rows(
-    store: EventStore, flt: KernelFilter, *, on_batch: Callable[[int, int], object] | None = None
+    store: EventStore,
+    flt: KernelFilter,
+    *,
+    sets: Collection[DatasetName] = DATASETS,
+    on_batch: Callable[[int, int], object] | None = None,
 ) -> tuple[dict[DatasetName, list[dict[str, Any]]], int]:
-    """Replays the store to the end it had when called; returns the rows of each set and
-    the last position read. ``on_batch(position, end)`` follows the replay."""
+    """Replays the store to the end it had when called; returns the rows of the ``sets``
+    (others empty) and the last position read. ``on_batch(position, end)`` follows it."""
     end = await store.last_position()
-    r = _Replay()
+    r = _Replay(state=RunState() if "rl" in sets else None)
     types = ["ModuleProposed", "KernelGenerated", "KernelVerified"]
     async for batch in store.read_all(0, types=types):
         for rec in batch:
@@ -119,10 +131,12 @@ async def collect_rows(
             _apply(r, rec.event, rec.recorded_at.isoformat(), flt)
         if on_batch is not None:
             on_batch(r.position, end)
-    sets: dict[DatasetName, list[dict[str, Any]]] = {
-        "sft": _sft_rows(r), "verdicts": r.verdicts, "rl": _rl_rows(r.state)
+    rows: dict[DatasetName, list[dict[str, Any]]] = {
+        "sft": _sft_rows(r) if "sft" in sets else [],
+        "verdicts": r.verdicts if "verdicts" in sets else [],
+        "rl": _rl_rows(r.state) if r.state is not None else [],
     }
-    return sets, r.position
+    return rows, r.position
 
 
 def _rl_rows(state: RunState) -> list[dict[str, Any]]:
@@ -160,11 +174,13 @@ def _apply(r: _Replay, event: Any, recorded_at: str, flt: KernelFilter) -> None:
     p = current_payload(event)
     if event.type == "ModuleProposed":
         r.modules.setdefault(p["module_id"], p["source"])
-        r.state.apply(event)  # a module is known whoever proposed it; kernels are filtered
+        if r.state is not None:  # a module is known whoever proposed it; kernels filtered
+            r.state.apply(event)
         return
     if event.type == "KernelGenerated":
         if flt.keeps_kernel(event.correlation_id, event.occurred_at):
-            r.state.apply(event)
+            if r.state is not None:
+                r.state.apply(event)
             r.kernels[p["kernel_id"]] = {
                 "kernel_id": p["kernel_id"],
                 "module_id": p["module_id"],
@@ -180,7 +196,8 @@ def _apply(r: _Replay, event: Any, recorded_at: str, flt: KernelFilter) -> None:
     kernel = r.kernels.get(p["kernel_id"])
     if kernel is None or not flt.keeps_version(p):
         return
-    r.state.apply(event)
+    if r.state is not None:
+        r.state.apply(event)
     ci = p.get("speedup_ci") or (None, None)
     verdict = {
         **kernel,

@@ -90,6 +90,8 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
             window = KernelFilter(since=T0 + timedelta(minutes=1), until=T0 + timedelta(minutes=3))
             rows, _ = await collect_rows(store, window)
             assert sorted({r["kernel_id"] for r in rows["verdicts"]}) == ["k2", "k3"]
+            rows, _ = await collect_rows(store, KernelFilter(), sets=("verdicts",))
+            assert len(rows["verdicts"]) == 6 and rows["sft"] == rows["rl"] == []
             rows, _ = await collect_rows(store, KernelFilter(verifier_versions={"v2"}))
             assert [(r["kernel_id"], r["status"]) for r in rows["verdicts"]] == [
                 ("k1", "incorrect")]
