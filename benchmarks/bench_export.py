@@ -11,18 +11,20 @@ else a throwaway local cluster. Run: ``python -m benchmarks.bench_export`` (100k
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks._results import metric, write_result
-from benchmarks.bench_store import create_database, make_history, mean_payload_bytes, raw_read
+from benchmarks.bench_store import (
+    create_database,
+    make_history,
+    mean_payload_bytes,
+    raw_read,
+    with_postgres,
+)
 from kz_stream.events import Event, ModuleProposed, ModuleValidation, new_event
 from kz_stream.export import KernelFilter, collect_rows, write_export
-from kz_stream.infra import LocalPostgres
 from kz_stream.store import SqlEventStore, upgrade
 
 MODULE = "import torch\n\nclass Model(torch.nn.Module):\n    pass\n"
@@ -81,19 +83,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--dry-run", action="store_true", help="print, write no results")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="kz-bench-") as tmp_dir:
-        tmp = Path(tmp_dir)
-        tmp.chmod(0o755)
-        server = os.environ.get("KZ_BENCH_POSTGRES_URL")
-        pg = None
-        if not server:
-            pg = LocalPostgres(tmp / "pg").start()
-            server = pg.url
-        try:
-            asyncio.run(main_async(args, server, tmp / "export"))
-        finally:
-            if pg is not None:
-                pg.stop()
+    with_postgres(lambda server, tmp: main_async(args, server, tmp / "export"))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,19 @@ R = TypeVar("R")
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML config file (env vars override it).")
 ]
+# Which stored kernels a command reads (kz dataset export, kz rescore).
+RunsOption = Annotated[
+    list[str] | None, typer.Option("--run", help="Only kernels of these runs (correlation ids).")
+]
+SinceOption = Annotated[
+    datetime | None, typer.Option(help="Kernels generated at or after this time (UTC).")
+]
+UntilOption = Annotated[
+    datetime | None, typer.Option(help="Kernels generated before this time (UTC).")
+]
+IncludeEvalOption = Annotated[
+    bool, typer.Option(help="Also evaluation runs (left out unless --run names them).")
+]
 
 
 def _one_line_errors(fn: Callable[P, R]) -> Callable[P, R]:
@@ -687,24 +700,16 @@ def dataset_export(
     sets: Annotated[
         list[str] | None, typer.Option("--set", help="sft, verdicts, rl (default all).")
     ] = None,
-    run: Annotated[
-        list[str] | None, typer.Option(help="Only kernels of these runs (correlation ids).")
-    ] = None,
+    run: RunsOption = None,
     status: Annotated[
         list[str] | None, typer.Option(help="Only verdicts with these statuses.")
     ] = None,
     verifier_version: Annotated[
         list[str] | None, typer.Option(help="Only verdicts of these verifier versions.")
     ] = None,
-    include_eval: Annotated[
-        bool, typer.Option(help="Keep evaluation runs (left out unless --run names them).")
-    ] = False,
-    since: Annotated[
-        datetime | None, typer.Option(help="Kernels generated at or after this time (UTC).")
-    ] = None,
-    until: Annotated[
-        datetime | None, typer.Option(help="Kernels generated before this time (UTC).")
-    ] = None,
+    include_eval: IncludeEvalOption = False,
+    since: SinceOption = None,
+    until: UntilOption = None,
     config: ConfigOption = None,
 ) -> None:
     """Writes the SFT set (best correct kernel per module and backend), the verdict set
@@ -747,21 +752,13 @@ def dataset_export(
 @app.command("rescore")
 @_one_line_errors
 def rescore_cmd(
-    run: Annotated[
-        list[str] | None, typer.Option(help="Only kernels of these runs (correlation ids).")
-    ] = None,
+    run: RunsOption = None,
     status: Annotated[
         list[str] | None, typer.Option(help="Only kernels whose newest verdict has this status.")
     ] = None,
-    since: Annotated[
-        datetime | None, typer.Option(help="Kernels generated at or after this time (UTC).")
-    ] = None,
-    until: Annotated[
-        datetime | None, typer.Option(help="Kernels generated before this time (UTC).")
-    ] = None,
-    include_eval: Annotated[
-        bool, typer.Option(help="Also evaluation runs (left out unless --run names them).")
-    ] = False,
+    since: SinceOption = None,
+    until: UntilOption = None,
+    include_eval: IncludeEvalOption = False,
     concurrency: Annotated[int, typer.Option(min=1, help="Kernels in verification at once.")] = 4,
     out: Annotated[Path | None, typer.Option(help="Write the drift as JSON here.")] = None,
     config: ConfigOption = None,
