@@ -18,7 +18,7 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +241,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=4, help="reads best of N, replays N/2")
     parser.add_argument("--dry-run", action="store_true", help="print, write no results")
     args = parser.parse_args()
+    with_postgres(lambda server, tmp: main_async(args, server, tmp))
+
+
+def with_postgres(run: Callable[[str, Path], Coroutine[Any, Any, None]]) -> None:
+    """Runs ``run(server_url, tmp_dir)`` on KZ_BENCH_POSTGRES_URL, else on a throwaway
+    local cluster, with a temporary folder."""
     with tempfile.TemporaryDirectory(prefix="kz-bench-") as tmp_dir:
         tmp = Path(tmp_dir)
         tmp.chmod(0o755)
@@ -250,7 +256,7 @@ def main() -> None:
             pg = LocalPostgres(tmp / "pg").start()
             server = pg.url
         try:
-            asyncio.run(main_async(args, server, tmp))
+            asyncio.run(run(server, tmp))
         finally:
             if pg is not None:
                 pg.stop()

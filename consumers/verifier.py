@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from kz_stream.bus import BusMessage, InfrastructureError, offsets_after
 from kz_stream.events import (
@@ -26,10 +26,11 @@ from kz_stream.events import (
     payload_as,
 )
 from kz_stream.runtime import Service, ServiceContext, StoreOffsets
+from kz_stream.store import EventStore, RecordedEvent
 from kz_stream.verify import VERIFIER_VERSION, Candidate, Problem, Verifier
 from kz_stream.verify.events import to_kernel_verified
 
-__all__ = ["VerifierService", "verdict_event_id"]
+__all__ = ["VerifierService", "verdict_event", "verdict_event_id"]
 
 _VERDICT_NAMESPACE = uuid.UUID("6d1c7f0e-3b7a-4c55-9a0e-5b2d1f8e9c41")
 
@@ -38,6 +39,37 @@ def verdict_event_id(kernel_event_id: uuid.UUID, verifier_version: str = VERIFIE
                      ) -> uuid.UUID:
     """The event id of the verdict on one kernel event by one verifier version."""
     return uuid.uuid5(_VERDICT_NAMESPACE, f"{kernel_event_id}/{verifier_version}")
+
+
+async def verdict_event(
+    verifier: Verifier, store: EventStore, event: Event, module_source: str, *, producer: str,
+    read_stream: Callable[[str], Awaitable[Sequence[RecordedEvent]]] | None = None,
+) -> Event:
+    """Verifies a ``KernelGenerated`` event against its module's source and returns the
+    ``KernelVerified`` event, next in the kernel's stream, with its deterministic id.
+    ``read_stream`` reads the kernel's stream (default: ``store.read_stream``)."""
+    kernel = payload_as(event, KernelGenerated)
+    verdict = await verifier.verify(
+        Problem(module_source), Candidate(kernel.source, backend=kernel.backend)
+    )
+    payload = to_kernel_verified(
+        verdict,
+        kernel_id=kernel.kernel_id,
+        module_id=kernel.module_id,
+        group_id=kernel.group_id,
+        policy_version=kernel.policy_version,
+    )
+    history = await (read_stream or store.read_stream)(event.stream_id)
+    version = max([r.event.stream_version for r in history] + [event.stream_version]) + 1
+    return new_event(
+        payload,
+        event_id=verdict_event_id(event.event_id, verdict.verifier_version),
+        stream_id=event.stream_id,
+        stream_version=version,
+        producer=producer,
+        correlation_id=event.correlation_id,
+        causation_id=event.event_id,
+    )
 
 
 class VerifierService(Service):
@@ -107,29 +139,14 @@ class VerifierService(Service):
         source = await self._module_source(kernel.module_id)
         self.metrics.in_flight.inc()
         try:
-            verdict = await self.verifier.verify(
-                Problem(source), Candidate(kernel.source, backend=kernel.backend)
+            return await verdict_event(
+                self.verifier, self.ctx.store, event, source, producer=self.ctx.producer_id,
+                # An outage after the verification is waited out, not a reason to verify
+                # the whole batch again.
+                read_stream=lambda sid: self.wait_out(lambda: self.ctx.store.read_stream(sid)),
             )
         finally:
             self.metrics.in_flight.dec()
-        payload = to_kernel_verified(
-            verdict,
-            kernel_id=kernel.kernel_id,
-            module_id=kernel.module_id,
-            group_id=kernel.group_id,
-            policy_version=kernel.policy_version,
-        )
-        history = await self.wait_out(lambda: self.ctx.store.read_stream(event.stream_id))
-        version = max([r.event.stream_version for r in history] + [event.stream_version]) + 1
-        return new_event(
-            payload,
-            event_id=verdict_event_id(event.event_id, verdict.verifier_version),
-            stream_id=event.stream_id,
-            stream_version=version,
-            producer=self.ctx.producer_id,
-            correlation_id=event.correlation_id,
-            causation_id=event.event_id,
-        )
 
     async def verify_batch(self, batch: Sequence[BusMessage]) -> None:
         """Verifies a batch concurrently (the pool bounds the parallelism), then commits the

@@ -9,18 +9,25 @@ import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kz_stream.config import Settings, validated_copy
 from kz_stream.logging import configure_logging
 from kz_stream.runtime import Service, ServiceContext, run_services
 
+if TYPE_CHECKING:
+    from kz_stream.verify import Verifier
+
 __all__ = [
     "RunOptions",
     "RunReport",
     "ensure_sqlite_dir",
+    "evaluation_hashes",
+    "make_verifier",
     "open_context",
     "projection_by_name",
+    "redact_url",
     "run_coevolution",
     "run_named_services",
     "service_by_name",
@@ -63,6 +70,13 @@ def ensure_sqlite_dir(url: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(u.database)), exist_ok=True)
 
 
+def redact_url(url: str) -> str:
+    """A database URL with its password hidden, for messages."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
 def service_by_name(name: str, ctx: ServiceContext) -> Service:
     """Builds one service from ``ctx.settings``. Imports lazily: each service pulls in its
     own heavy dependencies (torch, transformers, TRL) only when it is built."""
@@ -73,11 +87,8 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
         return Recorder(ctx)
     if name == "verifier":
         from consumers.verifier import VerifierService
-        from kz_stream.verify import Verifier, VerifierConfig
 
-        devices = settings.verifier.devices
-        config = VerifierConfig() if devices is None else VerifierConfig(devices=devices)
-        return VerifierService(ctx, Verifier(config))
+        return VerifierService(ctx, make_verifier(settings))
     if name == "proposer":
         from producers.proposer import ProposerConfig, ProposerService
         from producers.seeds import SEED_MODULES
@@ -92,6 +103,7 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
                 max_modules=p.max_modules,
                 sampling=_sampling(p.llm),
                 seed_modules=SEED_MODULES if p.seed_modules else (),
+                evaluation_hashes=evaluation_hashes(p.decontaminate),
             ),
         )
     if name == "coder":
@@ -130,6 +142,26 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
             ),
         )
     raise ValueError(f"unknown service {name!r}")
+
+
+def evaluation_hashes(suites: Sequence[Path]) -> dict[str, str]:
+    """Normalized hashes of the problems of evaluation suites -> "evaluation problem <id>"."""
+    from kz_stream.evaluation.suite import load_suite
+    from kz_stream.modules.extraction import normalized_hash
+
+    return {
+        normalized_hash(p.source): f"evaluation problem {p.problem_id}"
+        for suite in suites
+        for p in load_suite(suite).problems
+    }
+
+
+def make_verifier(settings: Settings) -> Verifier:
+    """The verifier the settings describe (its GPUs; ``[]``: the CPU path)."""
+    from kz_stream.verify import Verifier, VerifierConfig
+
+    chosen = settings.verifier.model_dump(include={"devices", "prewarm"}, exclude_none=True)
+    return Verifier(VerifierConfig(**chosen))
 
 
 def _backend(llm: Any) -> Any:
@@ -205,7 +237,6 @@ class RunOptions:
     def apply(self, settings: Settings) -> Settings:
         """The settings of a one-process run of this size (the verifier on the CPU path
         unless a GPU is visible)."""
-        from pathlib import Path
 
         def llm(cfg: Any) -> Any:
             return validated_copy(cfg, max_tokens=self.max_new_tokens)

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
@@ -37,6 +38,10 @@ app.add_typer(infra_app, name="infra")
 app.add_typer(db_app, name="db")
 dlq_app = typer.Typer(help="Inspect and re-drive dead letters.")
 app.add_typer(dlq_app, name="dlq")
+eval_app = typer.Typer(help="Evaluate a Coder policy on a KernelBench-format suite.")
+app.add_typer(eval_app, name="eval")
+dataset_app = typer.Typer(help="Hugging Face datasets replayed from the event store.")
+app.add_typer(dataset_app, name="dataset")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -46,6 +51,19 @@ R = TypeVar("R")
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML config file (env vars override it).")
+]
+# Which stored kernels a command reads (kz dataset export, kz rescore).
+RunsOption = Annotated[
+    list[str] | None, typer.Option("--run", help="Only kernels of these runs (correlation ids).")
+]
+SinceOption = Annotated[
+    datetime | None, typer.Option(help="Kernels generated at or after this time (UTC).")
+]
+UntilOption = Annotated[
+    datetime | None, typer.Option(help="Kernels generated before this time (UTC).")
+]
+IncludeEvalOption = Annotated[
+    bool, typer.Option(help="Also evaluation runs (left out unless --run names them).")
 ]
 
 
@@ -191,9 +209,9 @@ def db_upgrade(config: ConfigOption = None, revision: str = "head") -> None:
 
 
 def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
+    from kz_stream.app import redact_url
 
-    return make_url(url).render_as_string(hide_password=True)
+    return redact_url(url)
 
 
 # ----------------------------------------------------------------------------------- dlq
@@ -560,6 +578,15 @@ def train(
     _run(run_named_services(settings, ["learner"]))
 
 
+def _progress_bars(*, counts: bool = False) -> Progress:
+    """Progress bars on stderr: description, bar, [done/total,] a detail field, time."""
+    columns = [TextColumn("{task.description}"), BarColumn()]
+    if counts:
+        columns.append(TextColumn("{task.completed}/{task.total}"))
+    columns += [TextColumn("{task.fields[detail]}"), TimeElapsedColumn()]
+    return Progress(*columns, console=err_console)
+
+
 @app.command("run")
 @_one_line_errors
 def run_loop(
@@ -593,13 +620,7 @@ def run_loop(
     total_steps = rounds * steps_per_turn * len(options.order)
     shown_rounds: set[int] = set()
 
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[detail]}"),
-        TimeElapsedColumn(),
-        console=err_console,
-    ) as progress:
+    with _progress_bars() as progress:
         steps = progress.add_task("training steps", total=total_steps, detail="")
         events = progress.add_task("events", total=None, detail="")
 
@@ -719,6 +740,260 @@ def verify_audit_suite(
     dropped = sum(len(r["dropped"]) for r in rows)
     console.print(f"{len(rows)} problems: {failed} could not be prepared, {rejected} not "
                   f"admitted, {dropped} input sets dropped (each named above).")
+# ---------------------------------------------------------------------------------- eval
+
+
+@eval_app.command("run")
+@_one_line_errors
+def eval_run(
+    suite: Annotated[Path, typer.Argument(help="Folder of KernelBench-format problems.")],
+    policy: Annotated[
+        str,
+        typer.Option(help="base | a model or LoRA adapter folder | run:<run id>[:<version>] "
+                          "| an OpenAI-compatible URL."),
+    ] = "base",
+    backend: Annotated[str, typer.Option(help="Kernel language: triton or cuda.")] = "triton",
+    samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 10,
+    run_id: Annotated[
+        str | None, typer.Option(help="Resume this run (eval-...); default: a new one.")
+    ] = None,
+    level: Annotated[int | None, typer.Option(help="Level (default: from the folder).")] = None,
+    match: Annotated[str | None, typer.Option(help="Only files matching this glob.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="First N problems per level.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="Served model name (URL policy) or base model folder (others)."),
+    ] = None,
+    api_key_env: Annotated[
+        str, typer.Option(help="Environment variable holding the endpoint's API key.")
+    ] = "OPENAI_API_KEY",
+    max_new_tokens: Annotated[int | None, typer.Option(min=1, help="Completion cap.")] = None,
+    temperature: Annotated[float | None, typer.Option(min=0.0, help="Temperature.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="Generations and verifications in flight at once.")
+    ] = 4,
+    config: ConfigOption = None,
+) -> None:
+    """Samples the policy on every problem, verifies every kernel and stores it all as
+    events; run again with --run-id to resume one that was cut short."""
+    from kz_stream.evaluation.run import EvalOptions, EvalProgress, new_run_id, run_evaluation
+    from kz_stream.evaluation.suite import load_suite
+    from kz_stream.llm.base import SamplingParams
+
+    if backend not in ("triton", "cuda"):
+        raise typer.BadParameter(f"--backend: {backend!r} is not triton or cuda")
+    settings = _settings(config)
+    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
+        settings = settings.model_copy(update={"log_level": "WARNING"})
+    loaded = load_suite(suite, level=level, match=match, limit=limit)
+    for path, why in loaded.skipped:
+        err_console.print(f"skipped {path.name}: {why}", highlight=False)
+    llm = settings.coder.llm
+    options = EvalOptions(
+        run_id=run_id or new_run_id(),
+        policy=policy,
+        backend=backend,  # type: ignore[arg-type]
+        samples=samples,
+        sampling=SamplingParams(
+            max_tokens=max_new_tokens or llm.max_tokens,
+            temperature=llm.temperature if temperature is None else temperature,
+            seed=seed,
+        ),
+        model=model,
+        api_key=os.environ.get(api_key_env),
+        concurrency=concurrency,
+    )
+    console.print(
+        f"evaluation {options.run_id}: {len(loaded.problems)} problems × {samples} samples",
+        highlight=False,
+    )
+    with _progress_bars(counts=True) as bars:
+        gen = bars.add_task("generated", total=None, detail="")
+        ver = bars.add_task("verified", total=None, detail="")
+
+        def show(p: EvalProgress) -> None:
+            bars.update(gen, total=p.to_generate, completed=p.generated)
+            bars.update(ver, total=p.to_verify, completed=p.verified,
+                        detail=f"correct {p.correct}" + (f", {p.resumed} stored before"
+                                                         if p.resumed else ""))
+
+        progress = _run(run_evaluation(settings, loaded, options, on_progress=show))
+    console.print(
+        f"evaluation {options.run_id}: {progress.verified} kernels verified now "
+        f"({progress.correct} correct), {progress.resumed} before; "
+        f"kz eval report {options.run_id}",
+        highlight=False,
+    )
+
+
+@eval_app.command("report")
+@_one_line_errors
+def eval_report(
+    run_id: Annotated[str, typer.Argument(help="The evaluation run id (eval-...).")],
+    out: Annotated[
+        Path | None, typer.Option(help="Output folder (default .kz/eval/<run id>).")
+    ] = None,
+    config: ConfigOption = None,
+) -> None:
+    """Prints an evaluation's metrics per level and overall, and writes report.json,
+    report.md and plots (pass@k against k, speedups, the per-problem grid)."""
+    from kz_stream.evaluation.report import build_report, table_rows, write_report
+    from kz_stream.evaluation.run import load_evaluation
+    from kz_stream.store import open_store
+
+    settings = _settings(config)
+    out = out or Path(".kz/eval") / run_id
+    with _progress_bars() as bars:
+        task = bars.add_task("reading the store", total=None, detail="")
+
+        async def go() -> Any:
+            async with open_store(settings.database_url, create_schema=False) as store:
+                return await load_evaluation(store, run_id)
+
+        record = _run(go())
+        if record is None:
+            raise LookupError(f"no evaluation {run_id!r} in {_redact(settings.database_url)}")
+        bars.update(task, description="metrics and plots", total=1)
+        report = build_report(record)
+        paths = write_report(report, out)
+        bars.update(task, completed=1)
+    header, rows = table_rows(report)
+    done = f"{report.verified}/{report.expected} kernels verified"
+    table = Table(*header, title=f"evaluation {run_id} ({done})")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in report.statuses.items()),
+                  highlight=False)
+    console.print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)
+
+
+# ------------------------------------------------------------------------------- dataset
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    """A command-line time, read as UTC when it names no zone."""
+    return moment.replace(tzinfo=UTC) if moment and moment.tzinfo is None else moment
+
+
+@dataset_app.command("export")
+@_one_line_errors
+def dataset_export(
+    out: Annotated[Path, typer.Argument(help="Output folder (parquet files and README.md).")],
+    sets: Annotated[
+        list[str] | None, typer.Option("--set", help="sft, verdicts, rl (default all).")
+    ] = None,
+    run: RunsOption = None,
+    status: Annotated[
+        list[str] | None, typer.Option(help="Only verdicts with these statuses.")
+    ] = None,
+    verifier_version: Annotated[
+        list[str] | None, typer.Option(help="Only verdicts of these verifier versions.")
+    ] = None,
+    include_eval: IncludeEvalOption = False,
+    since: SinceOption = None,
+    until: UntilOption = None,
+    config: ConfigOption = None,
+) -> None:
+    """Writes the SFT set (best correct kernel per module and backend), the verdict set
+    (every verdict with its kernel) and the RL set (modules with their per-API frontier
+    statistics) as parquet with a dataset card, replaying the store."""
+    from kz_stream.export import DATASETS, DatasetName, KernelFilter, collect_rows, write_export
+    from kz_stream.store import open_store
+
+    names: list[DatasetName] = []
+    for name in dict.fromkeys(sets or DATASETS):
+        if name not in DATASETS:
+            raise typer.BadParameter(f"--set: {name!r} is not one of {', '.join(DATASETS)}")
+        names.append(name)
+    flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
+                       verifier_versions=set(verifier_version or ()),
+                       include_evaluation=include_eval, since=_utc(since), until=_utc(until))
+    settings = _settings(config)
+    with _progress_bars(counts=True) as bars:
+        task = bars.add_task("replaying the store", total=None, detail="")
+
+        async def go() -> Any:
+            async with open_store(settings.database_url, create_schema=False) as store:
+                return await collect_rows(
+                    store, flt, sets=names,
+                    on_batch=lambda pos, end: bars.update(task, completed=pos, total=end))
+
+        rows, position = _run(go())
+        counts = write_export(rows, out, names, flt=flt,
+                              store_url=settings.database_url, position=position)
+    console.print(
+        ", ".join(f"{name}: {n:,} rows" for name, n in counts.items())
+        + f" (store position {position:,}) written to {out}",
+        highlight=False,
+    )
+
+
+# ------------------------------------------------------------------------------- rescore
+
+
+@app.command("rescore")
+@_one_line_errors
+def rescore_cmd(
+    run: RunsOption = None,
+    status: Annotated[
+        list[str] | None, typer.Option(help="Only kernels whose newest verdict has this status.")
+    ] = None,
+    since: SinceOption = None,
+    until: UntilOption = None,
+    include_eval: IncludeEvalOption = False,
+    concurrency: Annotated[int, typer.Option(min=1, help="Kernels in verification at once.")] = 4,
+    out: Annotated[Path | None, typer.Option(help="Write the drift as JSON here.")] = None,
+    config: ConfigOption = None,
+) -> None:
+    """Verifies stored kernels again under the current verifier version (new verdicts beside
+    the old; already judged ones are skipped) and reports which verdicts flipped, by check,
+    and the training steps that used them."""
+    from kz_stream.app import make_verifier, open_context
+    from kz_stream.export import KernelFilter
+    from kz_stream.rescore import Drift, plan_rescore, rescore
+    from kz_stream.verify import VERIFIER_VERSION
+
+    settings = _settings(config)
+    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
+        settings = settings.model_copy(update={"log_level": "WARNING"})
+    flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
+                       include_evaluation=include_eval, since=_utc(since), until=_utc(until))
+
+    async def go() -> Drift:
+        async with open_context(settings) as ctx:
+            plan = await plan_rescore(ctx.store, flt)
+            todo = len(plan.todo())
+            console.print(f"{todo} of {len(plan.kernels)} kernels to verify under "
+                          f"{VERIFIER_VERSION}", highlight=False)
+            with _progress_bars(counts=True) as bars:
+                task = bars.add_task("verified", total=todo, detail="")
+
+                async def publish(events: list[Any]) -> None:
+                    await ctx.bus.publish_many(settings.topics.verdicts, events)
+
+                return await rescore(
+                    ctx.store, make_verifier(settings), plan, producer=ctx.producer_id,
+                    publish=publish, concurrency=concurrency,
+                    on_verdict=lambda done, _: bars.update(task, completed=done))
+
+    d = _run(go())
+    table = Table("from", "to", "check", "kernels",
+                  title=f"{len(d.flipped_kernels)} of {d.compared} verdicts flipped")
+    for row in d.as_dict()["flips"]:
+        table.add_row(row["from"], row["to"], row["check"], str(row["kernels"]))
+    console.print(table)
+    if d.steps:
+        steps = Table("role", "step", "policy version", "flipped kernels used",
+                      title="training steps whose rewards used a flipped verdict")
+        for s in d.steps:
+            steps.add_row(s["role"], str(s["step"]), str(s["policy_version"]),
+                          str(len(s["flipped_kernels"])))
+        console.print(steps)
+    if out is not None:
+        out.write_text(json.dumps(d.as_dict(), indent=2) + "\n")
+        console.print(f"drift written to {out}", highlight=False)
 
 
 def main() -> None:

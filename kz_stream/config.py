@@ -90,6 +90,11 @@ class ProposerSettings(_Section):
     concurrency: int = Field(default=2, ge=1)
     max_modules: int | None = None
     seed_modules: bool = True
+    decontaminate: list[Path] = Field(
+        default_factory=list,
+        description="Evaluation suites whose problems proposals must not copy (besides "
+        "every problem a kz eval run stored).",
+    )
 
 
 class CoderSettings(_Section):
@@ -102,6 +107,11 @@ class CoderSettings(_Section):
 class VerifierSettings(_Section):
     devices: list[int] | None = Field(
         default=None, description="GPU indices; None: all visible; []: the CPU path."
+    )
+    prewarm: int | None = Field(
+        default=None,
+        ge=0,
+        description="Workers started ahead of need per device; None: the verifier's default.",
     )
 
 

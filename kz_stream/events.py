@@ -28,9 +28,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kz_stream.verify._types import Status as VerdictStatus
 
 __all__ = [
+    "EVALUATION_PREFIX",
     "EVENT_TYPES",
     "UPCASTERS",
     "Completion",
+    "EvaluationProblem",
+    "EvaluationStarted",
     "Event",
     "EventDecodeError",
     "FrontierUpdated",
@@ -45,6 +48,7 @@ __all__ = [
     "VerdictStatus",
     "decode_event",
     "encode_event",
+    "is_evaluation",
     "new_event",
     "payload_as",
 ]
@@ -188,6 +192,40 @@ class PolicyVersionLoaded(Payload):
     version: int
 
 
+# Correlation ids of evaluation runs start with this; their events never become training
+# data or frontier statistics (``kz_stream.frontier.RunState`` skips them).
+EVALUATION_PREFIX = "eval-"
+
+
+def is_evaluation(correlation_id: str | None) -> bool:
+    """Whether an event's correlation id names an evaluation run."""
+    return correlation_id is not None and correlation_id.startswith(EVALUATION_PREFIX)
+
+
+class EvaluationProblem(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    problem_id: str  # "level1/19_ReLU"
+    name: str
+    level: int | None = None
+    module_id: str  # the ModuleProposed stream holding its source
+    path: str = ""
+
+
+class EvaluationStarted(Payload):
+    """An evaluation run: the suite's problems, the policy and how it is sampled."""
+
+    event_type: ClassVar[str] = "EvaluationStarted"
+
+    run_id: str
+    suite: str
+    backend: Literal["cuda", "triton"]
+    samples: int = Field(ge=1)
+    policy: dict[str, Any] = Field(default_factory=dict)
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    problems: list[EvaluationProblem]
+
+
 EVENT_TYPES: dict[str, type[Payload]] = {
     cls.event_type: cls
     for cls in (
@@ -198,6 +236,7 @@ EVENT_TYPES: dict[str, type[Payload]] = {
         TrainingStepCompleted,
         PolicyVersionPublished,
         PolicyVersionLoaded,
+        EvaluationStarted,
     )
 }
 

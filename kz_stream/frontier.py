@@ -25,6 +25,7 @@ from kz_stream.events import (
     PolicyVersionPublished,
     TrainingStepCompleted,
     VerdictStatus,
+    is_evaluation,
 )
 from kz_stream.store import RecordedEvent
 
@@ -127,6 +128,8 @@ class RunState:
         self.applied_ahead.add(event.event_id)
 
     def apply(self, event: Event, *, recorded_at: float | None = None) -> None:
+        if is_evaluation(event.correlation_id):
+            return  # evaluation kernels must never train the policy or steer the frontier
         self.counts[event.type] = self.counts.get(event.type, 0) + 1
         t = event.type
         if t == "ModuleProposed":

@@ -39,11 +39,16 @@ __all__ = [
     "ServiceContext",
     "ServiceMetrics",
     "StoreOffsets",
+    "first_error",
     "run_services",
 ]
 
 
 T = TypeVar("T")
+def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf of an exception group: what a TaskGroup's caller reports."""
+    first = group.exceptions[0]
+    return first_error(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 class StoreOffsets:

@@ -26,12 +26,52 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
-from kz_stream.llm.base import LLMBackend, SamplingParams
+from kz_stream.llm.base import LLMBackend, Sample, SamplingParams
 from kz_stream.modules.extraction import extract_code
-from kz_stream.modules.prompts import coder_messages, prompt_text
+from kz_stream.modules.prompts import Backend, coder_messages, prompt_text
 from kz_stream.runtime import Service, ServiceContext
 
-__all__ = ["CoderConfig", "CoderService", "PolicyFollower"]
+__all__ = ["CoderConfig", "CoderService", "PolicyFollower", "kernel_event"]
+
+
+def kernel_event(
+    sample: Sample,
+    *,
+    kernel_id: str,
+    module_id: str,
+    group_id: str,
+    group_size: int,
+    backend: Backend,
+    prompt: str,
+    sampling: SamplingParams,
+    producer: str,
+    correlation_id: str | None,
+    causation_id: uuid.UUID | None,
+    event_id: uuid.UUID | None = None,
+) -> Event:
+    """The ``KernelGenerated`` event of one sample: the reply's ``ModelNew`` code (the
+    whole reply when it has none, so the verifier reports why) and the completion."""
+    payload = KernelGenerated(
+        kernel_id=kernel_id,
+        module_id=module_id,
+        group_id=group_id,
+        group_size=group_size,
+        backend=backend,
+        source=extract_code(sample.text, require="class ModelNew") or sample.text,
+        prompt=prompt,
+        sampling=sampling.as_dict(),
+        policy_version=sample.policy_version,
+        completion=sample.to_completion(),
+    )
+    return new_event(
+        payload,
+        stream_id=f"kernel-{kernel_id}",
+        stream_version=0,
+        producer=producer,
+        correlation_id=correlation_id,
+        causation_id=causation_id,
+        event_id=event_id,
+    )
 
 
 @dataclass(frozen=True)
@@ -164,24 +204,16 @@ class CoderService(Service):
         text = prompt_text(prompt)
         events = []
         for s in samples:
-            kernel_id = uuid.uuid4().hex
-            payload = KernelGenerated(
-                kernel_id=kernel_id,
-                module_id=module.module_id,
-                group_id=group_id,
-                group_size=self.config.group_size,
-                backend=backend,  # type: ignore[arg-type]
-                source=extract_code(s.text, require="class ModelNew") or s.text,
-                prompt=text,
-                sampling=self.config.sampling.as_dict(),
-                policy_version=s.policy_version,
-                completion=s.to_completion(),
-            )
             events.append(
-                new_event(
-                    payload,
-                    stream_id=f"kernel-{kernel_id}",
-                    stream_version=0,
+                kernel_event(
+                    s,
+                    kernel_id=uuid.uuid4().hex,
+                    module_id=module.module_id,
+                    group_id=group_id,
+                    group_size=self.config.group_size,
+                    backend=backend,  # type: ignore[arg-type]
+                    prompt=text,
+                    sampling=self.config.sampling,
                     producer=self.ctx.producer_id,
                     correlation_id=self.ctx.settings.run_id,
                     causation_id=cause.event_id,

@@ -4,7 +4,10 @@ every proposal — valid or not — as ``ModuleProposed`` on ``kz.modules``.
 
 Invalid proposals are the Proposer's negative examples, so they are published too; a
 proposal whose normalized hash was seen before is published as invalid (``duplicate``)
-rather than handed to the Coder again.
+rather than handed to the Coder again, and one whose normalized hash is an evaluation
+problem's (a problem some ``kz eval run`` stored, or one of the suites in
+``evaluation_hashes``) as invalid with reason ``contaminated``, so that training data
+cannot leak the evaluation set.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from kz_stream.events import (
     FrontierUpdated,
     ModuleProposed,
     ModuleValidation,
+    is_evaluation,
     new_event,
     payload_as,
 )
@@ -50,6 +54,8 @@ class ProposerConfig:
     seed: int = 0
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=512))
     seed_modules: tuple[SeedModule, ...] = ()
+    # Normalized hashes of evaluation problems -> their names (besides those in the store).
+    evaluation_hashes: dict[str, str] = field(default_factory=dict)
     replica: str = field(default_factory=lambda: f"proposer-{uuid.uuid4().hex[:8]}")
 
 
@@ -63,6 +69,7 @@ class ProposerService(Service):
         self.frontier: FrontierUpdated | None = None
         self.policy = PolicyFollower(self, backend, "proposer", config.replica)
         self.seen_hashes: set[str] = set()
+        self.evaluation_hashes: dict[str, str] = dict(config.evaluation_hashes)
         self.published = 0
         self.valid = 0
         self.done = asyncio.Event()
@@ -94,12 +101,32 @@ class ProposerService(Service):
             await _stop_all([frontier_sub, policy_sub])
 
     async def _load_seen_hashes(self) -> None:
-        """Dedup survives restarts: every proposal ever stored is known by hash."""
+        """Dedup survives restarts: every proposal ever stored is known by hash, and so is
+        every evaluation problem (``ModuleProposed`` of an evaluation run)."""
         async for batch in self.ctx.store.read_all(0, types=["ModuleProposed"]):
             for r in batch:
                 h = r.event.payload.get("normalized_hash")
-                if h:
+                if h and is_evaluation(r.event.correlation_id):
+                    detail = r.event.payload.get("validation", {}).get("detail")
+                    self.evaluation_hashes.setdefault(h, detail or "an evaluation problem")
+                elif h:
                     self.seen_hashes.add(h)
+
+    def screen(self, digest: str) -> ModuleValidation | None:
+        """The verdict on a proposal known by its normalized hash before it is run: an
+        evaluation problem's (``contaminated``) or a seen one's (``duplicate``); None for a
+        new one, which is then remembered."""
+        if digest in self.evaluation_hashes:
+            return ModuleValidation(
+                valid=False, reason="contaminated",
+                detail=f"normalized hash {digest[:12]} is {self.evaluation_hashes[digest]}",
+            )
+        if digest in self.seen_hashes:
+            return ModuleValidation(
+                valid=False, reason="duplicate", detail=f"normalized hash {digest[:12]} seen before"
+            )
+        self.seen_hashes.add(digest)
+        return None
 
     async def handle_frontier(self, batch: Sequence[BusMessage]) -> None:
         for m in batch:
@@ -155,12 +182,8 @@ class ProposerService(Service):
         group_id: str,
     ) -> None:
         digest = normalized_hash(source)
-        if digest in self.seen_hashes:
-            validation = ModuleValidation(
-                valid=False, reason="duplicate", detail=f"normalized hash {digest[:12]} seen before"
-            )
-        else:
-            self.seen_hashes.add(digest)
+        validation = self.screen(digest)
+        if validation is None:
             validation = await asyncio.to_thread(
                 validate_module, source, api_set, timeout_s=self.config.validation_timeout_s
             )

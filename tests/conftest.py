@@ -86,3 +86,13 @@ def kafka_bootstrap() -> Iterator[str]:
         yield broker.bootstrap
     finally:
         broker.stop()
+
+
+@pytest.fixture(
+    params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
+)
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty event store: SQLite, then PostgreSQL (the same test on both)."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'events.sqlite3'}"
+    return str(request.getfixturevalue("postgres_url"))

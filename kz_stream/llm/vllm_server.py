@@ -87,6 +87,11 @@ class VLLMServerBackend(LLMBackend):
 
     A LoRA policy version is served under the adapter name ``{adapter_prefix}-v{version}``.
     A superseded adapter is unloaded once the requests that use it have finished.
+
+    ``token_ids=False`` talks plain OpenAI: no vLLM extensions (``return_token_ids``,
+    ``top_k``) and no logprobs asked for, so any OpenAI-compatible endpoint, hosted models
+    included, serves it. Its samples carry text only: good for evaluation, not for
+    training (the learner needs the tokens and their logprobs).
     """
 
     def __init__(
@@ -100,7 +105,9 @@ class VLLMServerBackend(LLMBackend):
         timeout_s: float = 600.0,
         adapter_prefix: str = "kz-policy",
         retries: int = 2,
+        token_ids: bool = True,
     ) -> None:
+        self.token_ids = token_ids
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
@@ -209,26 +216,29 @@ class VLLMServerBackend(LLMBackend):
             "max_tokens": sp.max_tokens,
             "temperature": sp.temperature,
             "top_p": sp.top_p,
-            "return_token_ids": True,  # vLLM extension: token ids of prompt and choices
         }
-        if sp.top_k > 0:
-            body["top_k"] = sp.top_k
+        if self.token_ids:
+            body["return_token_ids"] = True  # vLLM extension: token ids of prompt and choices
+        if sp.top_k > 0 and self.token_ids:
+            body["top_k"] = sp.top_k  # a vLLM extension too
         if sp.seed is not None:
             body["seed"] = sp.seed
         if sp.stop:
             body["stop"] = list(sp.stop)
         if chat:
             body["messages"] = list(prompt)
-            body["logprobs"] = True
-            body["top_logprobs"] = 0
+            if self.token_ids:
+                body["logprobs"] = True
+                body["top_logprobs"] = 0
             path = "/v1/chat/completions"
         else:
             body["prompt"] = prompt
-            body["logprobs"] = 0  # only the sampled token's logprob
+            if self.token_ids:
+                body["logprobs"] = 0  # only the sampled token's logprob
             path = "/v1/completions"
         async with self._sem:
             data = await self._post_generation(path, body, version)
-        return _parse_choices(data, chat=chat, version=version) * copies
+        return _parse_choices(data, chat=chat, version=version, token_ids=self.token_ids) * copies
 
     async def _post_generation(self, path: str, body: dict[str, Any], version: int) -> Any:
         for attempt in range(self._retries + 1):
@@ -308,11 +318,14 @@ class VLLMServerBackend(LLMBackend):
         return r.json()
 
 
-def _parse_choices(data: Any, *, chat: bool, version: int) -> list[Sample]:
+def _parse_choices(
+    data: Any, *, chat: bool, version: int, token_ids: bool = True
+) -> list[Sample]:
+    """The samples of a completions response; with ``token_ids=False`` text only."""
     samples = []
     top_prompt_ids = data.get("prompt_token_ids") or []
     for choice in sorted(data["choices"], key=lambda c: c["index"]):
-        token_ids = [int(t) for t in choice.get("token_ids") or []]
+        ids = [int(t) for t in choice.get("token_ids") or []]
         lp = choice.get("logprobs") or {}
         if chat:
             text = choice["message"].get("content") or ""
@@ -320,15 +333,19 @@ def _parse_choices(data: Any, *, chat: bool, version: int) -> list[Sample]:
         else:
             text = choice["text"]
             logprobs = [float(x) for x in lp.get("token_logprobs") or []]
-        if len(token_ids) != len(logprobs):
+        if not token_ids:
+            samples.append(Sample(text=text, token_ids=[], logprobs=[], policy_version=version,
+                                  finish_reason=choice.get("finish_reason")))
+            continue
+        if len(ids) != len(logprobs):
             raise BackendError(
-                f"server returned {len(token_ids)} token ids but {len(logprobs)} logprobs "
+                f"server returned {len(ids)} token ids but {len(logprobs)} logprobs "
                 "(is it a vLLM server with return_token_ids support?)"
             )
         samples.append(
             Sample(
                 text=text,
-                token_ids=token_ids,
+                token_ids=ids,
                 logprobs=logprobs,
                 finish_reason=choice.get("finish_reason"),
                 policy_version=version,

@@ -116,7 +116,14 @@ Output contract (a kernel that breaks it scores zero):
 - `ModelNew.__init__` takes exactly the same arguments as `Model.__init__` (the values of
   `get_init_inputs()`), and `ModelNew.forward` takes exactly the same arguments as
   `Model.forward` (the tensors of `get_inputs()`) and returns the same output: same
-  shape, same dtype, equal within 1e-2 absolute and relative tolerance.
+  shape, same dtype, and values as accurate as `Model`'s own computation in that dtype.
+  The check compares both with `Model` run in float64: your error may be at most 32 times
+  `Model`'s own error (as a whole and per element, never under 16 machine epsilons), so
+  TF32, bf16 or fp16 arithmetic on float32 data fails.
+- It is checked on several input sets besides `get_inputs()` (sign-mixed, heavy-tailed,
+  odd sizes such as 1023 for 1024, small shapes), each run twice: handle any size (mask
+  the edges, hard-code no shape), give the same result every time, never modify an input,
+  and never return an input or an earlier output.
 - Create learnable parameters with the same nn modules, in the same order, as `Model`, so
   that the same random seed gives both the same weights.
 - The arithmetic must happen in your own kernels{own}; torch may only allocate outputs,

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from datetime import UTC, datetime, timedelta
 from multiprocessing import get_context
-from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -40,15 +39,6 @@ from kz_stream.store._migrate import sync_url
 from kz_stream.store._schema import metadata
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
-
-
-@pytest.fixture(
-    params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
-)
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path / 'events.sqlite3'}"
-    return str(request.getfixturevalue("postgres_url"))
 
 
 @pytest.fixture

@@ -135,3 +135,17 @@ async def test_errors_are_backend_errors(server: Any) -> None:
     await dead.close()
     async with httpx.AsyncClient() as client:
         assert (await client.get(f"{server.base_url}/health")).status_code == 200
+
+
+async def test_plain_openai_mode_samples_text_only(server: Any) -> None:
+    """``token_ids=False`` sends no vLLM extension and asks for no logprobs (what a hosted
+    endpoint serves); the server still answers with n samples of text."""
+    from kz_stream.llm.vllm_server import VLLMServerBackend
+
+    b = VLLMServerBackend(server.base_url, token_ids=False)
+    try:
+        [group] = await b.generate([CHAT], n=2, sampling=SamplingParams(max_tokens=8, seed=1))
+    finally:
+        await b.close()
+    assert len(group) == 2
+    assert all(s.text and s.token_ids == [] and s.logprobs == [] for s in group)

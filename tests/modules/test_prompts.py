@@ -38,6 +38,7 @@ def test_coder_chat_states_the_contract(backend: str) -> None:
     system = msgs[0]["content"]
     for phrase in ("ModelNew", "same arguments as `Model.__init__`", "Model.forward", "same order"):
         assert phrase in system
+    assert "1e-2" not in system  # the verifier's rule is far tighter than a fixed tolerance
     assert ("load_inline" in system) == (backend == "cuda")
     assert ("@triton.jit" in system) == (backend == "triton")
     assert module in msgs[-1]["content"]
@@ -47,6 +48,20 @@ def test_coder_chat_states_the_contract(backend: str) -> None:
     names = {n.name for n in tree.body if isinstance(n, ast.ClassDef | ast.FunctionDef)}
     assert "ModelNew" in names and "Model" not in names
     assert json.loads(prompt_text(msgs)) == msgs
+
+
+def test_the_stated_correctness_rule_is_the_verifiers() -> None:
+    """The prompt's numbers are the verifier's bounds (kz_stream/verify/compare.py)."""
+    pytest.importorskip("torch")
+    from kz_stream.verify.compare import FLOOR, SAFETY
+
+    system = coder_messages(CODER_EXAMPLE_MODULE, "triton")[0]["content"]
+    flat = " ".join(system.split())
+    assert f"at most {SAFETY:g} times `Model`'s own error" in flat
+    assert f"never under {FLOOR:g} machine epsilons" in flat
+    assert "float64" in flat and "TF32" in flat
+    for input_set in ("sign-mixed", "heavy-tailed", "odd sizes", "small shapes", "run twice"):
+        assert input_set in flat
 
 
 def test_unknown_backend() -> None:

@@ -1,0 +1,185 @@
+"""Evaluation metrics as the field reports them: unbiased pass@k, fast_p and the
+geometric-mean speedup of correct kernels with a bootstrap interval.
+
+Definitions (``docs/evaluation.md`` says why each was chosen):
+
+- pass@k of one problem with ``n`` samples, ``c`` of them correct, is Chen et al. (2021)'s
+  unbiased estimator ``1 - C(n-c, k) / C(n, k)``; undefined (None) when ``n < k``. A
+  suite's pass@k is the mean over its problems that have at least ``k`` samples.
+- fast_p of one problem is the share of its samples that are correct *and* measured
+  faster than eager PyTorch by more than ``p`` (speedup > p); a suite's fast_p is the mean
+  over problems. With one sample per problem this is KernelBench's fast_p; with several it
+  is the expected fast_p of one sample drawn per problem. fast_0 is the correct rate.
+  A correct kernel with no measured speedup (no GPU) counts towards fast_0 only.
+- The geometric-mean speedup pools every correct kernel with a measured speedup; its 95%
+  interval is a percentile bootstrap that resamples problems (samples of one problem are
+  not independent), seeded so reports are reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "FAST_P",
+    "PASS_K",
+    "ProblemResult",
+    "SuiteMetrics",
+    "fast_p",
+    "geomean_speedup",
+    "level_name",
+    "pass_at_k",
+    "summarize",
+    "summarize_levels",
+]
+
+PASS_K: tuple[int, ...] = (1, 5, 10)
+FAST_P: tuple[float, ...] = (0.0, 1.0, 1.5, 2.0)
+
+
+@dataclass(frozen=True)
+class ProblemResult:
+    """The verdicts of one problem's samples: correctness and speedup (None: not timed)."""
+
+    problem_id: str
+    level: int | None
+    correct: tuple[bool, ...]
+    speedups: tuple[float | None, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.correct)
+
+    @property
+    def c(self) -> int:
+        return sum(self.correct)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float | None:
+    """Chen et al.'s unbiased pass@k for ``c`` correct of ``n`` samples; None if n < k.
+
+    Computed as the product ``prod_{i=n-c+1}^{n} (1 - k/i)`` (their numerically stable
+    form), which never forms the large binomials.
+    """
+    if k < 1 or c < 0 or c > n:
+        raise ValueError(f"need k >= 1 and 0 <= c <= n (n={n}, c={c}, k={k})")
+    if n < k:
+        return None
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def fast_p(result: ProblemResult, p: float) -> float:
+    """The share of a problem's samples that are correct with a measured speedup > p
+    (p = 0: correct, timed or not)."""
+    if result.n == 0:
+        return 0.0
+    hits = sum(
+        ok and (p == 0 or (s is not None and s > p))
+        for ok, s in zip(result.correct, result.speedups, strict=True)
+    )
+    return hits / result.n
+
+
+def _correct_log_speedups(result: ProblemResult) -> list[float]:
+    return [
+        math.log(s)
+        for ok, s in zip(result.correct, result.speedups, strict=True)
+        if ok and s is not None and s > 0
+    ]
+
+
+def geomean_speedup(
+    results: Sequence[ProblemResult], *, resamples: int = 2000, seed: int = 0
+) -> tuple[float | None, tuple[float, float] | None]:
+    """The geometric mean speedup of correct, timed kernels and its 95% bootstrap interval
+    (problems resampled with replacement); (None, None) when there is none."""
+    logs = [_correct_log_speedups(r) for r in results]
+    pooled = [x for xs in logs for x in xs]
+    if not pooled:
+        return None, None
+    point = math.exp(sum(pooled) / len(pooled))
+    sums = np.array([sum(xs) for xs in logs])
+    counts = np.array([len(xs) for xs in logs])
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(results), size=(resamples, len(results)))
+    total, count = sums[picks].sum(axis=1), counts[picks].sum(axis=1)
+    means = total[count > 0] / count[count > 0]  # a resample with no correct kernel has none
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return point, (math.exp(float(lo)), math.exp(float(hi)))
+
+
+@dataclass(frozen=True)
+class SuiteMetrics:
+    """The metrics of a set of problems (a level, or the whole suite)."""
+
+    problems: int
+    samples: int
+    correct: int
+    timed: int  # correct kernels with a measured speedup
+    pass_at: dict[int, float | None] = field(default_factory=dict)
+    fast: dict[float, float] = field(default_factory=dict)
+    geomean: float | None = None
+    geomean_ci: tuple[float, float] | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (keys ``pass@k``, ``fast_p``)."""
+        return {
+            "problems": self.problems,
+            "samples": self.samples,
+            "correct": self.correct,
+            "timed": self.timed,
+            **{f"pass@{k}": v for k, v in self.pass_at.items()},
+            **{f"fast_{p:g}": v for p, v in self.fast.items()},
+            "geomean_speedup": self.geomean,
+            "geomean_speedup_ci": list(self.geomean_ci) if self.geomean_ci else None,
+        }
+
+
+def summarize(
+    results: Sequence[ProblemResult],
+    *,
+    ks: Iterable[int] = PASS_K,
+    ps: Iterable[float] = FAST_P,
+    seed: int = 0,
+) -> SuiteMetrics:
+    """pass@k, fast_p and geomean speedup over ``results`` (means over problems)."""
+    pass_at: dict[int, float | None] = {}
+    for k in ks:
+        values = [v for r in results if (v := pass_at_k(r.n, r.c, k)) is not None]
+        pass_at[k] = sum(values) / len(values) if values else None
+    fast = {p: (sum(fast_p(r, p) for r in results) / len(results) if results else 0.0)
+            for p in ps}
+    geo, ci = geomean_speedup(results, seed=seed)
+    return SuiteMetrics(
+        problems=len(results),
+        samples=sum(r.n for r in results),
+        correct=sum(r.c for r in results),
+        timed=sum(len(_correct_log_speedups(r)) for r in results),
+        pass_at=pass_at,
+        fast=fast,
+        geomean=geo,
+        geomean_ci=ci,
+    )
+
+
+def level_name(level: int | None) -> str:
+    """A level's row name in reports."""
+    return f"level {level}" if level is not None else "no level"
+
+
+def summarize_levels(
+    results: Sequence[ProblemResult], *, seed: int = 0
+) -> Mapping[str, SuiteMetrics]:
+    """Metrics per level (``"level N"``, in level order) and ``"overall"``."""
+    levels = sorted({r.level for r in results}, key=lambda v: (v is None, v or 0))
+    out: dict[str, SuiteMetrics] = {}
+    for level in levels:
+        out[level_name(level)] = summarize([r for r in results if r.level == level], seed=seed)
+    out["overall"] = summarize(results, seed=seed)
+    return out

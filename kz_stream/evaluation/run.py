@@ -1,0 +1,372 @@
+"""``kz eval run``: sample a policy on every problem of a suite, verify every kernel, and
+record it all as events, resumably.
+
+Events (correlation id: the evaluation run id, which starts with ``eval-``):
+
+- ``EvaluationStarted`` on stream ``evaluation-<run id>``: the suite's problems, the policy,
+  backend, samples and sampling;
+- ``ModuleProposed`` per problem (stream ``module-kb-<sha of its source>``, shared by
+  every run that evaluates the same source), so the verifier, ``kz audit`` and a future
+  re-scoring find the reference where they find a proposed module's;
+- ``KernelGenerated`` per problem × sample (the Coder's prompt and extraction, through
+  ``producers.coder.kernel_event``) and its ``KernelVerified`` (through
+  ``consumers.verifier.verdict_event``, the verifier service's own code).
+
+Ids are derived from (run id, problem, sample index), so a run started again with the
+same id skips the pairs whose verdicts are stored and verifies, without sampling again,
+kernels that were stored but not yet judged. The run writes to the store itself rather
+than through ``kz.kernels``: live verifiers would judge its kernels a second time, and
+the resume needs to know what is stored. Verdicts still go out on ``kz.verdicts`` as the
+verifier service's do. ``RunState`` ignores evaluation runs, so their kernels never
+become training data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from consumers.verifier import verdict_event
+from kz_stream.config import Settings
+from kz_stream.evaluation.suite import Suite
+from kz_stream.events import (
+    EVALUATION_PREFIX,
+    EvaluationProblem,
+    EvaluationStarted,
+    Event,
+    KernelVerified,
+    ModuleProposed,
+    ModuleValidation,
+    PolicyVersionPublished,
+    new_event,
+    payload_as,
+)
+from kz_stream.llm.base import LLMBackend, SamplingParams
+from kz_stream.modules.extraction import normalized_hash
+from kz_stream.modules.prompts import coder_messages, prompt_text
+from kz_stream.runtime import first_error
+from kz_stream.store import EventStore
+from producers.coder import kernel_event
+
+__all__ = [
+    "EvalOptions",
+    "EvalProgress",
+    "EvalRecord",
+    "kernel_id_of",
+    "load_evaluation",
+    "new_run_id",
+    "open_policy",
+    "run_evaluation",
+]
+
+_NAMESPACE = uuid.UUID("0b6f4a51-6d0e-4f3e-9c7a-2f5e8d1c3b90")
+
+
+def new_run_id() -> str:
+    """A fresh evaluation run id."""
+    return f"{EVALUATION_PREFIX}{uuid.uuid4().hex[:12]}"
+
+
+def kernel_id_of(run_id: str, problem_id: str, sample: int) -> str:
+    """The kernel id of one problem × sample pair of a run (the same on every resume)."""
+    return uuid.uuid5(_NAMESPACE, f"{run_id}/{problem_id}/{sample}").hex
+
+
+def _module_id(source: str) -> str:
+    return "kb-" + hashlib.sha256(source.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    run_id: str
+    policy: str = "base"
+    backend: Literal["cuda", "triton"] = "triton"
+    samples: int = 10
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=2048))
+    model: str | None = None  # served model name (endpoint) or base model dir (adapter)
+    api_key: str | None = None
+    concurrency: int = 4  # generations (one per problem) and verifications in flight at once
+
+
+@dataclass
+class EvalProgress:
+    """Counters the CLI draws progress bars from."""
+
+    to_generate: int = 0
+    generated: int = 0
+    to_verify: int = 0
+    verified: int = 0
+    correct: int = 0
+    resumed: int = 0  # pairs whose verdicts were already stored
+
+
+@dataclass
+class EvalRecord:
+    """What the store holds of one evaluation run."""
+
+    started: EvaluationStarted
+    kernels: dict[str, str] = field(default_factory=dict)  # kernel id -> problem id
+    verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel id -> payload
+
+
+async def load_evaluation(store: EventStore, run_id: str) -> EvalRecord | None:
+    """The run's start, its kernels and their newest verdicts, or None if there is no run."""
+    records = await store.read_stream(f"evaluation-{run_id}")
+    if not records:
+        return None
+    started = payload_as(records[0].event, EvaluationStarted)
+    record = EvalRecord(started)
+    problem_of = {p.module_id: p.problem_id for p in started.problems}
+    fields = ("kernel_id", "module_id", "status", "speedup", "check", "verifier_version",
+              "speedup_ci", "reason")
+    async for batch in store.read_all(
+        0, types=["KernelGenerated", "KernelVerified"], payload_fields=fields
+    ):
+        for r in batch:
+            e = r.event
+            if e.correlation_id != run_id:
+                continue
+            if e.type == "KernelGenerated":
+                record.kernels[e.payload["kernel_id"]] = problem_of[e.payload["module_id"]]
+            else:
+                record.verdicts[e.payload["kernel_id"]] = e.payload  # the newest wins
+    return record
+
+
+async def open_policy(spec: str, store: EventStore, options: EvalOptions) -> LLMBackend:
+    """The LLM a policy spec names.
+
+    - ``base``: the embedded SmolLM2 (or ``options.model``, a model folder);
+    - a folder: a LoRA adapter (``adapter_config.json``) on the base model, or a model;
+    - ``run:<run id>[:<version>]``: a Coder policy version that run published (its newest
+      when the version is left out), loaded as the generators load it, on the base model
+      it was trained from;
+    - ``http(s)://…``: an OpenAI-compatible endpoint (``options.model`` names the served
+      model); only text is asked for, so hosted models work.
+    """
+    from kz_stream.llm.factory import create_backend
+
+    if spec.startswith(("http://", "https://")):
+        return create_backend("vllm-server", base_url=spec, model=options.model,
+                              api_key=options.api_key, token_ids=False)
+    if spec == "base":
+        return create_backend("transformers", model=options.model)
+    if spec.startswith("run:"):
+        run_id, _, version = spec[len("run:"):].partition(":")
+        published = await _published_policy(store, run_id, int(version) if version else None)
+        # The base the learner trained on, unless --model names another.
+        base = options.model or published.base_model or None
+        backend = create_backend("transformers", model=base)
+        await backend.load_policy(published.version, published.uri, kind=published.kind)
+        return backend
+    if _is_adapter(spec):
+        backend = create_backend("transformers", model=options.model)
+        await backend.load_policy(1, spec, kind="lora")
+        return backend
+    return create_backend("transformers", model=spec)
+
+
+def _is_adapter(folder: str) -> bool:
+    """Whether a policy folder is a LoRA adapter (else a model); raises if it is no folder."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise ValueError(
+            f"--policy {folder!r}: not base, run:<id>[:<version>], a URL or a folder"
+        )
+    return (path / "adapter_config.json").exists()
+
+
+async def _published_policy(
+    store: EventStore, run_id: str, version: int | None
+) -> PolicyVersionPublished:
+    found: dict[int, PolicyVersionPublished] = {}
+    async for batch in store.read_all(0, types=["PolicyVersionPublished"]):
+        for r in batch:
+            p = payload_as(r.event, PolicyVersionPublished)
+            if r.event.correlation_id == run_id and p.role == "coder":
+                found[p.version] = p
+    if not found:
+        raise LookupError(f"run {run_id!r} published no Coder policy in this store")
+    if version is None:
+        return found[max(found)]
+    if version not in found:
+        raise LookupError(f"run {run_id!r} published Coder versions {sorted(found)}, not {version}")
+    return found[version]
+
+
+def _started(suite: Suite, options: EvalOptions) -> EvaluationStarted:
+    return EvaluationStarted(
+        run_id=options.run_id,
+        suite=str(suite.root.resolve()),
+        backend=options.backend,
+        samples=options.samples,
+        policy={"spec": options.policy, "model": options.model},
+        sampling=options.sampling.as_dict(),
+        problems=[
+            EvaluationProblem(problem_id=p.problem_id, name=p.name, level=p.level,
+                              module_id=_module_id(p.source), path=str(p.path))
+            for p in suite.problems
+        ],
+    )
+
+
+def _check_resumable(stored: EvaluationStarted, wanted: EvaluationStarted) -> None:
+    for name in ("backend", "samples", "policy", "sampling"):
+        if getattr(stored, name) != getattr(wanted, name):
+            raise ValueError(
+                f"run {wanted.run_id} exists with {name}={getattr(stored, name)!r}; "
+                f"resume it with the same options or choose another --run-id"
+            )
+    if [p.module_id for p in stored.problems] != [p.module_id for p in wanted.problems]:
+        raise ValueError(f"run {wanted.run_id} exists with other problems; choose another --run-id")
+
+
+async def run_evaluation(
+    settings: Settings,
+    suite: Suite,
+    options: EvalOptions,
+    *,
+    on_progress: Callable[[EvalProgress], None] | None = None,
+) -> EvalProgress:
+    """Runs (or resumes) an evaluation and returns its counters; the store holds the rest."""
+    from kz_stream.app import make_verifier, open_context
+
+    if not options.run_id.startswith(EVALUATION_PREFIX):
+        raise ValueError(f"an evaluation run id starts with {EVALUATION_PREFIX!r}")
+    settings = settings.model_copy(update={"run_id": options.run_id})
+    progress = EvalProgress()
+
+    def notify() -> None:
+        if on_progress is not None:
+            on_progress(progress)
+
+    wanted = _started(suite, options)
+    sources = {p.problem_id: p.source for p in suite.problems}
+    async with open_context(settings) as ctx:
+        store, producer = ctx.store, ctx.producer_id
+        record = await load_evaluation(store, options.run_id)
+        if record is None:
+            await store.append(_start_events(suite, wanted, producer))
+            record = EvalRecord(wanted)
+        else:
+            _check_resumable(record.started, wanted)
+        todo: dict[str, list[int]] = {}  # problem id -> sample indices to generate
+        unverified: list[str] = []  # kernel ids stored without a verdict
+        for p in wanted.problems:
+            for i in range(options.samples):
+                kid = kernel_id_of(options.run_id, p.problem_id, i)
+                if kid in record.verdicts:
+                    progress.resumed += 1
+                elif kid in record.kernels:
+                    unverified.append(kid)
+                else:
+                    todo.setdefault(p.problem_id, []).append(i)
+        progress.to_generate = sum(len(v) for v in todo.values())
+        progress.to_verify = progress.to_generate + len(unverified)
+        notify()
+        if not progress.to_verify:
+            return progress
+        verifier = make_verifier(settings)
+        module_of = {p.problem_id: p.module_id for p in wanted.problems}
+        gate = asyncio.Semaphore(options.concurrency)
+
+        async def verify(event: Event, problem_id: str) -> None:
+            async with gate:
+                verdict = await verdict_event(verifier, store, event, sources[problem_id],
+                                              producer=producer)
+            await store.append([verdict])
+            await ctx.bus.publish_many(settings.topics.verdicts, [verdict])
+            progress.verified += 1
+            progress.correct += payload_as(verdict, KernelVerified).status == "correct"
+            notify()
+
+        async def generate(problem_id: str, indices: Sequence[int]) -> list[Event]:
+            async with gate:
+                events = await _sample(backend, options, problem_id, module_of[problem_id],
+                                       sources[problem_id], indices, producer)
+            await store.append(events)
+            progress.generated += len(events)
+            notify()
+            return events
+
+        async def generate_then_verify(pid: str, indices: list[int]) -> None:
+            events = await generate(pid, indices)
+            async with asyncio.TaskGroup() as tg:
+                for e in events:
+                    tg.create_task(verify(e, pid))
+
+        backend = await open_policy(options.policy, store, options)
+        try:
+            async with verifier, asyncio.TaskGroup() as tg:
+                for k in unverified:
+                    tg.create_task(verify(await _stored_kernel(store, k), record.kernels[k]))
+                for pid, indices in todo.items():
+                    tg.create_task(generate_then_verify(pid, indices))
+        except BaseExceptionGroup as group:
+            # One failure cancels the rest (a TaskGroup); report it, not the group.
+            raise first_error(group) from None
+        finally:
+            await backend.close()
+    return progress
+
+
+def _start_events(suite: Suite, started: EvaluationStarted, producer: str) -> list[Event]:
+    """``EvaluationStarted`` and each problem's ``ModuleProposed`` (ids fixed by content,
+    so a problem evaluated by many runs is stored once)."""
+    events = [new_event(started, stream_id=f"evaluation-{started.run_id}", stream_version=0,
+                        producer=producer, correlation_id=started.run_id)]
+    for p, meta in zip(suite.problems, started.problems, strict=True):
+        module = ModuleProposed(
+            module_id=meta.module_id,
+            api_set=[],
+            source=p.source,
+            normalized_hash=normalized_hash(p.source),
+            validation=ModuleValidation(valid=True, detail=f"evaluation problem {p.problem_id}"),
+        )
+        events.append(new_event(module, stream_id=f"module-{meta.module_id}", stream_version=0,
+                                event_id=uuid.uuid5(_NAMESPACE, meta.module_id),
+                                producer=producer, correlation_id=started.run_id))
+    return events
+
+
+async def _stored_kernel(store: EventStore, kernel_id: str) -> Event:
+    [first, *_] = await store.read_stream(f"kernel-{kernel_id}")
+    return first.event
+
+
+async def _sample(
+    backend: LLMBackend,
+    options: EvalOptions,
+    problem_id: str,
+    module_id: str,
+    source: str,
+    indices: Sequence[int],
+    producer: str,
+) -> list[Event]:
+    """Samples the missing kernels of one problem with the Coder's own prompt."""
+    prompt = coder_messages(source, options.backend)
+    [samples] = await backend.generate([prompt], n=len(indices), sampling=options.sampling)
+    text = prompt_text(prompt)
+    events = []
+    for i, sample in zip(indices, samples, strict=True):
+        kid = kernel_id_of(options.run_id, problem_id, i)
+        events.append(kernel_event(
+            sample,
+            kernel_id=kid,
+            module_id=module_id,
+            group_id=f"{options.run_id}/{problem_id}",
+            group_size=options.samples,
+            backend=options.backend,
+            prompt=text,
+            sampling=options.sampling,
+            producer=producer,
+            correlation_id=options.run_id,
+            causation_id=None,
+            event_id=uuid.uuid5(_NAMESPACE, f"kernel/{kid}"),
+        ))
+    return events

@@ -1,0 +1,157 @@
+"""``kz rescore``: verify stored kernels again under the current verifier version, beside
+their old verdicts, and report the drift.
+
+The new verdicts are written by the verifier service's own function
+(``consumers.verifier.verdict_event``): their ids come from the kernel event and the
+verifier version, so a kernel already judged by this version is skipped, and a rescore
+cut short resumes by running it again. The drift compares each kernel's newest earlier
+verdict with the new one: verdicts that flipped between correct and not, grouped by the
+check that decided the new one, and the training steps (and the policy versions they
+published) whose rewards used a flipped kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kz_stream.events import Event, TrainingStepCompleted, payload_as
+from kz_stream.export import KernelFilter
+from kz_stream.runtime import first_error
+from kz_stream.store import EventStore
+from kz_stream.verify import VERIFIER_VERSION, Verifier
+
+__all__ = ["Drift", "RescorePlan", "drift", "plan_rescore", "rescore"]
+
+
+@dataclass
+class RescorePlan:
+    """What a replay of the store found: the kernels to judge again and the history the
+    drift is measured against."""
+
+    kernels: dict[str, Event] = field(default_factory=dict)  # kernel id -> KernelGenerated
+    modules: dict[str, str] = field(default_factory=dict)  # module id -> source
+    verdicts: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # in store order
+    steps: list[TrainingStepCompleted] = field(default_factory=list)
+
+    def todo(self, version: str = VERIFIER_VERSION) -> list[str]:
+        """Kernels without a verdict of ``version`` whose module is in the store."""
+        return [
+            kid for kid, e in self.kernels.items()
+            if e.payload["module_id"] in self.modules
+            and all(v.get("verifier_version") != version for v in self.verdicts.get(kid, []))
+        ]
+
+
+async def plan_rescore(store: EventStore, flt: KernelFilter) -> RescorePlan:
+    """Replays the store: kernels that pass ``flt`` (its statuses apply to a kernel's
+    newest verdict), their verdicts, module sources and training steps."""
+    plan = RescorePlan()
+    types = ["ModuleProposed", "KernelGenerated", "KernelVerified", "TrainingStepCompleted"]
+    async for batch in store.read_all(0, types=types):
+        for r in batch:
+            e, p = r.event, r.event.payload
+            if e.type == "ModuleProposed":
+                plan.modules.setdefault(p["module_id"], p["source"])
+            elif e.type == "KernelGenerated":
+                if flt.keeps_kernel(e.correlation_id, e.occurred_at):
+                    plan.kernels[p["kernel_id"]] = e
+            elif e.type == "KernelVerified":
+                plan.verdicts.setdefault(p["kernel_id"], []).append(p)
+            else:
+                plan.steps.append(payload_as(e, TrainingStepCompleted))
+    if flt.statuses:
+        plan.kernels = {
+            kid: e for kid, e in plan.kernels.items()
+            if plan.verdicts.get(kid) and plan.verdicts[kid][-1]["status"] in flt.statuses
+        }
+    return plan
+
+
+@dataclass
+class Drift:
+    """How the new verdicts differ from the ones before them."""
+
+    rescored: int = 0
+    compared: int = 0  # rescored kernels that had an earlier verdict
+    flips: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # old, new, check
+    flipped_kernels: list[str] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)  # training steps that used them
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "verifier_version": VERIFIER_VERSION,
+            "rescored": self.rescored,
+            "compared": self.compared,
+            "flipped": len(self.flipped_kernels),
+            "flips": [{"from": a, "to": b, "check": c, "kernels": n}
+                      for (a, b, c), n in self.flips.most_common()],
+            "flipped_kernels": self.flipped_kernels,
+            "training_steps": self.steps,
+        }
+
+
+def drift(plan: RescorePlan, new: dict[str, dict[str, Any]]) -> Drift:
+    """Compares the new verdicts (kernel id -> payload) with each kernel's newest earlier
+    verdict of another version."""
+    d = Drift(rescored=len(new))
+    for kid, v in new.items():
+        before = [o for o in plan.verdicts.get(kid, [])
+                  if o.get("verifier_version") != v.get("verifier_version")]
+        if not before:
+            continue
+        d.compared += 1
+        old = before[-1]
+        if (old["status"] == "correct") != (v["status"] == "correct"):
+            d.flips[(old["status"], v["status"], v.get("check") or "-")] += 1
+            d.flipped_kernels.append(kid)
+    flipped = set(d.flipped_kernels)
+    for s in plan.steps:
+        used = sorted(flipped.intersection(s.kernel_ids))
+        if used:
+            d.steps.append({"role": s.role, "step": s.step, "policy_version": s.policy_version,
+                            "flipped_kernels": used})
+    return d
+
+
+async def rescore(
+    store: EventStore,
+    verifier: Verifier,
+    plan: RescorePlan,
+    *,
+    producer: str,
+    publish: Callable[[list[Event]], Any] | None = None,
+    concurrency: int = 4,
+    on_verdict: Callable[[int, int], None] | None = None,
+) -> Drift:
+    """Verifies ``plan.todo()`` again, appends each new verdict as it comes (and hands it
+    to ``publish``), and returns the drift."""
+    from consumers.verifier import verdict_event
+
+    todo = plan.todo()
+    gate = asyncio.Semaphore(concurrency)
+    new: dict[str, dict[str, Any]] = {}
+
+    async def one(kid: str) -> None:
+        kernel = plan.kernels[kid]
+        async with gate:
+            verdict = await verdict_event(verifier, store, kernel,
+                                          plan.modules[kernel.payload["module_id"]],
+                                          producer=producer)
+        await store.append([verdict])
+        if publish is not None:
+            await publish([verdict])
+        new[kid] = verdict.payload
+        if on_verdict is not None:
+            on_verdict(len(new), len(todo))
+
+    try:
+        async with verifier, asyncio.TaskGroup() as tg:
+            for kid in todo:
+                tg.create_task(one(kid))
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
+    return drift(plan, new)

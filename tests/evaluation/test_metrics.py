@@ -1,0 +1,82 @@
+"""The evaluation estimators against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+
+from kz_stream.evaluation.metrics import (
+    ProblemResult,
+    fast_p,
+    geomean_speedup,
+    pass_at_k,
+    summarize,
+    summarize_levels,
+)
+
+
+def problem(pid: str, level: int | None, *samples: tuple[bool, float | None]) -> ProblemResult:
+    return ProblemResult(pid, level, tuple(c for c, _ in samples), tuple(s for _, s in samples))
+
+
+def test_pass_at_k_hand_values() -> None:
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    # 1 - C(7,5)/C(10,5) = 1 - 21/252
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)
+    assert pass_at_k(10, 3, 10) == 1.0  # fewer than k wrong samples: some draw is correct
+    assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)  # 1 - C(2,2)/C(4,2)
+    assert pass_at_k(5, 0, 1) == 0.0
+    assert pass_at_k(5, 5, 5) == 1.0
+    assert pass_at_k(5, 2, 10) is None  # n < k: undefined, not guessed
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+
+
+def test_pass_at_k_is_stable_where_binomials_are_huge() -> None:
+    n, c, k = 1000, 10, 100
+    exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+    assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-12)
+
+
+def test_fast_p_counts_correct_and_faster_samples() -> None:
+    r = problem("p", 1, (True, 0.5), (True, 1.2), (False, 3.0), (True, None))
+    assert fast_p(r, 0) == 0.75  # correct rate, timed or not
+    assert fast_p(r, 1) == 0.25  # only the correct 1.2x; the wrong 3.0x does not count
+    assert fast_p(r, 1.5) == 0.0
+    assert fast_p(r, 2) == 0.0
+
+
+def test_geomean_speedup_and_seeded_bootstrap() -> None:
+    a = problem("a", 1, (True, 0.5), (True, 2.0), (False, 9.0))
+    b = problem("b", 1, (True, 4.0), (False, None))
+    point, ci = geomean_speedup([a, b], seed=1)
+    assert point == pytest.approx((0.5 * 2.0 * 4.0) ** (1 / 3))
+    assert ci is not None and ci[0] <= point <= ci[1]
+    # Resampling problems: the interval's ends are geomeans of a only (1.0) and b only (4.0).
+    assert ci[0] == pytest.approx(1.0) and ci[1] == pytest.approx(4.0)
+    assert geomean_speedup([a, b], seed=1) == (point, ci)  # same seed, same interval
+    assert geomean_speedup([problem("c", 1, (True, None), (False, 2.0))]) == (None, None)
+
+
+def test_summaries_per_level_and_overall() -> None:
+    p1 = problem("1_A", 1, (True, 1.2), (False, None))
+    p2 = problem("2_B", 1, (False, None), (False, None))
+    p3 = problem("1_C", 2, (True, 2.5), (True, 0.8))
+    levels = summarize_levels([p1, p2, p3])
+    assert list(levels) == ["level 1", "level 2", "overall"]
+    l1, l2, overall = levels["level 1"], levels["level 2"], levels["overall"]
+    assert (l1.problems, l1.samples, l1.correct) == (2, 4, 1)
+    assert l1.pass_at[1] == pytest.approx(0.25)  # mean of 1/2 and 0
+    assert l1.pass_at[5] is None  # two samples cannot give pass@5
+    assert l1.fast[1.0] == pytest.approx(0.25)
+    assert l2.pass_at[1] == 1.0 and l2.fast[2.0] == pytest.approx(0.5)
+    assert overall.pass_at[1] == pytest.approx((0.5 + 0 + 1) / 3)
+    assert overall.fast[0.0] == pytest.approx((0.5 + 0 + 1) / 3)
+    assert overall.fast[1.5] == pytest.approx((0 + 0 + 0.5) / 3)
+    assert overall.geomean == pytest.approx((1.2 * 2.5 * 0.8) ** (1 / 3))
+    assert overall.timed == 3
+    d = overall.as_dict()
+    assert d["pass@1"] == overall.pass_at[1] and d["fast_1.5"] == overall.fast[1.5]
+    assert summarize([]).problems == 0

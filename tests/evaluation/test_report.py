@@ -1,0 +1,114 @@
+"""`kz eval report`'s numbers and files from evaluation events in a real SQLite store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kz_stream.evaluation.report import build_report, write_report
+from kz_stream.evaluation.run import EvalRecord, kernel_id_of, load_evaluation
+from kz_stream.events import (
+    EvaluationProblem,
+    EvaluationStarted,
+    Event,
+    KernelGenerated,
+    KernelVerified,
+    VerdictStatus,
+    new_event,
+)
+from kz_stream.frontier import RunState
+from kz_stream.store import open_store
+
+RUN = "eval-report"
+# problem -> (level, verdicts per sample: (status, speedup); None: not verified yet)
+VERDICTS: dict[str, tuple[int, list[tuple[str, float | None] | None]]] = {
+    "level1/1_A": (1, [("correct", 2.0), ("incorrect", None), ("correct", 0.5)]),
+    "level1/2_B": (1, [("compile_error", None), ("compile_error", None), None]),
+    "level2/1_C": (2, [("correct", 4.0), ("correct", 1.0), ("hack", None)]),
+}
+
+
+def run_events() -> list[Event]:
+    problems = [EvaluationProblem(problem_id=pid, name=pid.split("/")[1], level=level,
+                                  module_id=f"kb-{i}")
+                for i, (pid, (level, _)) in enumerate(VERDICTS.items())]
+    started = EvaluationStarted(run_id=RUN, suite="/suite", backend="triton", samples=3,
+                                policy={"spec": "base"}, problems=problems)
+    events = [new_event(started, stream_id=f"evaluation-{RUN}", stream_version=0,
+                        correlation_id=RUN)]
+    for p, (_, samples) in zip(problems, VERDICTS.values(), strict=True):
+        for i, verdict in enumerate(samples):
+            kid = kernel_id_of(RUN, p.problem_id, i)
+            events.append(new_event(
+                KernelGenerated(kernel_id=kid, module_id=p.module_id, group_id=p.problem_id,
+                                backend="triton", source="class ModelNew: ..."),
+                stream_id=f"kernel-{kid}", stream_version=0, correlation_id=RUN))
+            if verdict is not None:
+                events.append(new_event(
+                    KernelVerified(kernel_id=kid, module_id=p.module_id, group_id=p.problem_id,
+                                   status=VerdictStatus(verdict[0]), speedup=verdict[1],
+                                   verifier_version="kzv-test"),
+                    stream_id=f"kernel-{kid}", stream_version=1, correlation_id=RUN))
+    return events
+
+
+def load(url: str) -> EvalRecord:
+    async def go() -> EvalRecord | None:
+        async with open_store(url) as store:
+            await store.append(run_events())
+            # Another run's kernel in the same store is not part of this report.
+            await store.append([new_event(
+                KernelGenerated(kernel_id="other", module_id="kb-0", group_id="g",
+                                backend="triton", source="x"),
+                stream_id="kernel-other", stream_version=0, correlation_id="eval-other")])
+            assert await load_evaluation(store, "eval-absent") is None
+            return await load_evaluation(store, RUN)
+
+    record = asyncio.run(go())
+    assert record is not None
+    return record
+
+
+def test_report_numbers_grid_and_files(store_url: str, tmp_path: Path) -> None:
+    record = load(store_url)
+    assert len(record.kernels) == 9 and len(record.verdicts) == 8
+    report = build_report(record)
+    assert report.verified == 8 and report.expected == 9
+    assert report.grid["level1/2_B"] == ["compile_error", "compile_error", "pending"]
+    l1, l2, overall = (report.metrics[k] for k in ("level 1", "level 2", "overall"))
+    # level 1: A has 2 of 3 correct; B has 0 of its 2 verified samples.
+    assert l1.pass_at[1] == pytest.approx((2 / 3 + 0) / 2)
+    assert l1.fast[1.0] == pytest.approx((1 / 3 + 0) / 2)  # only A's 2.0x is > 1
+    assert l2.pass_at[1] == pytest.approx(2 / 3) and l2.fast[1.5] == pytest.approx(1 / 3)
+    assert overall.pass_at[1] == pytest.approx((2 / 3 + 0 + 2 / 3) / 3)
+    assert overall.pass_at[5] is None
+    assert overall.geomean == pytest.approx((2.0 * 0.5 * 4.0 * 1.0) ** (1 / 4))
+    assert report.statuses == {"compile_error": 2, "correct": 4, "hack": 1, "incorrect": 1,
+                               "pending": 1}
+
+    out = tmp_path / "out"
+    paths = write_report(report, out)
+    assert [p.name for p in paths] == ["report.json", "report.md", "pass_at_k.png",
+                                       "speedups.png", "problems.png"]
+    doc = json.loads((out / "report.json").read_text())
+    assert not doc["complete"] and doc["verifier_versions"] == ["kzv-test"]
+    assert doc["metrics"]["level 2"]["fast_1.5"] == pytest.approx(1 / 3)
+    assert doc["problems"][0]["speedups"] == [2.0, None, 0.5]
+    md = (out / "report.md").read_text()
+    assert "incomplete" in md and "| level1/1_A | correct, incorrect, correct |" in md
+
+
+def test_evaluation_events_never_reach_training_state() -> None:
+    state = RunState()
+    for e in run_events():
+        state.apply(e)
+    assert not state.kernels and not state.groups and not state.counts
+    training = new_event(
+        KernelGenerated(kernel_id="k", module_id="m", group_id="g", backend="triton", source="x"),
+        stream_id="kernel-k", stream_version=0, correlation_id="run-0", event_id=uuid.uuid4())
+    state.apply(training)
+    assert list(state.kernels) == ["k"]

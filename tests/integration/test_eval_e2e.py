@@ -1,0 +1,144 @@
+"""`kz eval run` + `kz eval report` on the CPU: the embedded SmolLM2, the real verifier
+(Triton interpreter path) and a SQLite store, on three small KernelBench-format problems
+written here. The first run is cut short after its first verdict; the second resumes it
+without sampling or verifying a stored pair again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from kz_stream.cli import app
+from kz_stream.config import Settings, TopicsConfig, VerifierSettings
+from kz_stream.evaluation.run import EvalOptions, EvalProgress, kernel_id_of, run_evaluation
+from kz_stream.evaluation.suite import load_suite
+from kz_stream.frontier import RunState
+from kz_stream.llm.base import SamplingParams
+from kz_stream.store import open_store
+
+pytestmark = pytest.mark.slow
+
+PROBLEMS = {
+    "1_ReluScale.py": ("x", "torch.relu(x) * 2.0", "[torch.randn(8, 64)]"),
+    "2_AddMul.py": ("x, y", "(x + y) * y", "[torch.randn(16, 32), torch.randn(16, 32)]"),
+    "3_Tanh.py": ("x", "torch.tanh(x) + x", "[torch.randn(4, 128)]"),
+}
+
+TEMPLATE = """\
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, {args}):
+        return {body}
+
+
+def get_inputs():
+    return {inputs}
+
+
+def get_init_inputs():
+    return []
+"""
+
+RUN = "eval-e2e"
+SAMPLES = 2
+TOKENS = 16
+
+
+class CutShort(Exception):
+    pass
+
+
+def write_suite(root: Path) -> Path:
+    level = root / "level1"
+    level.mkdir(parents=True)
+    for name, (args, body, inputs) in PROBLEMS.items():
+        (level / name).write_text(TEMPLATE.format(args=args, body=body, inputs=inputs))
+    return level
+
+
+async def stored(url: str) -> list[Any]:
+    async with open_store(url, create_schema=False) as store:
+        return [r for b in [b async for b in store.read_all(0)] for r in b]
+
+
+def test_eval_run_resume_and_report(tmp_path: Path) -> None:
+    suite_dir = write_suite(tmp_path / "KernelBench")
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    # No verifier worker started ahead of need: SmolLM2's 16-token kernels fail before
+    # a worker is needed, and starting one costs tens of seconds on two busy cores.
+    settings = Settings(database_url=url, bus_url=f"memory://{uuid.uuid4().hex}",
+                        topics=TopicsConfig(partitions=2), log_level="WARNING",
+                        verifier=VerifierSettings(prewarm=0))
+    options = EvalOptions(run_id=RUN, samples=SAMPLES, concurrency=2,
+                          sampling=SamplingParams(max_tokens=TOKENS, seed=0))
+
+    def stop_after_first_verdict(p: EvalProgress) -> None:
+        if p.verified >= 1:
+            raise CutShort
+
+    with pytest.raises(CutShort):
+        asyncio.run(run_evaluation(settings, load_suite(suite_dir), options,
+                                   on_progress=stop_after_first_verdict))
+    first = asyncio.run(stored(url))
+    first_verdicts = {r.event.event_id for r in first if r.event.type == "KernelVerified"}
+    assert first_verdicts and len(first_verdicts) < len(PROBLEMS) * SAMPLES
+
+    # The CLI in this process (CliRunner): a second interpreter would import torch again.
+    cli = CliRunner()
+    env = {"KZ_DATABASE_URL": url, "KZ_VERIFIER__PREWARM": "0", "COLUMNS": "200"}
+    resumed = cli.invoke(app, [
+        "eval", "run", str(suite_dir), "--run-id", RUN, "--samples", str(SAMPLES),
+        "--max-new-tokens", str(TOKENS), "--seed", "0", "--temperature", "1.0",
+        "--concurrency", "2"], env=env)
+    assert resumed.exit_code == 0, resumed.output[-3000:]
+    assert f"{len(first_verdicts)} before" in resumed.stdout, resumed.output
+
+    records = asyncio.run(stored(url))
+    kinds = [r.event.type for r in records]
+    pairs = len(PROBLEMS) * SAMPLES
+    assert kinds.count("EvaluationStarted") == 1 and kinds.count("ModuleProposed") == 3
+    # Every pair sampled once and judged once, across the cut: nothing stored twice.
+    kernels = [r.event for r in records if r.event.type == "KernelGenerated"]
+    verdicts = [r.event for r in records if r.event.type == "KernelVerified"]
+    assert len(kernels) == len(verdicts) == pairs
+    expected = {kernel_id_of(RUN, f"level1/{n[:-3]}", i) for n in PROBLEMS for i in range(SAMPLES)}
+    assert {e.payload["kernel_id"] for e in kernels} == expected
+    assert {e.payload["kernel_id"] for e in verdicts} == expected
+    assert first_verdicts <= {e.event_id for e in verdicts}
+    for e in kernels:
+        assert e.correlation_id == RUN and e.payload["backend"] == "triton"
+        assert "ModelNew" in json.loads(e.payload["prompt"])[0]["content"]  # the Coder prompt
+        assert len(e.payload["completion"]["token_ids"]) <= TOKENS
+    # The verifier's own verdicts, and the evaluation never reaches training state.
+    assert all(e.payload["verifier_version"] for e in verdicts)
+    state = RunState()
+    state.apply_all(records)
+    assert not state.kernels and not state.modules
+
+    out = tmp_path / "report"
+    report = cli.invoke(app, ["eval", "report", RUN, "--out", str(out)], env=env)
+    assert report.exit_code == 0, report.output[-3000:]
+    assert "pass@1" in report.stdout and f"{pairs}/{pairs} kernels verified" in report.stdout
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["complete"] and doc["verified"] == pairs
+    correct = sum(e.payload["status"] == "correct" for e in verdicts)
+    assert doc["metrics"]["overall"]["correct"] == correct
+    assert doc["metrics"]["overall"]["pass@1"] == pytest.approx(correct / pairs)
+    assert doc["metrics"]["overall"]["pass@5"] is None  # two samples cannot estimate it
+    assert [p["problem_id"] for p in doc["problems"]] == [f"level1/{n[:-3]}" for n in PROBLEMS]
+    assert sum(doc["statuses"].values()) == pairs
+    assert "| overall |" in (out / "report.md").read_text()
+    for plot in ("pass_at_k.png", "speedups.png", "problems.png"):
+        assert (out / plot).read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,132 @@
+"""`kz dataset export`: the SFT and verdict sets replayed from a real SQLite store, with
+their filters, written as parquet through `datasets` and read back."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from kz_stream.cli import app
+from kz_stream.events import (
+    Event,
+    KernelGenerated,
+    KernelVerified,
+    ModuleProposed,
+    ModuleValidation,
+    VerdictStatus,
+    new_event,
+)
+from kz_stream.export import KernelFilter, collect_rows
+from kz_stream.store import open_store
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+# kernel id -> (run, module, [(status, speedup, verifier version)] in order)
+KERNELS: dict[str, tuple[str, str, list[tuple[str, float | None, str]]]] = {
+    "k1": ("run-a", "m1", [("correct", 3.0, "v1"), ("incorrect", None, "v2")]),  # re-scored
+    "k2": ("run-a", "m1", [("correct", 2.0, "v1")]),
+    "k3": ("run-a", "m1", [("incorrect", None, "v1")]),
+    "k4": ("run-b", "m2", [("correct", None, "v1")]),
+    "k5": ("run-b", "m2", [("compile_error", None, "v1")]),
+    "k6": ("eval-x", "m1", [("correct", 3.0, "v1")]),
+}
+
+
+def events() -> list[Event]:
+    out = [new_event(ModuleProposed(module_id=m, api_set=["torch.relu"], source=f"src {m}",
+                                    validation=ModuleValidation(valid=True)),
+                     stream_id=f"module-{m}", stream_version=0, correlation_id="run-a")
+           for m in ("m1", "m2")]
+    for minute, (kid, (run, module, verdicts)) in enumerate(KERNELS.items()):
+        out.append(new_event(
+            KernelGenerated(kernel_id=kid, module_id=module, group_id=f"g-{module}",
+                            backend="triton", source=f"kernel {kid}", prompt=f"prompt {module}",
+                            policy_version=1),
+            stream_id=f"kernel-{kid}", stream_version=0, correlation_id=run,
+            occurred_at=T0 + timedelta(minutes=minute)))
+        for i, (status, speedup, version) in enumerate(verdicts, start=1):
+            out.append(new_event(
+                KernelVerified(kernel_id=kid, module_id=module, group_id=f"g-{module}",
+                               status=VerdictStatus(status), speedup=speedup,
+                               speedup_ci=(speedup * 0.9, speedup * 1.1) if speedup else None,
+                               verifier_version=version),
+                stream_id=f"kernel-{kid}", stream_version=i, correlation_id=run))
+    return out
+
+
+def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
+    url = store_url
+
+    async def go() -> None:
+        async with open_store(url) as store:
+            await store.append(events())
+            rows, position = await collect_rows(store, KernelFilter())
+            assert position == await store.last_position()
+            # Every verdict of a training run, re-scores included; the evaluation left out.
+            assert sorted((r["kernel_id"], r["verifier_version"]) for r in rows["verdicts"]) == [
+                ("k1", "v1"), ("k1", "v2"), ("k2", "v1"), ("k3", "v1"), ("k4", "v1"),
+                ("k5", "v1")]
+            # k1 was fastest until its re-score failed it: the newest verdict counts.
+            assert [(r["module_id"], r["kernel_id"], r["speedup"]) for r in rows["sft"]] == [
+                ("m1", "k2", 2.0), ("m2", "k4", None)]
+            assert rows["sft"][0]["module_source"] == "src m1"
+            assert rows["sft"][0]["prompt"] == "prompt m1"
+            # RL: the learner's view (k1's newest verdict is the failing re-score).
+            rl = {r["module_id"]: r for r in rows["rl"]}
+            assert (rl["m1"]["kernels"], rl["m1"]["correct"], rl["m1"]["median_speedup"]) == (
+                3, 1, 2.0)
+            assert rl["m2"]["pass_rate"] == 0.5 and rl["m2"]["median_speedup"] is None
+            assert rl["m1"]["api_set"] == ["torch.relu"] and rl["m1"]["api_kernels"] == [5]
+            assert rl["m1"]["api_pass_rates"] == [0.4]
+            assert rl["m1"]["api_median_speedups"] == [2.0]
+
+            rows, _ = await collect_rows(store, KernelFilter(statuses={"correct"},
+                                                             runs={"run-a", "eval-x"}))
+            assert sorted(r["kernel_id"] for r in rows["verdicts"]) == ["k1", "k2", "k6"]
+            assert [r["kernel_id"] for r in rows["sft"]] == ["k6"]  # 3.0x beats 2.0x
+            # A time window over when kernels were generated (k2 at minute 1, k4 at 3).
+            window = KernelFilter(since=T0 + timedelta(minutes=1), until=T0 + timedelta(minutes=3))
+            rows, _ = await collect_rows(store, window)
+            assert sorted({r["kernel_id"] for r in rows["verdicts"]}) == ["k2", "k3"]
+            rows, _ = await collect_rows(store, KernelFilter(), sets=("verdicts",))
+            assert len(rows["verdicts"]) == 6 and rows["sft"] == rows["rl"] == []
+            rows, _ = await collect_rows(store, KernelFilter(verifier_versions={"v2"}))
+            assert [(r["kernel_id"], r["status"]) for r in rows["verdicts"]] == [
+                ("k1", "incorrect")]
+            assert rows["sft"] == []
+
+    asyncio.run(go())
+
+    out = tmp_path / "export"
+    result = CliRunner().invoke(app, ["dataset", "export", str(out), "--run", "run-b",
+                                      "--since", "2026-11-30T12:03:00"],
+                                env={"KZ_DATABASE_URL": url, "COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "sft: 1 rows, verdicts: 2 rows, rl: 1 rows" in result.stdout
+
+    from datasets import Dataset, load_dataset
+
+    verdicts = Dataset.from_parquet(str(out / "verdicts.parquet"))
+    assert isinstance(verdicts, Dataset)
+    assert sorted(verdicts["status"]) == ["compile_error", "correct"]
+    assert verdicts.features["speedup"].dtype == "float64"  # typed though every value is None
+    card = (out / "README.md").read_text()
+    assert "config_name: sft" in card and "runs run-b" in card
+    assert "generated from 2026-11-30 12:03:00+00:00" in card  # --since, read as UTC
+    # The card's configs make the folder loadable by name.
+    sft = load_dataset(str(out), "sft", split="train", cache_dir=str(tmp_path / "hf"))
+    assert sft["kernel"] == ["kernel k4"]
+    rl = Dataset.from_parquet(str(out / "rl.parquet"))
+    assert isinstance(rl, Dataset) and rl[0]["api_pass_rates"] == [0.5]
+
+    empty = CliRunner().invoke(app, ["dataset", "export", str(tmp_path / "none"), "--set",
+                                     "sft", "--run", "run-z"], env={"KZ_DATABASE_URL": url})
+    assert empty.exit_code == 0, empty.output
+    # An empty set keeps its typed columns (datasets itself will not load 0 rows).
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(tmp_path / "none" / "sft.parquet")
+    assert schema.names[:2] == ["module_id", "backend"] and str(schema.field("speedup").type) == (
+        "double")
