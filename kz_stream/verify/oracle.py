@@ -128,11 +128,14 @@ class Oracle:
             flops = int(counter.get_total_flops())
         except Exception:
             out = model(*own_args)
-        moved = nbytes(own_args) + nbytes(flatten(out))
+        input_bytes = nbytes(own_args)
+        moved = input_bytes + nbytes(flatten(out))
+        del own_args, out, model
+        self._free()  # the oracle shares the device with the candidates: keep no cache
         peak = torch.cuda.max_memory_allocated() if self.device != "cpu" else 0
         return {"ok": True, "sets": sets, "specs": [asdict(s) for s in specs],
                 "ref_ops": sorted(oplog.ops), "flops": flops, "bytes": moved,
-                "input_bytes": nbytes(own_args), "weight_seed": weight_seed,
+                "input_bytes": input_bytes, "weight_seed": weight_seed,
                 "init_args": init, "own_model_key": repr(list(init)), "notes": notes,
                 "plan_notes": plan_notes, "dropped": dropped, "device_peak_bytes": peak}
 

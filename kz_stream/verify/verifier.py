@@ -106,6 +106,9 @@ class VerifierConfig:
     # (on a GPU), or it is not "correct": a dropped set is never a silent fallback.
     min_input_sets: int = 2
     reference_workers: int = 4  # problems whose reference stays loaded for timing, per GPU
+    # ... and at most this many bytes of their timing inputs: a KernelBench-sized
+    # reference holds two 6.4 GB sets, and four idle ones would fill a third of the GPU.
+    reference_worker_bytes: int = 16 << 30
     # Candidates in their GPU stage at once, per GPU: their checks overlap (one's Triton
     # JIT and host work with another's kernels); timing is exclusive all the same.
     candidates_per_gpu: int = 3
@@ -120,6 +123,7 @@ class RefTimer(NamedTuple):
     child: Child
     pad_cycles: int
     pad_ms: float
+    input_bytes: int = 0  # its timing sets
 
 
 class _Reject(Exception):
@@ -316,9 +320,17 @@ class _Lane:
     async def _drop_references(self) -> None:
         """Stops the least recently used reference workers beyond the cap, unless pinned."""
         # Chosen and removed with no await in between, so none is pinned meanwhile.
+        cfg = self.v.config
         idle = [k for k in self.ref_workers if k not in self.ref_pins]
-        dropped = [self.ref_workers.pop(k) for k in
-                   idle[:max(0, len(self.ref_workers) - self.v.config.reference_workers)]]
+        held = sum(r.input_bytes for r in self.ref_workers.values())
+        gone: list[tuple[str, int]] = []
+        for k in idle:  # least recently used first
+            if (len(self.ref_workers) - len(gone) <= cfg.reference_workers
+                    and held <= cfg.reference_worker_bytes):
+                break
+            gone.append(k)
+            held -= self.ref_workers[k].input_bytes
+        dropped = [self.ref_workers.pop(k) for k in gone]
         for key in [k for k, lock in self.ref_locks.items()
                     if k not in self.ref_workers and not lock.locked()]:
             del self.ref_locks[key]
@@ -346,7 +358,8 @@ class _Lane:
         except BaseException:
             await asyncio.to_thread(child.kill)
             raise
-        return RefTimer(child, int(r["pad_cycles"]), float(r["pad_ms"]))
+        return RefTimer(child, int(r["pad_cycles"]), float(r["pad_ms"]),
+                        n_sets * p.input_bytes)
 
     def close(self) -> None:
         """Kills every child, without a word: a spare may be mid-start with a start-up
