@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import re
 import secrets
 import threading
 import time
@@ -317,16 +318,17 @@ class _Lane:
         if not self.ref_pins[key]:
             del self.ref_pins[key]
 
-    async def _drop_references(self) -> None:
-        """Stops the least recently used reference workers beyond the cap, unless pinned."""
+    async def _drop_references(self, *, all_idle: bool = False) -> None:
+        """Stops the least recently used reference workers beyond the cap (every idle one
+        with ``all_idle``), unless pinned."""
         # Chosen and removed with no await in between, so none is pinned meanwhile.
         cfg = self.v.config
         idle = [k for k in self.ref_workers if k not in self.ref_pins]
         held = sum(r.input_bytes for r in self.ref_workers.values())
         gone: list[tuple[str, int]] = []
         for k in idle:  # least recently used first
-            if (len(self.ref_workers) - len(gone) <= cfg.reference_workers
-                    and held <= cfg.reference_worker_bytes):
+            if not all_idle and (len(self.ref_workers) - len(gone) <= cfg.reference_workers
+                                 and held <= cfg.reference_worker_bytes):
                 break
             gone.append(k)
             held -= self.ref_workers[k].input_bytes
@@ -534,8 +536,16 @@ class Verifier:
             t0 = time.monotonic()
             async with lane.slots:
                 details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
-                return await self._gpu_stage(lane, prepared, candidate, builds, own_names,
-                                             details)
+                verdict = await self._gpu_stage(lane, prepared, candidate, builds,
+                                                own_names, details)
+                if verdict.status is Status.INFRA_ERROR and verdict.check == "device_memory":
+                    # The device was full of others' memory, not the candidate's: once
+                    # more with the idle reference workers gone (the smaller plan).
+                    details["retried"] = verdict.reason
+                    await lane._drop_references(all_idle=True)
+                    verdict = await self._gpu_stage(lane, prepared, candidate, builds,
+                                                    list(own_names), details)
+                return verdict
         finally:
             lane.busy -= 1
 
@@ -735,6 +745,10 @@ class _Stage:
         kind, message = r.get("error"), str(r.get("message", ""))
         self.details.setdefault("traceback", _tail(str(r.get("traceback", "")), 3000))
         if kind == "oom":
+            if device_was_full(message):
+                raise self.reject(Status.INFRA_ERROR, f"{stage}: the device had no room "
+                                  f"(the verifier's other processes held it): {message}",
+                                  "device_memory")
             raise self.reject(Status.OUT_OF_MEMORY, f"{stage}: {message}", stage)
         if kind == "compile_error":
             raise self.reject(Status.COMPILE_ERROR, f"{stage}: {message}", "triton_compile")
@@ -1077,6 +1091,23 @@ _FLAG_TEXT = {
                                     "(cached result)",
     "thread": "the candidate started a Python thread",
 }
+
+
+_OOM_SIZES = re.compile(r"Tried to allocate ([\d.]+) ([KMGT]i?B)\b.*?of which ([\d.]+) "
+                        r"([KMGT]i?B) is free", re.S)
+_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def device_was_full(message: str) -> bool:
+    """Whether a CUDA out-of-memory message says the device as a whole had less free
+    than was asked for (others' memory), not that this process reached its own cap
+    (``set_per_process_memory_fraction``: then the device still had room)."""
+    m = _OOM_SIZES.search(message)
+    if m is None:
+        return False
+    asked = float(m.group(1)) * _UNITS.get(m.group(2), 1)
+    free = float(m.group(3)) * _UNITS.get(m.group(4), 1)
+    return free < asked
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
