@@ -49,6 +49,9 @@ class ProblemResult:
     level: int | None
     correct: tuple[bool, ...]
     speedups: tuple[float | None, ...]
+    # KernelBench's own rule per sample (its allclose at 1e-2 on its own inputs); None
+    # where the verdict came before any output (static scan, build, load).
+    kernelbench: tuple[bool | None, ...] = ()
 
     @property
     def n(self) -> int:
@@ -122,6 +125,8 @@ class SuiteMetrics:
     samples: int
     correct: int
     timed: int  # correct kernels with a measured speedup
+    kernelbench_correct: int = 0  # samples KernelBench's rule accepts
+    kernelbench_only: int = 0  # ... that the hardened verdict rejects
     pass_at: dict[int, float | None] = field(default_factory=dict)
     fast: dict[float, float] = field(default_factory=dict)
     geomean: float | None = None
@@ -134,6 +139,8 @@ class SuiteMetrics:
             "samples": self.samples,
             "correct": self.correct,
             "timed": self.timed,
+            "kernelbench_correct": self.kernelbench_correct,
+            "kernelbench_only": self.kernelbench_only,
             **{f"pass@{k}": v for k, v in self.pass_at.items()},
             **{f"fast_{p:g}": v for p, v in self.fast.items()},
             "geomean_speedup": self.geomean,
@@ -161,6 +168,9 @@ def summarize(
         samples=sum(r.n for r in results),
         correct=sum(r.c for r in results),
         timed=sum(len(_correct_log_speedups(r)) for r in results),
+        kernelbench_correct=sum(bool(k) for r in results for k in r.kernelbench),
+        kernelbench_only=sum(bool(k) and not ok for r in results
+                             for ok, k in zip(r.correct, r.kernelbench, strict=False)),
         pass_at=pass_at,
         fast=fast,
         geomean=geo,

@@ -111,6 +111,7 @@ def build_report(record: EvalRecord, *, seed: int = 0) -> EvalReport:
                 tuple(v["status"] == "correct" for v in done),
                 tuple(float(v["speedup"]) if v.get("speedup") is not None else None
                       for v in done),
+                tuple((v.get("details") or {}).get("kernelbench_rule") for v in done),
             ))
     statuses = Counter(s for row in grid.values() for s in row)
     return EvalReport(record, tuple(results), grid,
@@ -123,7 +124,7 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 def table_rows(report: EvalReport) -> tuple[list[str], list[list[str]]]:
     """The summary table's header and rows (levels, then overall)."""
-    header = ["", "problems", "samples", "correct",
+    header = ["", "problems", "samples", "correct", "KernelBench rule", "KernelBench only",
               *(f"pass@{k}" for k in PASS_K), "fast_0", "fast_1", "fast_1.5", "fast_2",
               "geomean speedup (95% CI)"]
     rows = []
@@ -132,6 +133,7 @@ def table_rows(report: EvalReport) -> tuple[list[str], list[list[str]]]:
         if m.geomean_ci:
             geo += f" ({m.geomean_ci[0]:.2f}–{m.geomean_ci[1]:.2f})"
         rows.append([name, str(m.problems), str(m.samples), str(m.correct),
+                     str(m.kernelbench_correct), str(m.kernelbench_only),
                      *(_fmt(m.pass_at.get(k)) for k in PASS_K),
                      *(_fmt(m.fast[p]) for p in (0.0, 1.0, 1.5, 2.0)), geo])
     return header, rows

@@ -197,6 +197,23 @@ def compare_tensor(
     return Comparison(True, None, "", rel, max_abs, frac)
 
 
+def kernelbench_allclose(cand: list[Any], reference: list[Any], *, atol: float = 1e-2,
+                         rtol: float = 1e-2) -> bool:
+    """KernelBench's own rule: every output has the reference's shape and
+    ``torch.allclose(reference, cand, atol, rtol)`` (NaN never equal), the reference run
+    in its own precision. Looser than ``compare_outputs``: the evaluation reports both."""
+    if len(cand) != len(reference):
+        return False
+    for c, r in zip(cand, reference, strict=True):
+        c, r = torch.as_tensor(c), torch.as_tensor(r)
+        if tuple(c.shape) != tuple(r.shape):
+            return False
+        for cb, rb in _blocks(torch.device("cpu"), c, r):
+            if not torch.allclose(cb, rb, atol=atol, rtol=rtol):
+                return False
+    return True
+
+
 def compare_outputs(
     cand: list[Any], expected: list[torch.Tensor], honest: list[torch.Tensor],
     tols: list[Tolerance], device: str | torch.device | None = None,

@@ -39,7 +39,12 @@ from kz_stream.verify.build import (
     extract_inline_calls,
     kernel_names,
 )
-from kz_stream.verify.compare import Comparison, Tolerance, compare_outputs
+from kz_stream.verify.compare import (
+    Comparison,
+    Tolerance,
+    compare_outputs,
+    kernelbench_allclose,
+)
 from kz_stream.verify.hardware import manifest
 from kz_stream.verify.inputs import nbytes
 from kz_stream.verify.ipc import Child, ChildDied, ChildTimeout
@@ -863,6 +868,10 @@ class _Stage:
             r = await self.call(self._msg_run(i, reps=2, log_ops=(i == 0)),
                                 stage=f"run on input set {i} ({s['label']})")
             launches = r.get("launches", launches)
+            if i == 0:  # KernelBench's rule, beside ours (on its own inputs on a GPU)
+                self.details["kernelbench_rule"] = await asyncio.to_thread(
+                    kernelbench_allclose, r["outputs"][0], s["honest"])
+                self.details["kernelbench_rule_set"] = s["label"]
             for flag in r.get("flags", []):
                 raise self.reject(Status.HACK, _FLAG_TEXT.get(flag, flag), flag, input_index=i)
             results: list[Comparison] = []

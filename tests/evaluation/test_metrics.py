@@ -80,3 +80,14 @@ def test_summaries_per_level_and_overall() -> None:
     d = overall.as_dict()
     assert d["pass@1"] == overall.pass_at[1] and d["fast_1.5"] == overall.fast[1.5]
     assert summarize([]).problems == 0
+
+
+def test_kernelbench_rule_counts_beside_the_hardened_verdict() -> None:
+    results = [
+        ProblemResult("a", 1, (True, False, False), (1.2, None, None), (True, True, None)),
+        ProblemResult("b", 1, (False,), (None,), (False,)),
+    ]
+    m = summarize(results)
+    assert m.kernelbench_correct == 2  # a's first two samples
+    assert m.kernelbench_only == 1  # a's second: KernelBench's rule accepts, ours does not
+    assert m.as_dict()["kernelbench_only"] == 1

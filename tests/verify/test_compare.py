@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from kz_stream.verify import compare
-from kz_stream.verify.compare import calibrate, compare_outputs, compare_tensor
+from kz_stream.verify.compare import (
+    calibrate,
+    compare_outputs,
+    compare_tensor,
+    kernelbench_allclose,
+)
 
 
 def _matmul_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,3 +113,13 @@ def test_blockwise_comparison_equals_one_block(monkeypatch: pytest.MonkeyPatch) 
         assert bl.rel_norm_error == pytest.approx(w.rel_norm_error, rel=1e-9)
         assert bl.max_abs_error == w.max_abs_error
         assert bl.bad_fraction == pytest.approx(w.bad_fraction)
+
+
+def test_kernelbench_rule_is_looser_than_ours() -> None:
+    a, b, expected, honest = _matmul_case()
+    off = honest * (1 + 1e-4)  # an error TF32 makes, 100x an honest float32 kernel's
+    tol = calibrate(expected, honest)
+    assert not compare_tensor(off, expected, honest, tol).ok
+    assert kernelbench_allclose([off], [honest])  # KernelBench would accept it
+    assert not kernelbench_allclose([honest + 1.0], [honest])
+    assert not kernelbench_allclose([honest[:1]], [honest])
