@@ -17,7 +17,7 @@ rest are stopped, and the run is checked:
 
 - lost: events the producers logged as published (proposer ``module_proposed`` module
   ids, coder ``group_generated`` groups, ``policy_loaded`` of each replica, verifier
-  ``kernel_verified``) that are neither in the store nor dead-lettered;
+  ``kernel_verified``) or the feeder had acknowledged, that are not in the store;
 - applied twice: a (stream, version) pair twice, non-contiguous stream versions, a kernel
   with two verdicts, a group trained twice; modules whose kernels were generated again
   after a coder was killed are reported apart (a redo, not a duplicate event);
@@ -25,7 +25,12 @@ rest are stopped, and the run is checked:
   run ``kz_stream.verify.worker``, left after every service has exited.
 
 The generators run SmolLM2 on the CPU with tiny settings (``SIZES``) so that two cores
-keep up; the verifier runs its CPU path.
+keep up; the verifier runs its CPU path. The tiny proposer almost never writes a valid
+module, so a feeder thread in the harness publishes a valid module (a seed's source under
+a new id) every ``--feed-every-s`` and an undecodable record every ``--bad-every``-th time:
+the coder, verifier and learner have work throughout, and invalid records must end in the
+dead-letter topic (counted from the consumers' ``dead-lettered to`` log lines, since a
+broker restart empties the topic itself).
 """
 
 from __future__ import annotations
@@ -34,11 +39,11 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -97,6 +102,68 @@ class Fault:
     round: int
     recovery_s: float | None  # None: not healthy within the timeout
     unhealthy_seen: bool  # some /healthz answered 503 (or nothing) after the fault
+    flow_s: float | None  # until new work reached the store; None: not within the timeout
+
+
+class Feeder:
+    """Publishes one valid module (a seed's source under a new id) every ``every_s``, and
+    every ``bad_every``-th time an undecodable record, from a thread of the harness.
+
+    The tiny proposer almost never writes a valid module, so without this the coder,
+    verifier and learner would idle after the seeds. Only records the broker acknowledged
+    count as published; a failed publish (the broker down) is tried again next tick."""
+
+    def __init__(self, bootstrap: str, topic: str, every_s: float, bad_every: int) -> None:
+        self.bootstrap, self.topic, self.every_s, self.bad_every = (
+            bootstrap, topic, every_s, bad_every)
+        self.modules: set[str] = set()
+        self.bad = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    async def _run(self) -> None:
+        from kz_stream.bus import KafkaBus
+        from kz_stream.events import ModuleProposed, ModuleValidation, new_event
+        from kz_stream.modules.extraction import normalized_hash
+        from producers.seeds import SEED_MODULES
+
+        bus = KafkaBus(self.bootstrap, client_id="kz-faults-feeder")
+        await bus.start()
+        n = 0
+        try:
+            while not self._stop.is_set():
+                await asyncio.sleep(self.every_s)  # not a blocking wait: aiokafka runs here
+                n += 1
+                try:
+                    if self.bad_every and n % self.bad_every == 0:
+                        await asyncio.wait_for(
+                            bus.publish_raw(self.topic, b"\xffnot an event", key=None), 15)
+                        self.bad += 1
+                        continue
+                    seed = SEED_MODULES[n % len(SEED_MODULES)]
+                    module_id = f"feed{uuid.uuid4().hex}"
+                    event = new_event(
+                        ModuleProposed(module_id=module_id, group_id=f"feed-{n}",
+                                       api_set=list(seed.api_set), source=seed.source,
+                                       normalized_hash=normalized_hash(seed.source),
+                                       validation=ModuleValidation(valid=True)),
+                        stream_id=f"module-{module_id}", stream_version=0,
+                        producer="kz-faults-feeder",
+                    )
+                    await asyncio.wait_for(bus.publish(self.topic, event), 15)
+                    self.modules.add(module_id)
+                except Exception:  # the broker is down or restarting: try next tick
+                    self.failures += 1
+        finally:
+            await bus.close()
 
 
 class Harness:
@@ -136,7 +203,9 @@ class Harness:
         log = open(self.logs / f"{name}.{p.incarnation}.log", "wb")
         p.popen = subprocess.Popen(
             [sys.executable, "-m", "kz_stream.cli", "serve", name, "--config", str(self.config)],
-            env={**self.env(), "KZ_HTTP_PORT": str(p.port)},
+            env={**self.env(), "KZ_HTTP_PORT": str(p.port),
+                 # The recorder's batch_recorded lines (debug) say what it stored when.
+                 **({"KZ_LOG_LEVEL": "DEBUG"} if name == "recorder" else {})},
             stdout=log, stderr=subprocess.STDOUT, cwd=self.work,
         )
         log.close()
@@ -179,6 +248,32 @@ class Harness:
             time.sleep(0.25)
         return None, unhealthy
 
+    def work_stored(self) -> int:
+        """Generated work in the store (proposals, kernels, verdicts); -1 while the store
+        does not answer."""
+        import psycopg
+
+        try:
+            with psycopg.connect(f"host=127.0.0.1 port={self.pg.port} user=kz dbname=kz",
+                                 connect_timeout=2) as conn:
+                row = conn.execute(
+                    "SELECT count(*) FROM events WHERE type IN "
+                    "('ModuleProposed', 'KernelGenerated', 'KernelVerified')"
+                ).fetchone()
+        except psycopg.Error:
+            return -1
+        return int(row[0]) if row else 0
+
+    def wait_flow(self, before: int, timeout: float) -> bool:
+        """Whether generated work beyond ``before`` reaches the store within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_exits()
+            if self.work_stored() > before:
+                return True
+            time.sleep(0.5)
+        return False
+
     def stop_all(self, names: tuple[str, ...] = SERVICES, timeout: float = 60) -> dict[str, int]:
         codes = {}
         for n in names:
@@ -220,12 +315,12 @@ def read_logs(logs: Path) -> dict[str, Any]:
     groups: dict[str, int] = {}
     verified: set[str] = set()
     loaded: set[tuple[str, int]] = set()
-    dead_lettered = 0
+    dead_lettered: Counter[str] = Counter()  # by consumer group
     for path in sorted(logs.glob("*.log")):
         replica = ""
         for line in path.read_text(errors="replace").splitlines():
-            if "dead-lettered to" in line:
-                dead_lettered += 1
+            if "dead-lettered to" in line and line.startswith("kz_stream.bus group "):
+                dead_lettered[line.split()[2].rstrip(":")] += 1
             if not line.startswith("{"):
                 continue
             try:
@@ -254,8 +349,9 @@ async def read_store(url: str) -> list[Any]:
         return [r.event async for b in store.read_all(0) for r in b]
 
 
-def check(events: list[Any], said: dict[str, Any]) -> dict[str, Any]:
-    """Lost and doubly applied events, by the producers' logs against the store."""
+def check(events: list[Any], said: dict[str, Any], fed: set[str]) -> dict[str, Any]:
+    """Lost and doubly applied events, by the producers' logs (and the feeder's modules,
+    ``fed``) against the store."""
     by_type: dict[str, list[Any]] = {}
     for e in events:
         by_type.setdefault(e.type, []).append(e)
@@ -266,6 +362,7 @@ def check(events: list[Any], said: dict[str, Any]) -> dict[str, Any]:
               for e in by_type.get("PolicyVersionLoaded", [])}
     lost = {
         "ModuleProposed": len(said["modules"] - stored_modules),
+        "ModuleProposed (feeder)": len(fed - stored_modules),
         "KernelGenerated": sum(max(0, n - kernels_of_group.get(g, 0))
                                for g, n in said["groups"].items()),
         "KernelVerified": len(said["verified"] - set(verdicts)),
@@ -273,6 +370,7 @@ def check(events: list[Any], said: dict[str, Any]) -> dict[str, Any]:
     }
     published = {
         "ModuleProposed": len(said["modules"]),
+        "ModuleProposed (feeder)": len(fed),
         "KernelGenerated": sum(said["groups"].values()),
         "KernelVerified": len(said["verified"]),
         "PolicyVersionLoaded": len(said["loaded"]),
@@ -335,6 +433,9 @@ def main() -> None:
     ap.add_argument("--broker-down-s", type=float, default=5.0)
     ap.add_argument("--flow-s", type=float, default=5.0, help="work between faults")
     ap.add_argument("--recover-timeout-s", type=float, default=180.0)
+    ap.add_argument("--flow-timeout-s", type=float, default=60.0)
+    ap.add_argument("--feed-every-s", type=float, default=10.0)
+    ap.add_argument("--bad-every", type=int, default=10, help="every Nth feed is undecodable")
     ap.add_argument("--work-dir", type=Path, default=None)
     ap.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = ap.parse_args()
@@ -345,12 +446,15 @@ def main() -> None:
     t_start = time.monotonic()
     faults: list[Fault] = []
     summary: dict[str, Any] = {}
+    feeder: Feeder | None = None
     try:
         h.start_infra()
         for name in SERVICES:
             h.start(name)
         first, _ = h.wait_healthy(args.recover_timeout_s * 2)
         print(f"all healthy after {first}s; work dir {work}", flush=True)
+        feeder = Feeder(h.broker.bootstrap, "kz.modules", args.feed_every_s, args.bad_every)
+        feeder.start()
         summary["startup_s"] = first
         for rnd in range(1, args.rounds + 1):
             for kind in args.faults.split(","):
@@ -358,22 +462,28 @@ def main() -> None:
                 if ready is None:
                     print(f"round {rnd} {kind}: not all healthy before the fault", flush=True)
                 time.sleep(args.flow_s)
+                before = h.work_stored()
                 t0 = inject(h, kind, args)
                 waited, unhealthy = h.wait_healthy(args.recover_timeout_s)
                 # From the fault (t0), not from the first poll.
                 took = None if waited is None else time.monotonic() - t0
-                faults.append(Fault(kind, rnd, took, unhealthy))
-                print(f"round {rnd} {kind}: healthy after {took}s (503 seen: {unhealthy})",
-                      flush=True)
+                flowed = h.wait_flow(max(before, h.work_stored()), args.flow_timeout_s)
+                flow = time.monotonic() - t0 if flowed else None
+                faults.append(Fault(kind, rnd, took, unhealthy, flow))
+                print(f"round {rnd} {kind}: healthy after {took}s, new work stored after "
+                      f"{flow}s (503 seen: {unhealthy})", flush=True)
         summary["faults_s"] = time.monotonic() - t_start
         # Let the last work drain: producers first, then the recorder catches up.
         time.sleep(args.flow_s)
         h.check_exits()
+        feeder.stop()
+        # Time for the coder to take the last modules before it is stopped.
+        time.sleep(args.flow_s)
         codes = h.stop_all(("proposer", "coder"))
         said = read_logs(h.logs)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            result = check(asyncio.run(read_store(h.pg.url)), said)
+            result = check(asyncio.run(read_store(h.pg.url)), said, feeder.modules)
             if not any(result["lost"].values()):
                 break
             time.sleep(2)
@@ -382,9 +492,13 @@ def main() -> None:
         time.sleep(3)  # children get a moment to notice their parent is gone
         summary["orphans"] = orphans(marker, {os.getpid()})
         said = read_logs(h.logs)
-        summary["check"] = check(asyncio.run(read_store(h.pg.url)), said)
-        summary["dead_lettered_logged"] = said["dead_lettered"]
+        summary["check"] = check(asyncio.run(read_store(h.pg.url)), said, feeder.modules)
+        summary["dead_lettered_by_group"] = dict(said["dead_lettered"])
+        summary["feeder"] = {"modules": len(feeder.modules), "bad_records": feeder.bad,
+                             "failed_publishes": feeder.failures}
     finally:
+        if feeder is not None:
+            feeder.stop()
         h.stop_all(timeout=20)
         h.broker.stop()
         h.pg.stop()
@@ -395,8 +509,6 @@ def main() -> None:
     print(json.dumps(summary, indent=2, default=str))
     if not args.no_write:
         write(summary, args)
-    if summary.get("orphans") == []:
-        shutil.rmtree(work / "pg", ignore_errors=True)
 
 
 def write(summary: dict[str, Any], args: argparse.Namespace) -> None:
@@ -406,7 +518,10 @@ def write(summary: dict[str, Any], args: argparse.Namespace) -> None:
         m[f"published {t}"] = metric(n, "events")
     m["events stored"] = metric(c["events"], "events")
     m["events lost"] = metric(sum(c["lost"].values()), "events")
-    m["dead-lettered (logged)"] = metric(summary["dead_lettered_logged"], "records")
+    dl = summary["dead_lettered_by_group"]
+    m["invalid records published (feeder)"] = metric(summary["feeder"]["bad_records"], "records")
+    m["dead-lettered by kz-recorder"] = metric(dl.get("kz-recorder", 0), "records")
+    m["dead-lettered, all groups"] = metric(sum(dl.values()), "records")
     m["events applied twice"] = metric(
         c["duplicate_ids"] + c["duplicate_versions"] + c["kernels_verified_twice"]
         + c["groups_trained_twice"], "events")
@@ -415,17 +530,18 @@ def write(summary: dict[str, Any], args: argparse.Namespace) -> None:
     m["orphan processes"] = metric(len(summary["orphans"]), "processes")
     m["services that exited by themselves"] = metric(
         sum(len(v) for v in summary["self_exits"].values()), "exits")
-    by_kind: dict[str, list[float | None]] = {}
+    by_kind: dict[str, list[dict[str, Any]]] = {}
     for f in summary["faults"]:
-        by_kind.setdefault(f["kind"], []).append(f["recovery_s"])
-    for kind, times in by_kind.items():
-        ok = [t for t in times if t is not None]
+        by_kind.setdefault(f["kind"], []).append(f)
+    for kind, fs in by_kind.items():
         label = f"SIGKILL {kind}" if kind in SERVICES else f"{kind} restart"
-        m[f"{label}: faults"] = metric(len(times), "faults")
-        m[f"{label}: not recovered"] = metric(len(times) - len(ok), "faults")
-        if ok:
-            m[f"{label}: recovery, mean"] = metric(sum(ok) / len(ok), "s (time)")
-            m[f"{label}: recovery, max"] = metric(max(ok), "s (time)")
+        m[f"{label}: faults"] = metric(len(fs), "faults")
+        for key, what in (("recovery_s", "healthy"), ("flow_s", "new work stored")):
+            ok = [f[key] for f in fs if f[key] is not None]
+            m[f"{label}: not {what}"] = metric(len(fs) - len(ok), "faults")
+            if ok:
+                m[f"{label}: {what} after, mean"] = metric(sum(ok) / len(ok), "s (time)")
+                m[f"{label}: {what} after, max"] = metric(max(ok), "s (time)")
     command = "python -m benchmarks.bench_faults " + " ".join(sys.argv[1:])
     notes = (
         f"{args.rounds} rounds; PostgreSQL down {args.pg_down_s:.0f} s, broker down "
