@@ -49,6 +49,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,7 @@ class Fault:
     recovery_s: float | None  # None: not healthy within the timeout
     unhealthy_seen: bool  # some /healthz answered 503 (or nothing) after the fault
     flow_s: float | None  # until new work reached the store; None: not within the timeout
+    outage_503: dict[str, float]  # during a dependency's outage: service -> s until 503
 
 
 class Feeder:
@@ -116,7 +118,7 @@ class Feeder:
     def __init__(self, bootstrap: str, topic: str, every_s: float, bad_every: int) -> None:
         self.bootstrap, self.topic, self.every_s, self.bad_every = (
             bootstrap, topic, every_s, bad_every)
-        self.modules: set[str] = set()
+        self.modules: dict[str, float] = {}  # module id -> when acknowledged
         self.bad = 0
         self.failures = 0
         self._stop = threading.Event()
@@ -130,7 +132,12 @@ class Feeder:
         self._thread.join(timeout=60)
 
     async def _run(self) -> None:
+        import logging
+
         from kz_stream.bus import KafkaBus
+
+        # aiokafka logs each reconnect try while the broker is down; failures are counted.
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
         from kz_stream.events import ModuleProposed, ModuleValidation, new_event
         from kz_stream.modules.extraction import normalized_hash
         from producers.seeds import SEED_MODULES
@@ -159,7 +166,7 @@ class Feeder:
                         producer="kz-faults-feeder",
                     )
                     await asyncio.wait_for(bus.publish(self.topic, event), 15)
-                    self.modules.add(module_id)
+                    self.modules[module_id] = time.time()
                 except Exception:  # the broker is down or restarting: try next tick
                     self.failures += 1
         finally:
@@ -174,6 +181,8 @@ class Harness:
         self.pg = LocalPostgres(work / "pg", database="kz")
         self.broker = LocalBroker()
         self.procs = {n: Proc(n, free_port()) for n in SERVICES}
+        self.last_outage_seen: dict[str, float] = {}  # service -> s until it said 503
+        self.broker_windows: list[tuple[float, float]] = []  # (stopped, started), epoch s
         # The marker in a path on every service's command line, for the orphan walk.
         self.config = work / f"{marker}.toml"
         self.config.write_text("# settings come from KZ_* variables\n")
@@ -248,6 +257,17 @@ class Harness:
             time.sleep(0.25)
         return None, unhealthy
 
+    def watch_outage(self, seconds: float) -> None:
+        """Polls /healthz for ``seconds`` while a dependency is down; remembers which
+        services said 503 and how soon after the outage began."""
+        t0, seen = time.monotonic(), {}
+        while time.monotonic() - t0 < seconds:
+            for n in SERVICES:
+                if n not in seen and not self.healthy(n):
+                    seen[n] = time.monotonic() - t0
+            time.sleep(0.25)
+        self.last_outage_seen = seen
+
     def work_stored(self) -> int:
         """Generated work in the store (proposals, kernels, verdicts); -1 while the store
         does not answer."""
@@ -309,13 +329,18 @@ def orphans(marker: str, exclude: set[int]) -> list[str]:
     return found
 
 
+def _epoch(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
 def read_logs(logs: Path) -> dict[str, Any]:
-    """What the services said they published, and what was dead-lettered."""
-    modules: set[str] = set()
-    groups: dict[str, int] = {}
-    verified: set[str] = set()
-    loaded: set[tuple[str, int]] = set()
-    dead_lettered: Counter[str] = Counter()  # by consumer group
+    """What the services said they published (id -> when, epoch seconds), and what each
+    consumer group dead-lettered."""
+    modules: dict[str, float] = {}
+    groups: dict[str, tuple[int, float]] = {}  # group id -> (kernels, when)
+    verified: dict[str, float] = {}
+    loaded: dict[tuple[str, int], float] = {}
+    dead_lettered: Counter[str] = Counter()
     for path in sorted(logs.glob("*.log")):
         replica = ""
         for line in path.read_text(errors="replace").splitlines():
@@ -325,19 +350,19 @@ def read_logs(logs: Path) -> dict[str, Any]:
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+                ev, when = rec.get("event"), _epoch(rec.get("timestamp", ""))
+            except ValueError:
                 continue
-            ev = rec.get("event")
             if ev in ("coder_started", "proposer_started"):
                 replica = rec["replica"]
             elif ev == "module_proposed":
-                modules.add(rec["module_id"])
+                modules[rec["module_id"]] = when
             elif ev == "group_generated":
-                groups[rec["group_id"]] = rec["n"]
+                groups[rec["group_id"]] = (rec["n"], when)
             elif ev == "kernel_verified":
-                verified.add(rec["kernel_id"])
+                verified[rec["kernel_id"]] = when
             elif ev == "policy_loaded" and replica:
-                loaded.add((replica, int(rec["version"])))
+                loaded[(replica, int(rec["version"]))] = when
     return {"modules": modules, "groups": groups, "verified": verified, "loaded": loaded,
             "dead_lettered": dead_lettered}
 
@@ -349,9 +374,11 @@ async def read_store(url: str) -> list[Any]:
         return [r.event async for b in store.read_all(0) for r in b]
 
 
-def check(events: list[Any], said: dict[str, Any], fed: set[str]) -> dict[str, Any]:
+def check(events: list[Any], said: dict[str, Any], fed: dict[str, float],
+          broker_windows: list[tuple[float, float]]) -> dict[str, Any]:
     """Lost and doubly applied events, by the producers' logs (and the feeder's modules,
-    ``fed``) against the store."""
+    ``fed``) against the store. A lost event published within 2 s before a broker stop or
+    while it restarted is counted as lost with the broker's memory too."""
     by_type: dict[str, list[Any]] = {}
     for e in events:
         by_type.setdefault(e.type, []).append(e)
@@ -360,18 +387,26 @@ def check(events: list[Any], said: dict[str, Any], fed: set[str]) -> dict[str, A
     verdicts = Counter(e.payload["kernel_id"] for e in by_type.get("KernelVerified", []))
     loaded = {(e.payload["replica"], int(e.payload["version"]))
               for e in by_type.get("PolicyVersionLoaded", [])}
-    lost = {
-        "ModuleProposed": len(said["modules"] - stored_modules),
-        "ModuleProposed (feeder)": len(fed - stored_modules),
-        "KernelGenerated": sum(max(0, n - kernels_of_group.get(g, 0))
-                               for g, n in said["groups"].items()),
-        "KernelVerified": len(said["verified"] - set(verdicts)),
-        "PolicyVersionLoaded": len(said["loaded"] - loaded),
-    }
+    missing: list[tuple[str, str, float, int]] = [  # (type, id, published at, events)
+        *(("ModuleProposed", m, t, 1) for m, t in said["modules"].items()
+          if m not in stored_modules),
+        *(("ModuleProposed (feeder)", m, t, 1) for m, t in fed.items()
+          if m not in stored_modules),
+        *(("KernelGenerated", g, t, n - kernels_of_group.get(g, 0))
+          for g, (n, t) in said["groups"].items() if kernels_of_group.get(g, 0) < n),
+        *(("KernelVerified", k, t, 1) for k, t in said["verified"].items() if k not in verdicts),
+        *(("PolicyVersionLoaded", f"{r}@{v}", t, 1) for (r, v), t in said["loaded"].items()
+          if (r, v) not in loaded),
+    ]
+    lost: Counter[str] = Counter()
+    for kind, _, _, n in missing:
+        lost[kind] += n
+    with_broker = sum(n for _, _, t, n in missing
+                      if any(stop - 2 <= t <= start for stop, start in broker_windows))
     published = {
         "ModuleProposed": len(said["modules"]),
         "ModuleProposed (feeder)": len(fed),
-        "KernelGenerated": sum(said["groups"].values()),
+        "KernelGenerated": sum(n for n, _ in said["groups"].values()),
         "KernelVerified": len(said["verified"]),
         "PolicyVersionLoaded": len(said["loaded"]),
     }
@@ -392,7 +427,12 @@ def check(events: list[Any], said: dict[str, Any], fed: set[str]) -> dict[str, A
         groups_per_module.setdefault(key, set()).add(e.payload["group_id"])
     return {
         "published": published,
-        "lost": lost,
+        "lost": dict(lost),
+        "lost_around_broker_restarts": with_broker,
+        "lost_events": [
+            {"type": k, "id": i, "published": datetime.fromtimestamp(t, UTC).isoformat()}
+            for k, i, t, _ in missing[:50]
+        ],
         "events": len(events),
         "types": {t: len(v) for t, v in by_type.items()},
         "duplicate_ids": sum(n - 1 for n in ids.values() if n > 1),
@@ -413,14 +453,16 @@ def inject(h: Harness, kind: str, args: argparse.Namespace) -> float:
         return t0
     if kind == "postgres":
         h.pg.stop()
-        time.sleep(args.pg_down_s)
+        h.watch_outage(args.pg_down_s)
         h.pg.start()
         return time.monotonic()
     if kind == "broker":
+        stopped = time.time()
         h.broker.stop()
-        time.sleep(args.broker_down_s)
+        h.watch_outage(args.broker_down_s)
         # The same address, nothing stored: every topic and offset is gone.
         h.broker = LocalBroker(port=h.broker.port).start(log_path=h.logs / "broker.log")
+        h.broker_windows.append((stopped, time.time()))
         return time.monotonic()
     raise ValueError(kind)
 
@@ -431,11 +473,11 @@ def main() -> None:
     ap.add_argument("--faults", default=",".join([*SERVICES, "postgres", "broker"]))
     ap.add_argument("--pg-down-s", type=float, default=15.0)
     ap.add_argument("--broker-down-s", type=float, default=5.0)
-    ap.add_argument("--flow-s", type=float, default=5.0, help="work between faults")
+    ap.add_argument("--flow-s", type=float, default=3.0, help="work between faults")
     ap.add_argument("--recover-timeout-s", type=float, default=180.0)
-    ap.add_argument("--flow-timeout-s", type=float, default=60.0)
-    ap.add_argument("--feed-every-s", type=float, default=10.0)
-    ap.add_argument("--bad-every", type=int, default=10, help="every Nth feed is undecodable")
+    ap.add_argument("--flow-timeout-s", type=float, default=45.0)
+    ap.add_argument("--feed-every-s", type=float, default=5.0)
+    ap.add_argument("--bad-every", type=int, default=5, help="every Nth feed is undecodable")
     ap.add_argument("--work-dir", type=Path, default=None)
     ap.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = ap.parse_args()
@@ -463,13 +505,14 @@ def main() -> None:
                     print(f"round {rnd} {kind}: not all healthy before the fault", flush=True)
                 time.sleep(args.flow_s)
                 before = h.work_stored()
+                h.last_outage_seen = {}
                 t0 = inject(h, kind, args)
                 waited, unhealthy = h.wait_healthy(args.recover_timeout_s)
                 # From the fault (t0), not from the first poll.
                 took = None if waited is None else time.monotonic() - t0
                 flowed = h.wait_flow(max(before, h.work_stored()), args.flow_timeout_s)
                 flow = time.monotonic() - t0 if flowed else None
-                faults.append(Fault(kind, rnd, took, unhealthy, flow))
+                faults.append(Fault(kind, rnd, took, unhealthy, flow, h.last_outage_seen))
                 print(f"round {rnd} {kind}: healthy after {took}s, new work stored after "
                       f"{flow}s (503 seen: {unhealthy})", flush=True)
         summary["faults_s"] = time.monotonic() - t_start
@@ -483,7 +526,8 @@ def main() -> None:
         said = read_logs(h.logs)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            result = check(asyncio.run(read_store(h.pg.url)), said, feeder.modules)
+            result = check(asyncio.run(read_store(h.pg.url)), said, feeder.modules,
+                           h.broker_windows)
             if not any(result["lost"].values()):
                 break
             time.sleep(2)
@@ -492,7 +536,8 @@ def main() -> None:
         time.sleep(3)  # children get a moment to notice their parent is gone
         summary["orphans"] = orphans(marker, {os.getpid()})
         said = read_logs(h.logs)
-        summary["check"] = check(asyncio.run(read_store(h.pg.url)), said, feeder.modules)
+        summary["check"] = check(asyncio.run(read_store(h.pg.url)), said, feeder.modules,
+                           h.broker_windows)
         summary["dead_lettered_by_group"] = dict(said["dead_lettered"])
         summary["feeder"] = {"modules": len(feeder.modules), "bad_records": feeder.bad,
                              "failed_publishes": feeder.failures}
@@ -518,6 +563,8 @@ def write(summary: dict[str, Any], args: argparse.Namespace) -> None:
         m[f"published {t}"] = metric(n, "events")
     m["events stored"] = metric(c["events"], "events")
     m["events lost"] = metric(sum(c["lost"].values()), "events")
+    m["events lost, published within 2 s of a broker restart"] = metric(
+        c["lost_around_broker_restarts"], "events")
     dl = summary["dead_lettered_by_group"]
     m["invalid records published (feeder)"] = metric(summary["feeder"]["bad_records"], "records")
     m["dead-lettered by kz-recorder"] = metric(dl.get("kz-recorder", 0), "records")
@@ -536,6 +583,12 @@ def write(summary: dict[str, Any], args: argparse.Namespace) -> None:
     for kind, fs in by_kind.items():
         label = f"SIGKILL {kind}" if kind in SERVICES else f"{kind} restart"
         m[f"{label}: faults"] = metric(len(fs), "faults")
+        if kind not in SERVICES:  # every service should say 503 while it is down
+            said = [len(f["outage_503"]) for f in fs]
+            m[f"{label}: services reporting 503 during it, min"] = metric(min(said), "services")
+            waits = [t for f in fs for t in f["outage_503"].values()]
+            if waits:
+                m[f"{label}: 503 after, max"] = metric(max(waits), "s (time)")
         for key, what in (("recovery_s", "healthy"), ("flow_s", "new work stored")):
             ok = [f[key] for f in fs if f[key] is not None]
             m[f"{label}: not {what}"] = metric(len(fs) - len(ok), "faults")
