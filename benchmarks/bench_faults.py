@@ -66,6 +66,8 @@ SIZES = {
     "KZ_PROPOSER__LLM__MAX_TOKENS": "48",
     "KZ_PROPOSER__PROPOSALS_PER_PROMPT": "2",
     "KZ_PROPOSER__CONCURRENCY": "1",
+    # The feeder publishes the seeds' sources all along; four at once would hold the coder.
+    "KZ_PROPOSER__SEED_MODULES": "false",
     "KZ_CODER__LLM__MAX_TOKENS": "48",
     "KZ_CODER__GROUP_SIZE": "2",
     "KZ_CODER__MAX_STALENESS": "1000",
@@ -83,6 +85,10 @@ SIZES = {
     "KZ_RESILIENCE__BACKOFF_MAX_S": "2",
     "KZ_RESILIENCE__PROBE_INTERVAL_S": "1",
     "KZ_LOG_LEVEL": "INFO",
+    # Five torch processes on two cores: one thread each, or their OpenMP pools spin
+    # against each other (a 48-token proposal took over a minute with the default).
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
 }
 
 
