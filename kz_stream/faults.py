@@ -68,7 +68,10 @@ def _transient_classes() -> list[tuple[str, tuple[type[BaseException], ...]]]:
     try:
         import aiokafka.errors as ke
 
+        # UnknownError is Kafka's UNKNOWN_SERVER_ERROR: the broker failed, not the record
+        # (tansu answers it to two producers racing to write a partition it re-created).
         classes.append(("broker", (ke.KafkaConnectionError, ke.NodeNotReadyError,
+                                   ke.UnknownError,
                                    ke.NoBrokersAvailable, ke.KafkaTimeoutError,
                                    ke.RequestTimedOutError, ke.UnknownTopicOrPartitionError,
                                    ke.LeaderNotAvailableError, ke.NotLeaderForPartitionError,

@@ -29,6 +29,7 @@ def wrapped(driver_error: Exception) -> Exception:
     (psycopg.OperationalError("connection refused"), "store"),
     (ke.KafkaConnectionError("no broker"), "broker"),
     (ke.UnknownTopicOrPartitionError(), "broker"),
+    (ke.UnknownError(), "broker"),  # a broker's own failure (tansu's produce race)
     (ConnectionRefusedError(), "network"),
     (DependencyUnavailable("store", "no answer"), "store"),
 ])
