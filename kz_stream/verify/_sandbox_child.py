@@ -2,7 +2,8 @@
 guard, calls the target, and writes a pickled result to the original stdout.
 
 The function's own prints and native writes to fd 1 go to stderr, so the result channel
-carries only the result.
+carries only the result; its closing by the verifier (which exited) kills this process
+group.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import traceback
 from typing import Any
 
 from kz_stream.verify._guard import Guard, GuardViolation
+from kz_stream.verify.lifeline import hold
 
 
 def _limit(kind: int, value: int) -> None:
@@ -30,6 +32,7 @@ def _limit(kind: int, value: int) -> None:
 def main() -> None:
     request: dict[str, Any] = pickle.loads(sys.stdin.buffer.read())
     result_fd = os.dup(1)
+    hold(result_fd)  # the verifier reads the other end until it exits
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     _limit(resource.RLIMIT_CORE, 0)

@@ -40,6 +40,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Any, Literal
 
+from kz_stream.verify import lifeline
 from kz_stream.verify._types import VERIFIER_VERSION
 from kz_stream.verify.sandbox import kill_group
 
@@ -750,9 +751,20 @@ class Builder:
 
     async def _run(self, cmd: list[str], cwd: str) -> tuple[bool, str]:
         async with self._sem:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd, cwd=cwd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True)
+            # The wrapper kills the compiler's group (nvcc's cicc and ptxas, ninja's jobs)
+            # when ``keep``, held by this process alone, closes: at the latest when it exits.
+            watch, keep = os.pipe()
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *lifeline.wrap(cmd, watch), cwd=cwd, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                    pass_fds=(watch,))
+            except BaseException:
+                os.close(keep)
+                raise
+            finally:
+                os.close(watch)
+            lifeline.track(proc.pid)
             try:
                 out, _ = await asyncio.wait_for(proc.communicate(), self.timeout_s)
             except TimeoutError:
@@ -763,6 +775,9 @@ class Builder:
                 kill_group(proc.pid)  # no one waits for this build: leave no compiler behind
                 await proc.wait()
                 raise
+            finally:
+                os.close(keep)
+                lifeline.untrack(proc.pid)
         text = out.decode(errors="replace")
         return proc.returncode == 0, text
 

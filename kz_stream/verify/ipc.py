@@ -3,7 +3,9 @@
 A child is started as ``python -m <module> <fd>`` in its own process group, under the
 network-namespace prefix when available, with a private working directory and HOME.
 Messages are pickled dicts over a socketpair; replies carry CPU tensors only. A call
-that exceeds its deadline kills the whole process group.
+that exceeds its deadline kills the whole process group. The child kills its group when
+the verifier's end of the socket closes, and the group is in the verifier's registry
+(``kz_stream.verify.lifeline``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kz_stream.verify import lifeline
 from kz_stream.verify.sandbox import child_env, isolation_prefix, kill_group
 
 
@@ -108,6 +111,7 @@ class Child:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, cwd=work, env=e,
                 pass_fds=(child_sock.fileno(),), start_new_session=True)
+        lifeline.track(self.proc.pid)
         child_sock.close()
         self.ready: dict[str, Any] | None = None
         self.start_timeout_s = start_timeout_s
@@ -220,8 +224,9 @@ class Child:
         kill_group(self.proc.pid)
         try:
             self.proc.wait(timeout=10)
+            lifeline.untrack(self.proc.pid)
         except subprocess.TimeoutExpired:
-            pass
+            pass  # still recorded: the next verifier's reaper tries again
         try:
             self.conn.close()
         except OSError:

@@ -17,6 +17,11 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
+if __name__ == "__main__":
+    from kz_stream.verify.lifeline import hold
+
+    hold(int(sys.argv[1]))  # from the first moment: torch's import alone takes seconds
+
 import torch
 
 from kz_stream.verify.compare import calibrate, flatten, unstable_limit

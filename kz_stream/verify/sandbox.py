@@ -5,7 +5,8 @@ Each call starts ``python -m kz_stream.verify._sandbox_child`` in its own proces
 (address space, file size, no core dumps), no network (a network namespace via
 ``unshare -n`` where the host allows it, and an audit hook that blocks sockets either
 way), and an audit hook that blocks starting processes and writing outside the private
-directory. Children left behind in the process group are detected and killed.
+directory. Children left behind in the process group are detected and killed; the group
+dies with the verifier too (``kz_stream.verify.lifeline``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
+
+from kz_stream.verify import lifeline
 
 __all__ = ["ErrorKind", "SandboxOutcome", "isolation_prefix", "run_in_sandbox"]
 
@@ -101,13 +104,8 @@ def process_group_members(pgid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # Field 5 (pgrp) follows the parenthesised command, which may contain spaces.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid:
+        fields = lifeline.stat_fields(int(entry))
+        if fields and len(fields) > 2 and int(fields[2]) == pgid:  # field 5: pgrp
             members.append(int(entry))
     return members
 
@@ -203,7 +201,11 @@ def run_in_sandbox(
         env=child_env(private, env),
         start_new_session=True,
     )
-    out, err, timed_out, leftovers = _collect(proc, request, timeout_s)
+    lifeline.track(proc.pid)
+    try:
+        out, err, timed_out, leftovers = _collect(proc, request, timeout_s)
+    finally:
+        lifeline.untrack(proc.pid)
     wall = time.monotonic() - started
     shutil.rmtree(private, ignore_errors=True)
     tail = err.decode(errors="replace")[-_STDERR_TAIL:]

@@ -30,7 +30,7 @@ import aiorwlock
 import numpy as np
 import torch
 
-from kz_stream.verify import astscan
+from kz_stream.verify import astscan, lifeline
 from kz_stream.verify._types import VERIFIER_VERSION, Candidate, Problem, Status, Verdict
 from kz_stream.verify.build import (
     Builder,
@@ -411,6 +411,10 @@ class Verifier:
 
     def _ensure(self) -> None:
         if not self._lanes:
+            reaped = lifeline.reap()
+            if reaped:
+                log.warning("verifier: killed %d process groups left by a verifier that "
+                            "is gone: %s", len(reaped), reaped)
             self._lanes = [_Lane(self, i) for i in self._device_ids]
             for lane in self._lanes:
                 lane.fill_spares()

@@ -18,6 +18,10 @@ from types import ModuleType
 from typing import Any
 
 _STARTED = time.monotonic()
+if __name__ == "__main__":
+    from kz_stream.verify.lifeline import hold
+
+    hold(int(sys.argv[1]))  # from the first moment: torch's import alone takes seconds
 _DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 if _DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
