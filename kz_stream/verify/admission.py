@@ -66,7 +66,7 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
     """Sandbox side of ``admission_check``: returns (admitted, reason, detail)."""
     import torch
 
-    from kz_stream.verify.compare import calibrate, compare_outputs, unstable_limit
+    from kz_stream.verify.compare import all_finite, calibrate, compare_outputs, unstable_limit
     from kz_stream.verify.inputs import (
         InputPlan,
         InputSpec,
@@ -144,16 +144,14 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
                     f"the module does not run in float64, so no reference precision: "
                     f"{type(e).__name__}: {str(e)[:200]}")
             raise
-    if plans[-1].signed and not all(bool(torch.isfinite(e).all()) for e in expected[-1]
-                                    if e.dtype.is_floating_point):
+    if plans[-1].signed and not all_finite(expected[-1]):
         # Not defined on negative inputs (a log, a sqrt): the signed set says nothing.
         sets, expected, honest, plans = sets[:-1], expected[:-1], honest[:-1], plans[:-1]
     for i, outs in enumerate(honest):
         for o in outs:
             if not isinstance(o, torch.Tensor):
                 return False, "interface", f"output of type {type(o).__name__} is not a tensor"
-        if i == 0 and not all(bool(torch.isfinite(o).all()) for o in outs
-                              if o.dtype.is_floating_point):
+        if i == 0 and not all_finite(outs):
             return False, "nonfinite", "non-finite outputs on the module's own inputs"
     again = run(model, sets[0], device)
     drift = max(_rel_diff(a, b) for a, b in zip(again, honest[0], strict=True))

@@ -78,6 +78,17 @@ def _eps(dtype: torch.dtype) -> float:
     return 0.0
 
 
+def all_finite(outputs: list[Any]) -> bool:
+    """Whether every floating value among ``outputs`` (tensors or numbers) is finite."""
+    for o in outputs:
+        if not isinstance(o, torch.Tensor | int | float):
+            continue  # not a value (admission names it an interface error)
+        t = torch.as_tensor(o)
+        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            return False
+    return True
+
+
 def unstable_limit(outputs: list[Any]) -> float:
     """The largest honest-vs-float64 error a problem may have and still be checkable."""
     eps = max((_eps(o.dtype) for o in outputs if isinstance(o, torch.Tensor)), default=0.0)

@@ -197,6 +197,12 @@ def make_inputs(
     return out
 
 
+def at_own_shapes(label: str) -> bool:
+    """Whether the input set labelled ``label`` is at (about) the module's own shapes: the
+    small sets and those the memory plan scaled down ("@small") are not; "odd" is."""
+    return not label.startswith("small") and not label.endswith("@small")
+
+
 def has_nonneg_floats(values: Sequence[Any]) -> bool:
     """Whether some floating input holds no negative number (``torch.rand``'s domain)."""
     return any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.numel() > 0

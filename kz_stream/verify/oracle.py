@@ -24,10 +24,11 @@ if __name__ == "__main__":
 
 import torch
 
-from kz_stream.verify.compare import calibrate, flatten, unstable_limit
+from kz_stream.verify.compare import all_finite, calibrate, flatten, unstable_limit
 from kz_stream.verify.inputs import (
     InputPlan,
     InputSpec,
+    at_own_shapes,
     default_plans,
     fallbacks,
     make_inputs,
@@ -83,7 +84,7 @@ class Oracle:
         with_weights: set[str] = set()
         full_bytes = full_sets = 0
         for i, plan in enumerate(plans):
-            if budget and _full_size(plan) and full_sets >= 1 and full_bytes * (
+            if budget and at_own_shapes(plan.label) and full_sets >= 1 and full_bytes * (
                     full_sets + 1) / full_sets > budget:
                 plan_notes.append(
                     f"{plan.label}: at 1/8 of the shapes (memory plan: {full_sets} full-size "
@@ -110,7 +111,7 @@ class Oracle:
                 notes.append(f"{plan.label}: dropped, {why}")
                 dropped.append({"label": plan.label, "reason": why})
                 continue
-            if _full_size(plan):
+            if at_own_shapes(plan.label):
                 full_sets += 1
                 full_bytes += done["bytes"]
             if done["model_key"] in with_weights:
@@ -188,8 +189,7 @@ class Oracle:
         drop = ""
         if worst > unstable_limit(honest) or any(t.dont_care_fraction > 0.01 for t in tols):
             drop = "honest error too large to calibrate"
-        elif plan.signed and not all(bool(torch.isfinite(e).all()) for e in expected
-                                     if e.dtype.is_floating_point):
+        elif plan.signed and not all_finite(expected):
             drop = "the reference is not defined on inputs of both signs (non-finite outputs)"
         cpu_inputs = [v.to("cpu") if isinstance(v, torch.Tensor) else v for v in inputs]
         del inputs
@@ -206,11 +206,6 @@ class Oracle:
             "bytes": nbytes(cpu_inputs) + nbytes(expected) + nbytes(honest),
             "drop": drop,
         }
-
-
-def _full_size(plan: InputPlan) -> bool:
-    """Whether a plan runs at (about) the module's own shapes: the odd one is one less."""
-    return not plan.label.startswith("small") and not plan.label.endswith("@small")
 
 
 def _sticky_cuda_error(e: BaseException) -> bool:

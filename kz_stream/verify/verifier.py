@@ -46,7 +46,7 @@ from kz_stream.verify.compare import (
     kernelbench_allclose,
 )
 from kz_stream.verify.hardware import manifest
-from kz_stream.verify.inputs import nbytes
+from kz_stream.verify.inputs import at_own_shapes, nbytes
 from kz_stream.verify.ipc import Child, ChildDied, ChildTimeout
 from kz_stream.verify.timing import (
     FlushMode,
@@ -312,7 +312,7 @@ class _Lane:
             self.ref_workers.move_to_end(key)
             self.ref_pins[key] = self.ref_pins.get(key, 0) + 1
         try:
-            await self._drop_references()
+            await self.drop_references()
         except BaseException:
             self.unpin(key)
             raise
@@ -323,7 +323,7 @@ class _Lane:
         if not self.ref_pins[key]:
             del self.ref_pins[key]
 
-    async def _drop_references(self, *, all_idle: bool = False) -> None:
+    async def drop_references(self, *, all_idle: bool = False) -> None:
         """Stops the least recently used reference workers beyond the cap (every idle one
         with ``all_idle``), unless pinned."""
         # Chosen and removed with no await in between, so none is pinned meanwhile.
@@ -551,7 +551,7 @@ class Verifier:
                     # The device was full of others' memory, not the candidate's: once
                     # more with the idle reference workers gone (the smaller plan).
                     details["retried"] = verdict.reason
-                    await lane._drop_references(all_idle=True)
+                    await lane.drop_references(all_idle=True)
                     verdict = await self._gpu_stage(lane, prepared, candidate, builds,
                                                     list(own_names), details)
                 return verdict
@@ -589,7 +589,7 @@ class Verifier:
             return (f"problem: only {len(labels)} input set(s) could be evaluated "
                     f"({', '.join(labels)}; at least {self.config.min_input_sets} needed); "
                     f"dropped: {dropped or 'none'}")
-        if self.gpu and not any("@" not in lb and not lb.startswith("small") for lb in labels):
+        if self.gpu and not any(at_own_shapes(lb) for lb in labels):
             return (f"problem: no input set at the module's own shapes could be evaluated "
                     f"({', '.join(labels)}); dropped: {dropped or 'none'}")
         return ""

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from kz_stream.verify.inputs import InputSpec, default_plans, make_inputs, redraw_
+from kz_stream.verify.inputs import (
+    InputSpec,
+    at_own_shapes,
+    default_plans,
+    make_inputs,
+    redraw_,
+)
 
 
 def test_non_negative_inputs_get_a_signed_set() -> None:
@@ -39,3 +45,8 @@ def test_redraw_gives_fresh_values_in_place_and_is_seeded() -> None:
     assert all(torch.equal(a, b) for a, b in zip(values[:3], again, strict=True))
     redraw_(values, specs, seed=12)
     assert not torch.equal(values[0], again[0])
+
+
+def test_sets_at_the_modules_own_shapes_are_told_apart() -> None:
+    assert all(at_own_shapes(lb) for lb in ("own", "signed", "normal", "heavy", "odd"))
+    assert not any(at_own_shapes(lb) for lb in ("small", "small-signed", "heavy@small"))
