@@ -30,7 +30,7 @@ from kz_stream.rl import AlternationConfig, AlternationSchedule, Group, Role, Sa
 from kz_stream.runtime import Service, ServiceContext
 
 if TYPE_CHECKING:
-    from kz_stream.rl.trainer import GRPOLearner, StepResult
+    from kz_stream.rl.trainer import GRPOLearner, LearnerConfig, StepResult
 
 __all__ = ["LearnerService", "LearnerServiceConfig"]
 
@@ -125,6 +125,8 @@ class LearnerService(Service):
         learner = await asyncio.to_thread(self.make_learner, role, directory)
         self.learners[role] = learner
         history = await self.wait_out(lambda: self.ctx.store.read_stream(f"policy-{role}"))
+        if not history and learner.version == 0 and learner.config.init_adapter:
+            await self._record_warm_start(role, learner.config)
         if history:
             # Re-announce the stored event (same event_id, so the recorder skips it): a crash
             # may have come between the store commit and the publish.
@@ -135,6 +137,28 @@ class LearnerService(Service):
             version=learner.version,
             resumed_from=str(learner.resumed_from or ""),
         )
+
+    async def _record_warm_start(self, role: Role, config: LearnerConfig) -> None:
+        """Stores where policy version 0 came from: the warm-start adapter the generators
+        and this learner start from (not announced: the generators loaded it at start)."""
+        from kz_stream.rl.trainer import policy_sha256
+
+        adapter = Path(str(config.init_adapter))
+        uri = await asyncio.to_thread(lambda: adapter.resolve().as_uri())
+        event = new_event(
+            PolicyVersionPublished(
+                role=role, version=0, uri=uri,
+                sha256=await asyncio.to_thread(policy_sha256, adapter),
+                base_model=config.model, kind="lora",
+            ),
+            stream_id=f"policy-{role}",
+            stream_version=0,
+            producer=self.ctx.producer_id,
+            correlation_id=self.ctx.settings.run_id,
+        )
+        await self.wait_out(lambda: self.ctx.store.append([event]))
+        self.state.apply_own(event)
+        self.log.info("warm_start_recorded", role=role, adapter=str(adapter))
 
     async def _follow(self) -> None:
         # The ticker and the tail run side by side; a failure in either stops both and is

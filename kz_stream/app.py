@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kz_stream.config import Settings, validated_copy
 from kz_stream.logging import configure_logging
 from kz_stream.runtime import Service, ServiceContext, run_services
+from kz_stream.warmstart import warm_adapter
 
 if TYPE_CHECKING:
     from kz_stream.verify import Verifier
@@ -96,7 +97,7 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
         p = settings.proposer
         return ProposerService(
             ctx,
-            _backend(p.llm),
+            _backend(p.llm, warm_adapter(settings, "proposer")),
             ProposerConfig(
                 proposals_per_prompt=p.proposals_per_prompt,
                 concurrency=p.concurrency,
@@ -112,7 +113,7 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
         c = settings.coder
         return CoderService(
             ctx,
-            _backend(c.llm),
+            _backend(c.llm, warm_adapter(settings, "coder")),
             CoderConfig(
                 group_size=c.group_size,
                 backends=c.backends,
@@ -164,10 +165,11 @@ def make_verifier(settings: Settings) -> Verifier:
     return Verifier(VerifierConfig(**chosen))
 
 
-def _backend(llm: Any) -> Any:
+def _backend(llm: Any, adapter: Path | None = None) -> Any:
     from kz_stream.llm.factory import create_backend
 
-    return create_backend(llm.kind, model=llm.model, base_url=llm.base_url)
+    extra = {"adapter": str(adapter)} if adapter is not None else {}
+    return create_backend(llm.kind, model=llm.model, base_url=llm.base_url, **extra)
 
 
 def _sampling(llm: Any) -> Any:
@@ -197,6 +199,9 @@ def _make_learner(settings: Settings, role: str, directory: Any) -> Any:
         max_staleness=lc.max_staleness,
         micro_batches=lc.micro_batches,
         gradient_checkpointing=lc.gradient_checkpointing,
+        init_adapter=str(adapter)
+        if (adapter := warm_adapter(settings, "coder" if role == "coder" else "proposer"))
+        else None,
     )
     cls = CoderLearner if role == "coder" else ProposerLearner
     return cls(cfg, checkpoint_dir=directory)

@@ -183,6 +183,11 @@ class Settings(BaseSettings):
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
+    warm_start: bool = Field(
+        default=True,
+        description="Start the embedded SmolLM2 Coder and Proposer (generators and learner) "
+        "from the packaged warm-start adapters as policy version 0; false: the bare model.",
+    )
 
     @classmethod
     def settings_customise_sources(

@@ -205,9 +205,11 @@ class RunState:
         ]
 
     def policies_loaded(self) -> bool:
-        """Every published policy version has been loaded by at least one replica."""
+        """Every published policy version has been loaded by at least one replica (version
+        0, a warm start, is what the generators start with)."""
         return all(
-            any(r == role and v >= pv.version for (r, _), v in self.loaded.items())
+            pv.version == 0
+            or any(r == role and v >= pv.version for (r, _), v in self.loaded.items())
             for role, pv in self.published.items()
         )
 

@@ -91,6 +91,8 @@ class EvalOptions:
     model: str | None = None  # served model name (endpoint) or base model dir (adapter)
     api_key: str | None = None
     concurrency: int = 4  # generations (one per problem) and verifications in flight at once
+    device: str | None = None  # where a local model generates (None: the CPU)
+    batch_size: int = 8  # a local model's generation batch (rows of prompt x sample)
 
 
 @dataclass
@@ -138,7 +140,9 @@ async def load_evaluation(store: EventStore, run_id: str) -> EvalRecord | None:
     return record
 
 
-async def open_policy(spec: str, store: EventStore, options: EvalOptions) -> LLMBackend:
+async def open_policy(
+    spec: str, store: EventStore | None, options: EvalOptions
+) -> LLMBackend:
     """The LLM a policy spec names.
 
     - ``base``: the embedded SmolLM2 (or ``options.model``, a model folder);
@@ -147,28 +151,37 @@ async def open_policy(spec: str, store: EventStore, options: EvalOptions) -> LLM
       when the version is left out), loaded as the generators load it, on the base model
       it was trained from;
     - ``http(s)://…``: an OpenAI-compatible endpoint (``options.model`` names the served
-      model); only text is asked for, so hosted models work.
+      model); only text is asked for, so hosted models work;
+    - ``teacher``: the warm start's Triton teacher (``kz_stream.warmstart.teacher``), which
+      lowers synthesized modules and answers others with no kernel.
     """
     from kz_stream.llm.factory import create_backend
 
+    local: dict[str, Any] = {"device": options.device, "max_batch_size": options.batch_size}
+    if spec == "teacher":
+        from kz_stream.warmstart.teacher import TeacherBackend
+
+        return TeacherBackend()
     if spec.startswith(("http://", "https://")):
         return create_backend("vllm-server", base_url=spec, model=options.model,
                               api_key=options.api_key, token_ids=False)
     if spec == "base":
-        return create_backend("transformers", model=options.model)
+        return create_backend("transformers", model=options.model, **local)
     if spec.startswith("run:"):
+        if store is None:
+            raise ValueError(f"--policy {spec!r} needs the event store that holds the run")
         run_id, _, version = spec[len("run:"):].partition(":")
         published = await _published_policy(store, run_id, int(version) if version else None)
         # The base the learner trained on, unless --model names another.
         base = options.model or published.base_model or None
-        backend = create_backend("transformers", model=base)
+        backend = create_backend("transformers", model=base, **local)
         await backend.load_policy(published.version, published.uri, kind=published.kind)
         return backend
     if _is_adapter(spec):
-        backend = create_backend("transformers", model=options.model)
+        backend = create_backend("transformers", model=options.model, **local)
         await backend.load_policy(1, spec, kind="lora")
         return backend
-    return create_backend("transformers", model=spec)
+    return create_backend("transformers", model=spec, **local)
 
 
 def _is_adapter(folder: str) -> bool:

@@ -76,7 +76,10 @@ class TransformersBackend(LLMBackend):
         max_batch_size: int = 8,
         num_threads: int | None = None,
         device: str | None = None,
+        adapter: str | None = None,
     ) -> None:
+        """``adapter``: a LoRA adapter folder that policy version ``policy_version`` is (a
+        warm start); None: that version is the bare model."""
         import torch
 
         if num_threads:
@@ -92,6 +95,13 @@ class TransformersBackend(LLMBackend):
         self._max_batch = max(1, max_batch_size)
         self._version = policy_version
         self._policies: dict[int, _Policy] = {policy_version: _Policy(model, None)}
+        if adapter:
+            from peft import PeftModel
+
+            name = f"v{policy_version}"
+            wrapped = PeftModel.from_pretrained(model, uri_to_path(adapter), adapter_name=name)
+            wrapped.eval()
+            self._policies[policy_version] = _Policy(wrapped, name)
         self._queue: deque[_Row] = deque()
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None

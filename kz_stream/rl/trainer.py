@@ -125,6 +125,9 @@ class LearnerConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_target_modules: str | tuple[str, ...] = "all-linear"
+    # A LoRA adapter the first step starts from (a warm start) when there is no checkpoint;
+    # its own shape (rank, targets) replaces the lora_* fields above.
+    init_adapter: str | None = None
     learning_rate: float = 1e-5
     lr_scheduler_type: str = "constant"  # an open-ended stream has no horizon to decay over
     weight_decay: float = 0.0
@@ -456,6 +459,8 @@ class GRPOLearner:
             base = model if model is not None else load_model(config)
             if resume is not None:
                 policy = PeftModel.from_pretrained(base, str(resume), is_trainable=True)
+            elif config.init_adapter:
+                policy = PeftModel.from_pretrained(base, config.init_adapter, is_trainable=True)
             else:
                 policy = base
                 targets = config.lora_target_modules

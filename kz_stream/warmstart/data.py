@@ -1,0 +1,172 @@
+"""``kz warmstart data``: synthesized modules, teacher kernels and the two SFT sets.
+
+Steps, each resumable (run the command again with the same folder to go on):
+
+1. ``synthesize_suite``: draw ``count`` modules, validate each as a proposal is validated
+   (``validate_module``: APIs, a sandboxed run, admission), and write the valid ones as a
+   KernelBench-format suite, split by source hash into ``train/`` and ``heldout/``.
+   ``modules.jsonl`` lists every module with its split, kind and validation result.
+2. The teacher as an evaluation policy (``kz eval run train/ --policy teacher``): every
+   teacher kernel is stored and judged by the project's verifier like any model's kernel.
+3. ``write_sft_sets``: the Coder set is exported from the store (the correct teacher kernel
+   per module, in the Coder's real prompt format); the Proposer set pairs each valid
+   training module's API set with its source, in the Proposer's prompt format.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kz_stream.modules.prompts import proposer_messages
+from kz_stream.modules.validation import validate_module
+from kz_stream.warmstart.synth import Synthesizer, SynthModule, is_held_out
+
+__all__ = [
+    "CODER_SFT",
+    "MANIFEST",
+    "PROPOSER_SFT",
+    "SuiteSummary",
+    "sft_example",
+    "synthesize_suite",
+    "teacher_run_id",
+    "write_sft_sets",
+]
+
+MANIFEST = "modules.jsonl"
+CODER_SFT = "coder_sft.jsonl"
+PROPOSER_SFT = "proposer_sft.jsonl"
+
+
+@dataclass(frozen=True)
+class SuiteSummary:
+    modules: int
+    valid: int
+    train: int
+    held_out: int
+    invalid_reasons: dict[str, int]
+
+
+def teacher_run_id(out: Path) -> str:
+    """The teacher's evaluation run id for a data folder (stable, so a rerun resumes it)."""
+    import hashlib
+
+    return "eval-teacher-" + hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:10]
+
+
+def _file_name(index: int, module: SynthModule) -> str:
+    short = "_".join(a.rsplit(".", 1)[-1] for a in module.api_set)
+    return f"{index}_{module.kind}_{short}.py"
+
+
+def synthesize_suite(
+    out: Path,
+    *,
+    count: int,
+    seed: int = 0,
+    held_out: float = 0.15,
+    workers: int = 2,
+    validation_timeout_s: float = 60.0,
+    on_module: Callable[[int, int], object] | None = None,
+) -> SuiteSummary:
+    """Writes the suite under ``out`` (skipping modules ``modules.jsonl`` already lists)."""
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = out / MANIFEST
+    done: dict[str, dict[str, Any]] = {}
+    # rows of modules.jsonl: index, digest, api_set, kind, split, valid, reason, file
+    if manifest.exists():
+        for line in manifest.read_text().splitlines():
+            row = json.loads(line)
+            done[row["digest"]] = row
+    modules = list(Synthesizer(seed=seed).modules(count))
+    todo = [(i, m) for i, m in enumerate(modules) if m.digest not in done]
+    for m in modules:  # a folder copied without its suite (only modules.jsonl) gets it back
+        row = done.get(m.digest)
+        if row is not None and row["valid"]:
+            path = out / str(row["file"])
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(m.source)
+
+    def check(item: tuple[int, SynthModule]) -> dict[str, Any]:
+        i, m = item
+        result = validate_module(m.source, m.api_set, timeout_s=validation_timeout_s)
+        split = "heldout" if is_held_out(m, held_out) else "train"
+        file = f"{split}/{_file_name(i, m)}"
+        row = {"index": i, "digest": m.digest, "api_set": list(m.api_set), "kind": m.kind,
+               "split": split, "valid": result.valid, "reason": result.reason,
+               "file": file if result.valid else None}
+        if result.valid:
+            path = out / file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(m.source)
+        return row
+
+    with manifest.open("a") as f, ThreadPoolExecutor(max(1, workers)) as pool:
+        for n, row in enumerate(pool.map(check, todo), start=1):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            done[row["digest"]] = row
+            if on_module is not None:
+                on_module(len(done) - len(todo) + n, count)
+    rows = [done[m.digest] for m in modules]
+    reasons: dict[str, int] = {}
+    for r in rows:
+        if not r["valid"]:
+            reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    valid = [r for r in rows if r["valid"]]
+    return SuiteSummary(
+        modules=len(rows),
+        valid=len(valid),
+        train=sum(1 for r in valid if r["split"] == "train"),
+        held_out=sum(1 for r in valid if r["split"] == "heldout"),
+        invalid_reasons=reasons,
+    )
+
+
+def _fence(code: str) -> str:
+    return f"```python\n{code.rstrip()}\n```"
+
+
+def sft_example(prompt: list[dict[str, str]], answer_code: str, **meta: Any) -> dict[str, Any]:
+    """One row in TRL's conversational prompt-completion form."""
+    return {"prompt": prompt, "completion": [{"role": "assistant", "content": _fence(answer_code)}],
+            **meta}
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    n = 0
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+            n += 1
+    return n
+
+
+async def write_sft_sets(out: Path, store: Any) -> dict[str, int]:
+    """Writes ``coder_sft.jsonl`` (from the store) and ``proposer_sft.jsonl``; returns counts."""
+    from kz_stream.export import KernelFilter, collect_rows
+
+    manifest = [json.loads(line) for line in (out / MANIFEST).read_text().splitlines()]
+    train = {r["digest"]: r for r in manifest if r["valid"] and r["split"] == "train"}
+    run_id = teacher_run_id(out)
+    rows, _ = await collect_rows(store, KernelFilter(runs=(run_id,)), sets=["sft"])
+    coder = [
+        sft_example(json.loads(r["prompt"]), r["kernel"], module_id=r["module_id"],
+                    kernel_id=r["kernel_id"], policy=r["run_id"])
+        for r in rows["sft"]
+    ]
+    proposer = []
+    for r in train.values():
+        source = (out / r["file"]).read_text()
+        proposer.append(sft_example([{"role": m["role"], "content": m["content"]}
+                                     for m in proposer_messages(r["api_set"])], source,
+                                    api_set=r["api_set"], kind=r["kind"]))
+    return {
+        "coder": _write_jsonl(out / CODER_SFT, coder),
+        "proposer": _write_jsonl(out / PROPOSER_SFT, proposer),
+    }

@@ -1,0 +1,93 @@
+"""The module synthesizer: catalog API sets become valid KernelBench-format modules."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kz_stream.modules.catalog import default_catalog
+from kz_stream.modules.validation import static_apis, validate_module
+from kz_stream.warmstart.ops import OPS, ops_by_api
+from kz_stream.warmstart.synth import (
+    Synthesizer,
+    feasible,
+    is_held_out,
+    synth_catalog,
+    synthesize,
+)
+
+
+def test_every_op_is_a_catalog_api_with_one_home() -> None:
+    catalog = default_catalog()
+    assert len(ops_by_api()) == len(OPS)
+    assert [op.api for op in OPS if op.api not in catalog.apis] == []
+
+
+def test_feasible_sets_have_one_matmul_and_one_reduction_at_most() -> None:
+    assert feasible(["torch.matmul", "torch.sigmoid", "torch.sum"])
+    assert not feasible(["torch.matmul", "torch.nn.Linear"])
+    assert not feasible(["torch.sum", "torch.mean"])
+    assert not feasible(["torch.nn.Conv2d"])
+    assert not feasible([])
+
+
+def test_the_restricted_catalog_keeps_only_buildable_sets() -> None:
+    restricted = synth_catalog()
+    assert restricted.pairs and restricted.triples
+    assert all(feasible(k) for k in [*restricted.pairs, *restricted.triples])
+    full = default_catalog()
+    assert all(restricted.pairs[k] == full.pairs[k] for k in restricted.pairs)
+
+
+def test_a_module_calls_exactly_its_api_set() -> None:
+    rng = random.Random(3)
+    for apis in (["torch.nn.Linear", "torch.nn.GELU", "torch.softmax"],
+                 ["torch.maximum", "torch.nn.LayerNorm", "torch.sum"],
+                 ["torch.tanh"]):
+        module = synthesize(apis, rng)
+        assert sorted(static_apis(module.source)) == sorted(apis)
+        assert module.api_set == tuple(sorted(apis))
+
+
+def test_kinds_follow_the_strongest_op() -> None:
+    rng = random.Random(0)
+    assert synthesize(["torch.mm", "torch.relu"], rng).kind == "matmul"
+    assert synthesize(["torch.sigmoid", "torch.mean"], rng).kind == "reduction"
+    assert synthesize(["torch.nn.RMSNorm", "torch.abs"], rng).kind == "norm"
+    assert synthesize(["torch.sin", "torch.cos"], rng).kind == "fused"
+    assert synthesize(["torch.sin"], rng).kind == "single"
+
+
+def test_infeasible_sets_are_refused() -> None:
+    with pytest.raises(ValueError, match="no module calls exactly"):
+        synthesize(["torch.sum", "torch.amax"], random.Random(0))
+
+
+def test_the_synthesizer_is_reproducible_and_yields_distinct_modules() -> None:
+    first = [m.source for m in Synthesizer(seed=7).modules(40)]
+    again = [m.source for m in Synthesizer(seed=7).modules(40)]
+    assert first == again and len(set(first)) == 40
+    assert first != [m.source for m in Synthesizer(seed=8).modules(40)]
+
+
+def test_held_out_modules_are_a_function_of_their_source() -> None:
+    modules = list(Synthesizer(seed=1).modules(200))
+    held = [m for m in modules if is_held_out(m, 0.2)]
+    assert 20 <= len(held) <= 60
+    assert [m for m in modules if is_held_out(m, 0.2)] == held
+    assert not any(is_held_out(m, 0.0) for m in modules)
+
+
+@pytest.mark.slow
+def test_synthesized_modules_pass_the_proposers_validation_and_admission() -> None:
+    rng = random.Random(11)
+    kinds = {"matmul": ["torch.nn.Linear", "torch.nn.SiLU", "torch.nn.LayerNorm"],
+             "reduction": ["torch.maximum", "torch.logsumexp"],
+             "norm": ["torch.nn.functional.normalize", "torch.exp"],
+             "fused": ["torch.nn.functional.softplus", "torch.minimum"]}
+    for kind, apis in kinds.items():
+        module = synthesize(apis, rng)
+        assert module.kind == kind
+        result = validate_module(module.source, apis)
+        assert result.valid, (apis, result.reason, result.detail, module.source)
