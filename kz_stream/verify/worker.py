@@ -8,11 +8,13 @@ interpreter. Requests are handled one at a time (see ``_HANDLERS``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any
@@ -393,6 +395,24 @@ def _profile(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "kernels": kernels, "launches": dict(state.launches)}
 
 
+@contextlib.contextmanager
+def _uninitialized_is_nan() -> Iterator[None]:
+    """Makes ``torch.empty`` fill new memory (NaN for floats, the largest value for ints)
+    while it lasts, so an output the ablated kernel would have written cannot inherit right
+    values from a freed block. Poisoning freed blocks alone is not enough on the CPU: glibc
+    hands a freed earlier output of the same size to the next allocation, and an honest
+    Triton softmax was judged a decoy that way."""
+    was = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "... does not have a deterministic implementation"
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+
+
 def _ablate(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     """Outputs with each launched Triton kernel disabled in turn (decoy detection)."""
     results: dict[str, list[Any]] = {}
@@ -404,9 +424,10 @@ def _ablate(state: State, msg: dict[str, Any]) -> dict[str, Any]:
         state.disabled = {name}
         try:
             _poison(msg.get("out_specs", []), state.device)
-            out = flatten(_call(state, to_device(msg["inputs"], state.device),
-                                str(msg["model"])))
-            _sync(state)
+            with _uninitialized_is_nan():
+                out = flatten(_call(state, to_device(msg["inputs"], state.device),
+                                    str(msg["model"])))
+                _sync(state)
             results[name] = [o.detach().to("cpu") if isinstance(o, torch.Tensor) else o
                              for o in out]
         except Exception as e:

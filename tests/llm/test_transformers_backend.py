@@ -119,6 +119,26 @@ async def test_lora_hot_swap_mid_stream(smollm2_path: Path, lora_path: Path) -> 
         await backend.close()
 
 
+async def test_a_warm_start_adapter_is_version_zero(smollm2_path: Path, lora_path: Path) -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    bare = TransformersBackend.from_pretrained(smollm2_path)
+    warm = TransformersBackend.from_pretrained(smollm2_path, adapter=str(lora_path))
+    try:
+        ((plain,),) = await bare.generate([TEXT], sampling=greedy)
+        ((tuned,),) = await warm.generate([TEXT], sampling=greedy)
+        assert warm.policy_version == tuned.policy_version == 0
+        assert tuned.token_ids != plain.token_ids
+        again = warm.sequence_logprobs(tuned.prompt_token_ids, tuned.token_ids, version=0)
+        assert again == pytest.approx(tuned.logprobs, abs=TOL)
+        # The learner's first version replaces the warm start; the base is still reachable.
+        await warm.load_policy(1, "")
+        ((back,),) = await warm.generate([TEXT], sampling=greedy)
+        assert back.policy_version == 1 and back.token_ids == plain.token_ids
+    finally:
+        await bare.close()
+        await warm.close()
+
+
 async def test_full_weight_version(smollm2_path: Path) -> None:
     backend = TransformersBackend.from_pretrained(smollm2_path)
     greedy = SamplingParams(max_tokens=6, temperature=0)
