@@ -92,7 +92,7 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
         return VerifierService(ctx, make_verifier(settings))
     if name == "proposer":
         from producers.proposer import ProposerConfig, ProposerService
-        from producers.seeds import SEED_MODULES
+        from producers.seeds import SEED_MODULES, synthesized_seeds
 
         p = settings.proposer
         return ProposerService(
@@ -103,7 +103,8 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
                 concurrency=p.concurrency,
                 max_modules=p.max_modules,
                 sampling=_sampling(p.llm),
-                seed_modules=SEED_MODULES if p.seed_modules else (),
+                seed_modules=(*SEED_MODULES, *synthesized_seeds(p.synthesized_seeds))
+                if p.seed_modules else (),
                 evaluation_hashes=evaluation_hashes(p.decontaminate),
             ),
         )
@@ -232,7 +233,7 @@ class RunOptions:
     group_size: int = 2
     groups_per_step: int = 2
     proposals_per_prompt: int = 2
-    max_new_tokens: int = 256
+    max_new_tokens: int = 1024  # the warm Coder's kernels run 300-1,200 tokens
     backends: tuple[str, ...] = ("triton",)
     seed_modules: bool = True
     order: tuple[str, ...] = ("coder", "proposer")

@@ -90,6 +90,11 @@ class ProposerSettings(_Section):
     concurrency: int = Field(default=2, ge=1)
     max_modules: int | None = None
     seed_modules: bool = True
+    synthesized_seeds: int = Field(
+        default=4, ge=0,
+        description="Synthesized modules published with the hand-written seeds "
+        "(kz_stream.warmstart.synth), when seed_modules is on.",
+    )
     decontaminate: list[Path] = Field(
         default_factory=list,
         description="Evaluation suites whose problems proposals must not copy (besides "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from producers.proposer import SeedModule
 
-__all__ = ["SEED_MODULES"]
+__all__ = ["SEED_MODULES", "synthesized_seeds"]
 
 _SIGMOID_MUL = '''
 import torch
@@ -107,3 +107,12 @@ SEED_MODULES: tuple[SeedModule, ...] = (
     SeedModule(("torch.matmul", "torch.relu"), _MATMUL_RELU),
     SeedModule(("torch.mul", "torch.softmax"), _SOFTMAX_SCALE),
 )
+
+
+def synthesized_seeds(count: int, *, seed: int = 1000) -> tuple[SeedModule, ...]:
+    """``count`` modules from the warm start's synthesizer (a supply in the form the warm
+    Coder was trained on, while the Proposer is weak); a seed apart from the SFT data's."""
+    from kz_stream.warmstart.synth import Synthesizer
+
+    return tuple(SeedModule(m.api_set, m.source)
+                 for m in Synthesizer(seed=seed).modules(count)) if count > 0 else ()

@@ -11,7 +11,9 @@ import pytest
 from kz_stream.app import RunOptions, run_coevolution
 from kz_stream.config import Settings, TopicsConfig
 from kz_stream.events import TrainingStepCompleted, payload_as
+from kz_stream.rl.trainer import policy_sha256
 from kz_stream.store import open_store
+from kz_stream.warmstart import packaged_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +57,9 @@ def test_one_round_leaves_the_full_event_trail(tmp_path: Path) -> None:
     assert any(p["role"] == "coder" and p["version"] >= 1 for p in published)
     assert any(p["role"] == "coder" and p["version"] >= 1 for p in loaded)
     assert all(Path(p["uri"].removeprefix("file://")).is_dir() for p in published)
+    # The warm start: version 0 of each role is the packaged adapter, and says so.
+    for role in ("coder", "proposer"):
+        [zero] = [p for p in published if p["role"] == role and p["version"] == 0]
+        adapter = packaged_adapter(role)
+        assert adapter is not None and zero["uri"] == adapter.resolve().as_uri()
+        assert zero["sha256"] == policy_sha256(adapter)

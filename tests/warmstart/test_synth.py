@@ -91,3 +91,11 @@ def test_synthesized_modules_pass_the_proposers_validation_and_admission() -> No
         assert module.kind == kind
         result = validate_module(module.source, apis)
         assert result.valid, (apis, result.reason, result.detail, module.source)
+
+
+def test_synthesized_seeds_join_the_hand_written_ones() -> None:
+    from producers.seeds import synthesized_seeds
+
+    seeds = synthesized_seeds(3)
+    assert len(seeds) == 3 and synthesized_seeds(0) == ()
+    assert all(sorted(static_apis(s.source)) == sorted(s.api_set) for s in seeds)

@@ -1,0 +1,115 @@
+"""Warm-start figures, read from the event stores that the project's own commands wrote.
+
+The runs it reads (see docs/warmstart.md for the commands):
+
+- the teacher run of ``kz warmstart data`` (its store): teacher kernels verified, the share
+  judged correct, and verdicts per minute;
+- ``kz eval run`` of the held-out synthesized modules with the warm Coder and with the bare
+  model (the baseline, in the same store, same problems and sampling): pass@1 overall and by
+  module kind;
+- ``kz warmstart proposer-eval --json`` of the warm and the bare Proposer: valid-module rate.
+
+    python -m benchmarks.bench_warmstart --teacher-store T.sqlite3 --eval-store E.sqlite3 \\
+        --warm-run eval-heldout-warm --base-run eval-heldout-base \\
+        --proposer-warm pw.json --proposer-base pb.json --manifest data/modules.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from benchmarks._results import metric, write_result
+from kz_stream.evaluation.run import kernel_id_of, load_evaluation
+from kz_stream.store import open_store
+
+
+async def _teacher(url: str) -> dict[str, Any]:
+    statuses: Counter[str] = Counter()
+    times: list[datetime] = []
+    async with open_store(url, create_schema=False) as store:
+        async for batch in store.read_all(0, types=["KernelVerified"]):
+            for r in batch:
+                if str(r.event.correlation_id or "").startswith("eval-teacher-"):
+                    statuses[r.event.payload["status"]] += 1
+                    times.append(r.recorded_at)
+    minutes = (max(times) - min(times)).total_seconds() / 60 if len(times) > 1 else 0.0
+    return {"statuses": dict(statuses), "verified": sum(statuses.values()),
+            "per_minute": (len(times) - 1) / minutes if minutes else 0.0}
+
+
+async def _pass_at_1(url: str, run_id: str, kinds: dict[str, str]) -> dict[str, Any]:
+    async with open_store(url, create_schema=False) as store:
+        record = await load_evaluation(store, run_id)
+    if record is None:
+        raise SystemExit(f"no evaluation {run_id} in {url}")
+    per_kind: dict[str, list[bool]] = {}
+    statuses: Counter[str] = Counter()
+    for p in record.started.problems:
+        for i in range(record.started.samples):
+            v = record.verdicts.get(kernel_id_of(run_id, p.problem_id, i))
+            if v is None:
+                continue
+            statuses[str(v["status"])] += 1
+            kind = kinds.get(Path(p.path).name, "unknown")
+            per_kind.setdefault(kind, []).append(v["status"] == "correct")
+    every = [ok for oks in per_kind.values() for ok in oks]
+    return {"judged": len(every), "pass@1": sum(every) / len(every) if every else 0.0,
+            "by_kind": {k: (sum(v) / len(v), len(v)) for k, v in sorted(per_kind.items())},
+            "statuses": dict(statuses)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--teacher-store", required=True)
+    ap.add_argument("--eval-store", required=True)
+    ap.add_argument("--warm-run", required=True)
+    ap.add_argument("--base-run", required=True)
+    ap.add_argument("--manifest", type=Path, required=True, help="modules.jsonl of the data")
+    ap.add_argument("--proposer-warm", type=Path)
+    ap.add_argument("--proposer-base", type=Path)
+    ap.add_argument("--machine", default=None)
+    ap.add_argument("--notes", default="")
+    args = ap.parse_args(argv)
+
+    def url(path: str) -> str:
+        return path if "://" in path else f"sqlite+aiosqlite:///{Path(path).resolve()}"
+
+    kinds = {Path(r["file"]).name: r["kind"]
+             for r in map(json.loads, args.manifest.read_text().splitlines()) if r["file"]}
+    teacher = asyncio.run(_teacher(url(args.teacher_store)))
+    warm = asyncio.run(_pass_at_1(url(args.eval_store), args.warm_run, kinds))
+    base = asyncio.run(_pass_at_1(url(args.eval_store), args.base_run, kinds))
+    correct = teacher["statuses"].get("correct", 0)
+    metrics = {
+        "teacher kernels judged correct": metric(correct / max(1, teacher["verified"]), "share"),
+        "teacher kernels verified": metric(float(teacher["verified"]), "kernels"),
+        "teacher verdicts per minute": metric(teacher["per_minute"], "kernels/min"),
+        "held-out pass@1, warm vs bare": metric(warm["pass@1"], "share", base["pass@1"] or None),
+        "held-out kernels judged (warm)": metric(float(warm["judged"]), "kernels"),
+        "held-out kernels judged (bare)": metric(float(base["judged"]), "kernels"),
+    }
+    for kind, (rate, n) in warm["by_kind"].items():
+        b = base["by_kind"].get(kind, (0.0, 0))[0]
+        metrics[f"held-out pass@1 {kind} (n={n})"] = metric(rate, "share", b or None)
+    for name, path in (("warm", args.proposer_warm), ("bare", args.proposer_base)):
+        if path is not None:
+            p = json.loads(path.read_text())
+            metrics[f"Proposer valid-module rate ({name}, {p['sets']} sets)"] = metric(
+                p["valid_rate"], "share")
+    notes = args.notes + (f" Statuses, warm: {warm['statuses']}; bare: {base['statuses']};"
+                          f" teacher: {teacher['statuses']}.")
+    write_result("warmstart", "python -m benchmarks.bench_warmstart " + " ".join(
+        sys.argv[1:] if argv is None else argv), metrics, notes=notes.strip(),
+        machine=args.machine)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""`kz warmstart data` and `kz warmstart train` on the CPU: a few synthesized modules, the
+teacher's kernels stored and judged by the real verifier (Triton interpreter), the two SFT
+sets exported, and one SFT step of the embedded SmolLM2 that writes an adapter and its card."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kz_stream.cli import app
+from kz_stream.store import open_store
+from kz_stream.warmstart.data import CODER_SFT, MANIFEST, PROPOSER_SFT, teacher_run_id
+
+pytestmark = pytest.mark.slow
+
+
+async def stored_types(url: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    async with open_store(url, create_schema=False) as store:
+        async for batch in store.read_all(0):
+            for r in batch:
+                counts[r.event.type] = counts.get(r.event.type, 0) + 1
+    return counts
+
+
+def test_data_then_train(tmp_path: Path) -> None:
+    out = tmp_path / "ws"
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    env = {"KZ_DATABASE_URL": url, "KZ_VERIFIER__PREWARM": "1", "COLUMNS": "200"}
+    cli = CliRunner()
+    done = cli.invoke(app, ["warmstart", "data", str(out), "--count", "5", "--seed", "3",
+                            "--held-out", "0.2"], env=env)
+    assert done.exit_code == 0, done.output[-3000:]
+    rows = [json.loads(line) for line in (out / MANIFEST).read_text().splitlines()]
+    assert len(rows) == 5
+    train = [r for r in rows if r["valid"] and r["split"] == "train"]
+    assert train and all((out / r["file"]).exists() for r in train)
+    coder = [json.loads(line) for line in (out / CODER_SFT).read_text().splitlines()]
+    proposer = [json.loads(line) for line in (out / PROPOSER_SFT).read_text().splitlines()]
+    # Every training module got a teacher kernel the verifier judged correct.
+    assert len(coder) == len(proposer) == len(train)
+    assert all(r["policy"] == teacher_run_id(out) for r in coder)
+    assert all("@triton.jit" in r["completion"][0]["content"] for r in coder)
+    system = coder[0]["prompt"][0]
+    assert system["role"] == "system" and "ModelNew" in system["content"]
+    counts = asyncio.run(stored_types(url))
+    assert counts["KernelGenerated"] == counts["KernelVerified"] == len(train)
+
+    again = cli.invoke(app, ["warmstart", "data", str(out), "--count", "5", "--seed", "3",
+                             "--held-out", "0.2"], env=env)  # resumes: nothing new
+    assert again.exit_code == 0, again.output[-3000:]
+    assert asyncio.run(stored_types(url)) == counts
+
+    adapter = tmp_path / "adapter"
+    trained = cli.invoke(app, ["warmstart", "train", str(out / CODER_SFT), "--out", str(adapter),
+                               "--limit", "1", "--epochs", "1", "--batch-size", "1",
+                               "--max-length", "3072"], env=env)
+    assert trained.exit_code == 0, trained.output[-3000:]
+    card = json.loads((adapter / "warmstart.json").read_text())
+    assert card["role"] == "coder" and card["kind"] == "lora" and card["data"]["rows"] == 1
+    assert card["metrics"]["steps"] == 1 and card["metrics"]["train_loss"] > 0
+    assert (adapter / "adapter_model.safetensors").exists()
+    assert not (adapter / "trainer").exists()
