@@ -598,7 +598,7 @@ def run_loop(
     steps_per_turn: Annotated[int, typer.Option(help="Training steps per role per round.")] = 1,
     group_size: Annotated[int, typer.Option(help="Kernels sampled per module (G).")] = 2,
     groups_per_step: Annotated[int, typer.Option(help="Complete groups per training step.")] = 2,
-    max_new_tokens: Annotated[int, typer.Option(help="Completion length cap.")] = 1024,
+    max_new_tokens: Annotated[int, typer.Option(help="Completion length cap.")] = 640,
     time_limit: Annotated[float, typer.Option(help="Stop after this many seconds.")] = 3600.0,
 ) -> None:
     """Runs the whole co-evolution loop in one process (embedded default: in-memory bus,
