@@ -105,6 +105,7 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
                 sampling=_sampling(p.llm),
                 seed_modules=(*SEED_MODULES, *synthesized_seeds(p.synthesized_seeds))
                 if p.seed_modules else (),
+                synthesized_fallback=p.synthesized_fallback,
                 evaluation_hashes=evaluation_hashes(p.decontaminate),
             ),
         )

@@ -95,6 +95,11 @@ class ProposerSettings(_Section):
         description="Synthesized modules published with the hand-written seeds "
         "(kz_stream.warmstart.synth), when seed_modules is on.",
     )
+    synthesized_fallback: bool = Field(
+        default=True,
+        description="After a prompt whose proposals were all invalid, publish one "
+        "synthesized module (a supply for the Coder while the Proposer is weak).",
+    )
     decontaminate: list[Path] = Field(
         default_factory=list,
         description="Evaluation suites whose problems proposals must not copy (besides "

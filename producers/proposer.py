@@ -32,6 +32,7 @@ from kz_stream.modules.prompts import prompt_text, proposer_messages
 from kz_stream.modules.sampling import ApiSetSampler, Frontier
 from kz_stream.modules.validation import validate_module
 from kz_stream.runtime import Service, ServiceContext
+from kz_stream.warmstart.synth import Synthesizer, feasible, synthesize
 from producers.coder import PolicyFollower
 
 __all__ = ["ProposerConfig", "ProposerService", "SeedModule"]
@@ -54,6 +55,10 @@ class ProposerConfig:
     seed: int = 0
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=512))
     seed_modules: tuple[SeedModule, ...] = ()
+    # After a prompt whose proposals were all invalid, publish one synthesized module
+    # (kz_stream.warmstart.synth) for the same API set, or another set when it cannot be
+    # built: the Coder keeps getting problems while the Proposer is weak.
+    synthesized_fallback: bool = False
     # Normalized hashes of evaluation problems -> their names (besides those in the store).
     evaluation_hashes: dict[str, str] = field(default_factory=dict)
     replica: str = field(default_factory=lambda: f"proposer-{uuid.uuid4().hex[:8]}")
@@ -73,6 +78,7 @@ class ProposerService(Service):
         self.published = 0
         self.valid = 0
         self.done = asyncio.Event()
+        self._synthesizer: Synthesizer | None = None
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -166,11 +172,23 @@ class ProposerService(Service):
         self.metrics.llm_request(sum(len(s.token_ids) for s in samples))
         group_id = uuid.uuid4().hex
         text = prompt_text(prompt)
+        valid = 0
         for s in samples:
             if not self._budget_left():
                 return
             source = extract_code(s.text, require="class Model") or s.text
-            await self._publish(api_set, source, prompt=text, sample=s, group_id=group_id)
+            valid += await self._publish(api_set, source, prompt=text, sample=s,
+                                         group_id=group_id)
+        if not valid and self.config.synthesized_fallback and self._budget_left():
+            await self._publish_synthesized(api_set)
+
+    async def _publish_synthesized(self, api_set: list[str]) -> None:
+        if self._synthesizer is None:
+            self._synthesizer = Synthesizer(seed=self.config.seed)
+        apis = api_set if feasible(api_set) else self._synthesizer.api_set()
+        module = synthesize(apis, self._synthesizer.rng)
+        await self._publish(list(module.api_set), module.source, prompt="", sample=None,
+                            group_id=f"synth-{uuid.uuid4().hex}")
 
     async def _publish(
         self,
@@ -180,7 +198,8 @@ class ProposerService(Service):
         prompt: str,
         sample: Sample | None,
         group_id: str,
-    ) -> None:
+    ) -> bool:
+        """Validates and publishes one module; returns whether it was valid."""
         digest = normalized_hash(source)
         validation = self.screen(digest)
         if validation is None:
@@ -218,6 +237,7 @@ class ProposerService(Service):
             valid=validation.valid,
             reason=validation.reason,
         )
+        return validation.valid
 
 
 async def _stop_all(subs: list[Subscription]) -> None:

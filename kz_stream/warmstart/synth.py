@@ -197,7 +197,7 @@ class Synthesizer:
     ) -> None:
         self.catalog = synth_catalog(catalog)
         self.sampler = ApiSetSampler(self.catalog, seed=seed, frontier=frontier)
-        self._rng = random.Random(seed + 1)
+        self.rng = random.Random(seed + 1)
         self._single_share = single_share
         singles = sorted(self.catalog.apis)
         self._singles = singles
@@ -205,8 +205,8 @@ class Synthesizer:
 
     def api_set(self) -> list[str]:
         """One API set: a single API (``single_share`` of the time) or a catalog pair/triple."""
-        if self._rng.random() < self._single_share:
-            return self._rng.choices(self._singles, weights=self._single_weights)[0:1]
+        if self.rng.random() < self._single_share:
+            return self.rng.choices(self._singles, weights=self._single_weights)[0:1]
         return self.sampler.sample()
 
     def modules(self, count: int, *, max_tries: int = 100) -> Iterator[SynthModule]:
@@ -214,7 +214,7 @@ class Synthesizer:
         seen: set[str] = set()
         made = tries = 0
         while made < count:
-            module = synthesize(self.api_set(), self._rng)
+            module = synthesize(self.api_set(), self.rng)
             if module.digest in seen:
                 tries += 1
                 if tries > max_tries * count:

@@ -200,3 +200,27 @@ async def test_proposer_to_coder_on_smollm2_with_logprobs_admission_and_hot_swap
         await proposer_llm.close()
         await coder_llm.close()
         await reference.close()
+
+
+async def test_an_all_invalid_prompt_is_followed_by_a_synthesized_module(
+    ctx: ServiceContext,
+) -> None:
+    # Eight tokens of the bare model are never a valid module.
+    backend = TransformersBackend.from_pretrained(smollm2_dir())
+    proposer = ProposerService(ctx, backend, ProposerConfig(
+        proposals_per_prompt=1, concurrency=1, max_modules=2, synthesized_fallback=True,
+        sampling=SamplingParams(max_tokens=8, temperature=1.0, seed=0)))
+    services = [Recorder(ctx), proposer]
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    try:
+        modules = [payload_as(e, ModuleProposed)
+                   for e in await wait_until(ctx, "ModuleProposed", 2, tasks)]
+        made, synthesized = modules
+        assert made.completion is not None and not made.validation.valid
+        assert synthesized.group_id.startswith("synth-") and synthesized.completion is None
+        assert synthesized.validation.valid, synthesized.validation
+    finally:
+        for s in services:
+            s.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        await backend.close()
