@@ -94,6 +94,7 @@ __all__ = [
     "ProposerReward",
     "StepResult",
     "latest_checkpoint",
+    "lora_config",
     "policy_sha256",
 ]
 
@@ -390,6 +391,18 @@ def latest_checkpoint(directory: str | Path, role: Role) -> Path | None:
 # -- the learner -------------------------------------------------------------------------
 
 
+def lora_config(config: LearnerConfig) -> LoraConfig:
+    """The LoRA shape the learner trains (and the warm start's SFT copies)."""
+    targets = config.lora_target_modules
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+    )
+
+
 def _bf16_available() -> bool:
     # TRL defaults bf16 to True, which transformers rejects on a machine without a GPU.
     return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
@@ -463,14 +476,7 @@ class GRPOLearner:
                 policy = PeftModel.from_pretrained(base, config.init_adapter, is_trainable=True)
             else:
                 policy = base
-                targets = config.lora_target_modules
-                peft_config = LoraConfig(
-                    task_type="CAUSAL_LM",
-                    r=config.lora_r,
-                    lora_alpha=config.lora_alpha,
-                    lora_dropout=config.lora_dropout,
-                    target_modules=targets if isinstance(targets, str) else list(targets),
-                )
+                peft_config = lora_config(config)
 
         self.feed = GroupFeed()
         self.reward: CoderReward | ProposerReward = (

@@ -57,12 +57,11 @@ def train_sft(options: SFTOptions) -> dict[str, Any]:
     """Trains and saves the adapter (or model) under ``options.out``; returns the card."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from trl.trainer.sft_config import SFTConfig
     from trl.trainer.sft_trainer import SFTTrainer
 
     from kz_stream.llm.models import smollm2_dir
-    from kz_stream.rl.trainer import LearnerConfig
+    from kz_stream.rl.trainer import LearnerConfig, lora_config
 
     rows = [json.loads(line) for line in options.data.read_text().splitlines() if line.strip()]
     if options.limit is not None:
@@ -73,13 +72,8 @@ def train_sft(options: SFTOptions) -> dict[str, Any]:
                                  for r in rows])
     base = options.base_model or str(smollm2_dir())
     cuda = torch.cuda.is_available() if options.device is None else options.device == "cuda"
-    learner = LearnerConfig()
-    targets = learner.lora_target_modules
-    peft_config = None if options.full_finetune else LoraConfig(
-        task_type="CAUSAL_LM", r=options.lora_r, lora_alpha=options.lora_alpha,
-        lora_dropout=learner.lora_dropout,
-        target_modules=targets if isinstance(targets, str) else list(targets),
-    )
+    peft_config = None if options.full_finetune else lora_config(
+        LearnerConfig(lora_r=options.lora_r, lora_alpha=options.lora_alpha))
     config = SFTConfig(
         output_dir=str(options.out / "trainer"),
         num_train_epochs=options.epochs,
