@@ -107,12 +107,13 @@ def synthesize_suite(
         return row
 
     with manifest.open("a") as f, ThreadPoolExecutor(max(1, workers)) as pool:
+        already = len(modules) - len(todo)
         for n, row in enumerate(pool.map(check, todo), start=1):
             f.write(json.dumps(row) + "\n")
             f.flush()
             done[row["digest"]] = row
             if on_module is not None:
-                on_module(len(done) - len(todo) + n, count)
+                on_module(already + n, len(modules))
     rows = [done[m.digest] for m in modules]
     reasons: dict[str, int] = {}
     for r in rows:

@@ -65,3 +65,16 @@ def test_data_then_train(tmp_path: Path) -> None:
     assert card["metrics"]["steps"] == 1 and card["metrics"]["train_loss"] > 0
     assert (adapter / "adapter_model.safetensors").exists()
     assert not (adapter / "trainer").exists()
+
+
+def test_progress_counts_the_modules_done_including_a_resumed_suite(tmp_path: Path) -> None:
+    from kz_stream.warmstart.data import synthesize_suite
+
+    seen: list[tuple[int, int]] = []
+    synthesize_suite(tmp_path, count=2, seed=3, workers=1,
+                     on_module=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 2), (2, 2)]
+    seen.clear()
+    synthesize_suite(tmp_path, count=3, seed=3, workers=1,
+                     on_module=lambda done, total: seen.append((done, total)))
+    assert seen == [(3, 3)]
