@@ -163,7 +163,7 @@ def make_verifier(settings: Settings) -> Verifier:
     """The verifier the settings describe (its GPUs; ``[]``: the CPU path)."""
     from kz_stream.verify import Verifier, VerifierConfig
 
-    chosen = settings.verifier.model_dump(include={"devices", "prewarm"}, exclude_none=True)
+    chosen = settings.verifier.model_dump(exclude_none=True)  # every field is a config knob
     return Verifier(VerifierConfig(**chosen))
 
 

@@ -123,6 +123,17 @@ class VerifierSettings(_Section):
         ge=0,
         description="Workers started ahead of need per device; None: the verifier's default.",
     )
+    candidates_per_gpu: int | None = Field(
+        default=None,
+        ge=1,
+        description="Candidates verified at once per GPU (or on the CPU path); None: the "
+        "verifier's default (3).",
+    )
+    timing: bool | None = Field(
+        default=None,
+        description="Time candidates against the reference; false: correctness only (None: "
+        "the verifier's default, true).",
+    )
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kz_stream.cli import app
-from kz_stream.config import ConfigError, load_settings
+from kz_stream.config import ConfigError, Settings, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -111,3 +111,19 @@ def test_a_bad_command_line_option_names_option_and_value() -> None:
     result = CliRunner().invoke(app, ["train", "--lora-r", "0"])
     assert result.exit_code == 1
     assert "--lora-r = 0 (command line): expected greater than or equal to 1" in result.output
+
+
+def test_verifier_settings_reach_the_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kz_stream.app import make_verifier
+
+    assert make_verifier(Settings()).config.candidates_per_gpu == 3  # unset: the default
+    monkeypatch.setenv("KZ_VERIFIER__DEVICES", "[]")
+    monkeypatch.setenv("KZ_VERIFIER__CANDIDATES_PER_GPU", "12")
+    monkeypatch.setenv("KZ_VERIFIER__TIMING", "false")
+    config = make_verifier(load_settings(None)).config
+    assert (list(config.devices or []), config.candidates_per_gpu, config.timing) == ([], 12, False)
+
+
+def test_candidates_per_gpu_below_one_is_refused(tmp_path: Path) -> None:
+    path = toml(tmp_path, "[verifier]\ncandidates_per_gpu = 0\n")
+    assert "verifier.candidates_per_gpu = 0" in error_of(path)
