@@ -38,6 +38,7 @@ STATUS_COLOURS = {
     "out_of_memory": "#8c564b",
     "hack": "#000000",
     "unchecked": "#aec7e8",
+    "infra_error": "#bcbd22",
     "pending": "#ffffff",
 }
 

@@ -216,7 +216,11 @@ def kernelbench_allclose(cand: list[Any], reference: list[Any], *, atol: float =
     if len(cand) != len(reference):
         return False
     for c, r in zip(cand, reference, strict=True):
-        c, r = torch.as_tensor(c), torch.as_tensor(r)
+        try:  # a candidate may return anything (None, a string): that is a wrong output
+            c = torch.as_tensor(c)
+        except (TypeError, ValueError, RuntimeError):
+            return False
+        r = torch.as_tensor(r)
         if tuple(c.shape) != tuple(r.shape):
             return False
         for cb, rb in _blocks(torch.device("cpu"), c, r):

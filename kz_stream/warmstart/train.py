@@ -101,9 +101,18 @@ def train_sft(options: SFTOptions) -> dict[str, Any]:
     model: Any = trainer.model
     model.save_pretrained(str(options.out))
     shutil.rmtree(options.out / "trainer", ignore_errors=True)
+    (options.out / "README.md").unlink(missing_ok=True)  # peft's empty model-card template
     if options.full_finetune:
         tokenizer: Any = trainer.processing_class
         tokenizer.save_pretrained(str(options.out))
+    else:
+        _store_bf16(options.out / "adapter_model.safetensors")
+        config_path = options.out / "adapter_config.json"
+        adapter_config = json.loads(config_path.read_text())
+        # The base is found by the loader, not by this path (a cache folder of the training host).
+        adapter_config["base_model_name_or_path"] = Path(
+            adapter_config.get("base_model_name_or_path") or "").name
+        config_path.write_text(json.dumps(adapter_config, indent=2) + "\n")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     card = {
         "role": options.role,
@@ -116,9 +125,21 @@ def train_sft(options: SFTOptions) -> dict[str, Any]:
         "commit": _commit(),
         "machine": f"{platform.node()} ({torch.cuda.get_device_name() if cuda else 'cpu'})",
         "date": time.strftime("%Y-%m-%d"),
+        "stored_as": None if options.full_finetune else (
+            "bfloat16 (trained in float32 under bf16 autocast; cast to halve the package)"),
         "metrics": {"train_loss": result.training_loss, "first_loss": losses[0] if losses else None,
                     "last_loss": losses[-1] if losses else None,
                     "steps": trainer.state.global_step, "seconds": round(seconds, 1)},
     }
     (options.out / CARD).write_text(json.dumps(card, indent=2) + "\n")
     return card
+
+
+def _store_bf16(path: Path) -> None:
+    """Rewrites a LoRA adapter's float32 weights as bfloat16 (half the bytes; peft loads it)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v
+               for k, v in tensors.items()}, str(path), metadata={"format": "pt"})

@@ -112,3 +112,10 @@ def test_evaluation_events_never_reach_training_state() -> None:
         stream_id="kernel-k", stream_version=0, correlation_id="run-0", event_id=uuid.uuid4())
     state.apply(training)
     assert list(state.kernels) == ["k"]
+
+
+def test_every_verdict_status_has_a_colour_in_the_grid() -> None:
+    from kz_stream.evaluation.report import STATUS_COLOURS
+    from kz_stream.verify import Status
+
+    assert {s.value for s in Status} | {"pending"} == set(STATUS_COLOURS)

@@ -123,3 +123,9 @@ def test_kernelbench_rule_is_looser_than_ours() -> None:
     assert kernelbench_allclose([off], [honest])  # KernelBench would accept it
     assert not kernelbench_allclose([honest + 1.0], [honest])
     assert not kernelbench_allclose([honest[:1]], [honest])
+
+
+def test_kernelbench_rule_calls_an_output_that_is_not_a_tensor_wrong() -> None:
+    _, _, _, honest = _matmul_case()
+    for junk in (None, "tensor", object()):
+        assert not kernelbench_allclose([junk], [honest])

@@ -63,7 +63,13 @@ def test_data_then_train(tmp_path: Path) -> None:
     card = json.loads((adapter / "warmstart.json").read_text())
     assert card["role"] == "coder" and card["kind"] == "lora" and card["data"]["rows"] == 1
     assert card["metrics"]["steps"] == 1 and card["metrics"]["train_loss"] > 0
-    assert (adapter / "adapter_model.safetensors").exists()
+    from safetensors.torch import load_file
+
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    assert weights and {str(w.dtype) for w in weights.values()} == {"torch.bfloat16"}
+    assert card["stored_as"].startswith("bfloat16") and not (adapter / "README.md").exists()
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "smollm2-135m-instruct-f32"
     assert not (adapter / "trainer").exists()
 
 
