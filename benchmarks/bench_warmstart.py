@@ -10,7 +10,7 @@ The runs it reads (see docs/warmstart.md for the commands):
 - ``kz warmstart proposer-eval --json`` of the warm and the bare Proposer: valid-module rate.
 
     python -m benchmarks.bench_warmstart --teacher-store T.sqlite3 --eval-store E.sqlite3 \\
-        --warm-run eval-heldout-warm --base-run eval-heldout-base \\
+        --warm-run eval-heldout-warm [--base-run eval-heldout-base] \\
         --proposer-warm pw.json --proposer-base pb.json --manifest data/modules.jsonl
 """
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--teacher-store", required=True)
     ap.add_argument("--eval-store", required=True)
     ap.add_argument("--warm-run", required=True)
-    ap.add_argument("--base-run", required=True)
+    ap.add_argument("--base-run", help="the bare model's run in the eval store (the baseline)")
     ap.add_argument("--manifest", type=Path, required=True, help="modules.jsonl of the data")
     ap.add_argument("--proposer-warm", type=Path)
     ap.add_argument("--proposer-base", type=Path)
@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
              for r in map(json.loads, args.manifest.read_text().splitlines()) if r["file"]}
     teacher = asyncio.run(_teacher(url(args.teacher_store)))
     warm = asyncio.run(_pass_at_1(url(args.eval_store), args.warm_run, kinds))
-    base = asyncio.run(_pass_at_1(url(args.eval_store), args.base_run, kinds))
+    base: dict[str, Any] = {"pass@1": 0.0, "judged": 0, "by_kind": {}, "statuses": {}}
+    if args.base_run:
+        base = asyncio.run(_pass_at_1(url(args.eval_store), args.base_run, kinds))
     correct = teacher["statuses"].get("correct", 0)
     metrics = {
         "teacher kernels judged correct": metric(correct / max(1, teacher["verified"]), "share"),
@@ -93,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         "teacher verdicts per minute": metric(teacher["per_minute"], "kernels/min"),
         "held-out pass@1, warm vs bare": metric(warm["pass@1"], "share", base["pass@1"] or None),
         "held-out kernels judged (warm)": metric(float(warm["judged"]), "kernels"),
-        "held-out kernels judged (bare)": metric(float(base["judged"]), "kernels"),
     }
+    if args.base_run:
+        metrics["held-out kernels judged (bare)"] = metric(float(base["judged"]), "kernels")
     for kind, (rate, n) in warm["by_kind"].items():
         b = base["by_kind"].get(kind, (0.0, 0))[0]
         metrics[f"held-out pass@1 {kind} (n={n})"] = metric(rate, "share", b or None)
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             p = json.loads(path.read_text())
             metrics[f"Proposer valid-module rate ({name}, {p['sets']} sets)"] = metric(
                 p["valid_rate"], "share")
-    notes = args.notes + (f" Statuses, warm: {warm['statuses']}; bare: {base['statuses']};"
+    notes = args.notes + (f" Statuses, warm: {warm['statuses']}; bare: "
+                          f"{base['statuses'] if args.base_run else 'not run'};"
                           f" teacher: {teacher['statuses']}.")
     write_result("warmstart", "python -m benchmarks.bench_warmstart " + " ".join(
         sys.argv[1:] if argv is None else argv), metrics, notes=notes.strip(),
