@@ -26,7 +26,7 @@ from kz_stream.faults import is_transient
 from kz_stream.infra import LocalBroker, LocalPostgres, free_port
 from kz_stream.runtime import DependencyMonitor, ServiceContext, run_services
 from kz_stream.store import open_store
-from tests.contract.test_bus_contract import KAFKA_TEST_OPTIONS, wait_for
+from tests.contract.test_bus_contract import KAFKA_TEST_OPTIONS, Collector, wait_for
 from tests.integration.test_learner_restart import GROUPS, fill_store, read, start_learner
 from tests.rl.tiny import tiny_model, tiny_tokenizer
 from tests.unit.test_runtime import get
@@ -267,6 +267,53 @@ async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
             await bus.close()
     assert recorder.subscriptions[0].stats.dead_lettered == 0
     assert {str(e.event_id) for e in after} <= await stored_ids(url)
+
+
+@pytest.mark.kafka
+async def test_after_a_broker_lost_its_storage_every_record_of_its_new_logs_is_consumed(
+    own_broker: LocalBroker, tmp_path: Path
+) -> None:
+    """The recorder (positions in its store) and a plain group member (positions in the
+    broker, as the coder's and the proposer's) each read N records; the broker is started
+    empty on the same port and 3N records reach its new logs before either has rejoined,
+    so the new logs reach past the old positions: every one is consumed (the fault run lost
+    a kernel this way)."""
+    n = 20
+    tag, topics = unique_topics()
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    settings = Settings(database_url=url, topics=topics, resilience=FAST_RETRIES)
+    async with open_store(url) as store:
+        bus = KafkaBus(own_broker.bootstrap, client_id=f"newlog-{tag}", **KAFKA_TEST_OPTIONS)
+        await bus.start()
+        await bus.create_topics(topics.specs())
+        recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
+        run = asyncio.create_task(run_services([recorder], install_signal_handlers=False))
+        tail = Collector()
+        tail_sub = await bus.subscribe(f"tail-{tag}", [topics.verdicts], tail)
+        try:
+            await bus.publish_many(topics.verdicts, verdicts(n, "a"))
+            await wait_for(lambda: recorder.appended_total >= n and len(tail.messages) >= n,
+                           "the first events")
+
+            own_broker.stop()
+            LocalBroker(port=own_broker.port).start()
+            # Within milliseconds: a member needs a heartbeat and a JoinGroup round (about
+            # a second on tansu) to rejoin.
+            await bus.create_topics(topics.specs())
+            after = verdicts(3 * n, "b")
+            await bus.publish_many(topics.verdicts, after)
+            want = {e.event_id for e in after}
+            await wait_for(lambda: want <= set(tail.ids()), "the new log, to the tail",
+                           within=20)
+            await wait_for(lambda: recorder.appended_total >= 4 * n,
+                           "the new log, to the recorder", within=20)
+        finally:
+            await tail_sub.stop()
+            recorder.request_stop()
+            await run
+            await bus.close()
+    assert recorder.subscriptions[0].stats.dead_lettered == 0
+    assert {str(i) for i in want} <= await stored_ids(url)
 
 
 @pytest.mark.kafka
