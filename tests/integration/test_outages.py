@@ -12,6 +12,7 @@ import signal
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -314,6 +315,108 @@ async def test_after_a_broker_lost_its_storage_every_record_of_its_new_logs_is_c
             await bus.close()
     assert recorder.subscriptions[0].stats.dead_lettered == 0
     assert {str(i) for i in want} <= await stored_ids(url)
+
+
+class CuttableProxy:
+    """A TCP proxy in front of a broker whose connections can be cut, and new ones refused,
+    for a while: a broker outage that keeps the broker's state, as a restarted Kafka broker
+    with its disks does (tansu keeps its state in memory only)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.port = free_port()
+        self._target = target_port
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    async def cut(self) -> None:
+        """Closes every connection and refuses new ones until ``start``."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for w in list(self._writers):
+            w.close()
+        self._writers.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+
+@pytest.mark.kafka
+async def test_a_broker_outage_that_keeps_its_storage_makes_nobody_read_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker is cut off for a while and comes back with its logs and the groups'
+    offsets, and then a second member joins the plain member's group: the recorder and the
+    members go on where they were and, after the rebalance, from the group's offsets; nothing
+    is read twice and no partition from its start."""
+    n = 20
+    tag, topics = unique_topics()
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    settings = Settings(database_url=url, topics=topics, resilience=FAST_RETRIES)
+    broker_port = free_port()
+    proxy = CuttableProxy(broker_port)
+    await proxy.start()
+    broker = LocalBroker(port=broker_port, advertised_port=proxy.port).start()
+    try:
+        async with open_store(url) as store:
+            bus = KafkaBus(broker.bootstrap, client_id=f"cut-{tag}", **KAFKA_TEST_OPTIONS)
+            await bus.start()
+            await bus.create_topics(topics.specs())
+            recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
+            run = asyncio.create_task(run_services([recorder], install_signal_handlers=False))
+            a, b = Collector(), Collector()
+            sub_a = await bus.subscribe(f"tail-{tag}", [topics.verdicts], a)
+            sub_b = None
+            try:
+                await bus.publish_many(topics.verdicts, verdicts(n, "a"))
+                await wait_for(lambda: recorder.appended_total >= n and len(a.messages) >= n,
+                               "the first events")
+                await proxy.cut()
+                await asyncio.sleep(3)
+                await proxy.start()
+                sub_b = await bus.subscribe(f"tail-{tag}", [topics.verdicts], b)
+                await wait_for(lambda: len(sub_a.assignment()) == len(sub_b.assignment()) == 1,
+                               "the members to share the partitions", within=20)
+                await bus.publish_many(topics.verdicts, verdicts(n, "b"))
+                await wait_for(lambda: recorder.appended_total >= 2 * n
+                               and len(a.messages) + len(b.messages) >= 2 * n,
+                               "the later events", within=20)
+                await asyncio.sleep(1)  # room for anything read twice to show
+            finally:
+                for sub in (sub_a, sub_b):
+                    if sub is not None:
+                        await sub.stop()
+                recorder.request_stop()
+                await run
+                await bus.close()
+    finally:
+        broker.stop()
+        await proxy.cut()
+    counts = Counter(a.ids() + b.ids())
+    assert len(counts) == 2 * n and max(counts.values()) == 1
+    assert recorder.duplicates_total == 0 and recorder.appended_total == 2 * n
+    assert "reading them from the start" not in caplog.text
 
 
 @pytest.mark.kafka
