@@ -256,7 +256,7 @@ async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
             await wait_for(lambda: not dependencies()["broker"]["up"], "the broker reported down")
             assert dependencies()["status"] == 503
             # The same address, nothing stored: as a broker replaced with an empty one.
-            LocalBroker(port=own_broker.port).start()
+            own_broker.start()  # the same port; the fixture stops this one
             await wait_for(lambda: dependencies()["status"] == 200,
                            "broker up, topics recreated, recorder healthy", within=120)
             after = verdicts(100, "b")
@@ -297,7 +297,7 @@ async def test_after_a_broker_lost_its_storage_every_record_of_its_new_logs_is_c
                            "the first events")
 
             own_broker.stop()
-            LocalBroker(port=own_broker.port).start()
+            own_broker.start()  # the same port; the fixture stops this one
             # Within milliseconds: a member needs a heartbeat and a JoinGroup round (about
             # a second on tansu) to rejoin.
             await bus.create_topics(topics.specs())
