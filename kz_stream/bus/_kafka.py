@@ -13,7 +13,10 @@ drains one and resumes them. Offsets are committed after the handler returns. On
 revocation the batches not started are dropped and the running one may finish and commit
 (up to ``revoke_timeout``, then it is cancelled); aiokafka gives every new assignment fresh
 positions from the committed offsets, so nothing dropped is lost. On assignment, positions
-held by an ``OffsetStore`` win: partitions stay paused until those seeks are done.
+held by an ``OffsetStore`` win, and partitions of a new log (a broker that lost its storage)
+are read from their start (``ConsumerCore._start_positions``): partitions stay paused until
+those seeks are done. A member the coordinator has forgotten commits nothing (see
+``_KafkaSubscription._commit``).
 
 tansu (the test broker) lacks idempotent and transactional producers and under-reports
 ``end_offsets()``; nothing here uses them. It completes a JoinGroup only after about half
@@ -97,6 +100,9 @@ class _KafkaSubscription(ConsumerCore):
         self._fetch_task: asyncio.Task[None] | None = None
         self._paused = False
         self._room_ready = asyncio.Event()
+        # Positions whose commit the coordinator's forgetting of this member overlapped:
+        # the broker may hold them without the group having read its log (see _commit).
+        self._suspect: dict[TP, int] = {}
         # How long a full queue may hold the fetch loop before the partitions are
         # paused: well inside max.poll.interval, which counts time outside getmany().
         max_poll_s = consumer_options.get("max_poll_interval_ms", 300_000) / 1000
@@ -126,14 +132,37 @@ class _KafkaSubscription(ConsumerCore):
         if assigned:
             consumer.pause(*assigned)
         offsets = self._offsets
+        stored: dict[str, int] = {}
         if offsets is not None and assigned:
             # A store outage is waited out here too, or the assignment would be lost to it.
             stored = await self._wait_out(lambda: offsets.load_offsets(self.group))
-            for tp in assigned:
-                pos = stored.get(f"{tp.topic}:{tp.partition}")
-                if pos is not None:
-                    consumer.seek(tp, pos)
-        self._settle(frozenset((tp.topic, tp.partition) for tp in assigned))
+        tps = {(tp.topic, tp.partition): tp for tp in assigned}
+        if stored or any(tp in self._committed or tp in self._suspect for tp in tps):
+            # Only then can a partition be of a new log (see _start_positions). A committed
+            # offset this member may have written as a member of no group (see _commit) is
+            # no sign that the group has read this log.
+            committed = {
+                tp: off for tp, off in (await self._group_offsets(list(assigned))).items()
+                if self._suspect.get(tp) != off
+            }
+            for tp in tps:
+                self._suspect.pop(tp, None)
+            seek, from_start = self._start_positions(tps, committed, stored)
+            for tp, pos in seek.items():
+                consumer.seek(tps[tp], pos)
+            if from_start:
+                # Asked for and sought explicitly: seek_to_beginning() would race aiokafka's
+                # own reset of a new assignment, which can land on the reset policy's end.
+                starts = await consumer.beginning_offsets([tps[tp] for tp in from_start])
+                for tp_, pos in starts.items():
+                    consumer.seek(tp_, pos)
+        self._settle(frozenset(tps))
+
+    async def _group_offsets(self, tps: list[TopicPartition]) -> dict[TP, int]:
+        """The group's committed offsets of ``tps`` (absent where it has none)."""
+        found = await asyncio.gather(*(self._consumer.committed(tp) for tp in tps))
+        return {(tp.topic, tp.partition): off for tp, off in zip(tps, found, strict=True)
+                if off is not None}
 
     async def _fetch_loop(self) -> None:
         consumer = self._consumer
@@ -180,8 +209,9 @@ class _KafkaSubscription(ConsumerCore):
     async def _rewind_past_end(self) -> None:
         """Reads a partition from its start when our position is past its end.
 
-        That happens when the topic was deleted and created again (a broker that lost its
-        storage): the stored or committed offsets belong to the old log. Kafka answers
+        That happens when a topic was deleted and created again while the group kept its
+        offsets, which then belong to the old log (a broker that lost its storage lost the
+        group's offsets too, which the assignment tells: see ``_start_positions``). Kafka answers
         such a fetch with OFFSET_OUT_OF_RANGE and aiokafka resets, but tansu answers with
         nothing, so the consumer would wait there and skip the new log's first records.
         The highwater is that of the last fetch at the current position (aiokafka drops
@@ -234,20 +264,38 @@ class _KafkaSubscription(ConsumerCore):
         self._paused = True
         super()._settle(assigned)
 
-    async def _commit(self, positions: dict[TP, int]) -> None:
+    async def _commit(self, positions: dict[TP, int]) -> bool:
         offsets = {TopicPartition(t, p): off for (t, p), off in positions.items()}
+        # aiokafka has no public view of the membership. Once the coordinator has forgotten
+        # this member (a broker that lost its state does), aiokafka commits as a member of
+        # no group, which a broker accepts for a group it does not know: positions of the
+        # lost log would then pass for the new log's (Java's consumer refuses such a
+        # commit). So none is started then, and one that the forgetting overlapped (its
+        # retries run on inside aiokafka, and one may still land) is remembered as suspect.
+        coordinator = self._consumer._coordinator
+        generation = coordinator.generation
+        if generation < 0:
+            self._suspect.update(positions)
+            log.warning("group %s: the coordinator does not know this member now; commit "
+                        "skipped, records will be redelivered", self.group)
+            return False
         try:
             # aiokafka retries a commit forever while the broker or the topic is gone; a
             # bound turns that into an outage the core waits out visibly (health, one log
             # line) and that a stop can give up at once.
             async with asyncio.timeout(_COMMIT_TIMEOUT_S):
                 await self._consumer.commit(offsets)
+            return True
         except TimeoutError as e:
             raise KafkaTimeoutError(f"offset commit for group {self.group} timed out") from e
         except (CommitFailedError, IllegalStateError) as e:
             # The partitions moved on; their new owner refetches from the last commit.
             log.warning("group %s: commit lost to a rebalance (%s); records will be redelivered",
                         self.group, e)
+            return False
+        finally:
+            if coordinator.generation != generation:
+                self._suspect.update(positions)
 
     def _log_ends(self) -> dict[TP, int]:
         # The fetch high-water marks (tansu under-reports end_offsets()).

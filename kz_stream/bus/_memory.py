@@ -153,13 +153,16 @@ class _MemorySubscription(ConsumerCore):
         except Exception as e:
             self._fail(e)
             return
+        committed = self._group_state.committed
+        seek, from_start = self._start_positions(partitions, committed, stored)
         positions: dict[TP, int] = {}
         for tp in partitions:
-            key = f"{tp[0]}:{tp[1]}"
-            if key in stored:
-                positions[tp] = stored[key]
-            elif tp in self._group_state.committed:
-                positions[tp] = self._group_state.committed[tp]
+            if tp in from_start:
+                positions[tp] = 0
+            elif tp in seek:
+                positions[tp] = seek[tp]
+            elif tp in committed:
+                positions[tp] = committed[tp]
             elif self._from_beginning:
                 positions[tp] = 0
             else:
@@ -225,8 +228,9 @@ class _MemorySubscription(ConsumerCore):
         self._paused = False
         self._wake.set()
 
-    async def _commit(self, positions: dict[TP, int]) -> None:
+    async def _commit(self, positions: dict[TP, int]) -> bool:
         self._group_state.committed.update(positions)
+        return True
 
     def _log_ends(self) -> dict[TP, int]:
         return {tp: len(self.bus._topic(tp[0]).logs[tp[1]]) for tp in self._assigned}

@@ -62,7 +62,10 @@ class OffsetStore(Protocol):
     """Where a consumer that writes to the database keeps its offsets (the store's tracking
     table), so that effect and offset commit in one transaction. Positions are the *next*
     offset to read, keyed ``"topic:partition"``. On assignment they win over the broker's
-    committed offsets; partitions it does not know start from the broker's."""
+    committed offsets; partitions it does not know start from the broker's. A position for a
+    partition of which the group has no committed offset is of another log (a broker that
+    lost its storage, an embedded bus of an earlier process): that partition is read from
+    its start, as is one this member committed before and the group has no offset of now."""
 
     async def load_offsets(self, group: str) -> dict[str, int]: ...
 

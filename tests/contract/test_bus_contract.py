@@ -289,6 +289,19 @@ class DictOffsets:
         return dict(self.positions)
 
 
+def recording(
+    into: Collector, store: DictOffsets
+) -> Callable[[Sequence[BusMessage]], Awaitable[None]]:
+    """A handler that applies a batch and writes its offsets to ``store``, "in the same
+    transaction", as a consumer writing to the database does."""
+
+    async def handler(batch: Sequence[BusMessage]) -> None:
+        await into(batch)
+        store.positions.update(offsets_after(batch))
+
+    return handler
+
+
 async def test_offset_store_positions_win_on_assignment(make_bus: MakeBus) -> None:
     bus = await make_bus()
     topic, group = unique("offsets"), unique("g")
@@ -297,41 +310,58 @@ async def test_offset_store_positions_win_on_assignment(make_bus: MakeBus) -> No
     events = [verdict(i, f"kernel-{i % 8}") for i in range(40)]
     await bus.publish_many(topic, events)
 
-    probe = Collector()
-    sub = await bus.subscribe(unique("probe"), [topic], probe)
-    await wait_for(lambda: len(probe.messages) >= 40, "probe read")
+    # The group reads everything once, committing as it goes.
+    store, first = DictOffsets(), Collector()
+    sub = await bus.subscribe(group, [topic], recording(first, store), offsets=store)
+    await wait_for(lambda: len(first.messages) >= 40, "the first read")
     await sub.stop()
-    offsets0 = sorted(m.offset for m in probe.messages if m.partition == 0)
+    offsets0 = sorted(m.offset for m in first.messages if m.partition == 0)
     assert len(offsets0) > 5
+    n1 = len(first.messages) - len(offsets0)
 
-    store = DictOffsets({f"{topic}:0": 5})
-    got = Collector()
-
-    async def handler(batch: Sequence[BusMessage]) -> None:
-        await got(batch)
-        store.positions.update(offsets_after(batch))  # "in the same transaction"
-
-    sub = await bus.subscribe(group, [topic], handler, offsets=store)
-    n1 = sum(1 for m in probe.messages if m.partition == 1)
-    await wait_for(lambda: len(got.messages) >= len(offsets0) - 5 + n1, "resumed read")
-    await sub.stop()
-    assert store.loads >= 1
-    assert sorted(m.offset for m in got.messages if m.partition == 0) == offsets0[5:]
-    assert sum(1 for m in got.messages if m.partition == 1) == n1  # unknown: from 0
-
-    # The store is the truth even when the broker's committed offsets are ahead: rewinding
-    # it (say, the database was restored) replays from there.
-    store.positions[f"{topic}:1"] = 2
+    # The store is the truth even where the group's committed offsets are ahead of it
+    # (say, the database was restored): partition 0 is read again from 5. A partition the
+    # store does not know starts from the committed offset: partition 1 has nothing new
+    # until one more event lands there.
+    store.positions = {f"{topic}:0": 5}
     replay = Collector()
-
-    async def replay_handler(batch: Sequence[BusMessage]) -> None:
-        await replay(batch)
-        store.positions.update(offsets_after(batch))
-
-    sub = await bus.subscribe(group, [topic], replay_handler, offsets=store)
-    await wait_for(lambda: len(replay.messages) >= n1 - 2, "replay of partition 1")
+    sub = await bus.subscribe(group, [topic], recording(replay, store), offsets=store)
+    await wait_for(lambda: len(replay.messages) >= len(offsets0) - 5, "partition 0 from 5")
+    key1 = next(m.key for m in first.messages if m.partition == 1)
+    assert key1 is not None
+    later = verdict(40, key1.decode())
+    await bus.publish(topic, later)
+    await wait_for(lambda: later.event_id in replay.ids(), "the new event on partition 1")
     await sub.stop()
-    assert sorted(m.offset for m in replay.messages) == list(range(2, n1))
+    assert store.loads >= 2
+    assert sorted(m.offset for m in replay.messages if m.partition == 0) == offsets0[5:]
+    assert [m.offset for m in replay.messages if m.partition == 1] == [n1]
+
+    # And where it is behind on the other partition too.
+    store.positions[f"{topic}:1"] = 2
+    again = Collector()
+    sub = await bus.subscribe(group, [topic], recording(again, store), offsets=store)
+    await wait_for(lambda: len(again.messages) >= n1 + 1 - 2, "replay of partition 1")
+    await sub.stop()
+    assert sorted(m.offset for m in again.messages) == list(range(2, n1 + 1))
+
+
+async def test_offset_store_positions_in_a_log_the_group_has_no_offsets_of_read_it_all(
+    make_bus: MakeBus,
+) -> None:
+    """Positions a store kept from another log (a broker that lost its storage, and the
+    group's offsets with it; an embedded bus of an earlier process) skip nothing."""
+    bus = await make_bus()
+    topic, group = unique("newlog"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=2)])
+    events = [verdict(i, f"kernel-{i % 8}") for i in range(40)]
+    await bus.publish_many(topic, events)
+    # Below both logs' ends, so the consumer cannot tell by the log's length.
+    store, got = DictOffsets({f"{topic}:0": 5, f"{topic}:1": 5}), Collector()
+    sub = await bus.subscribe(group, [topic], recording(got, store), offsets=store)
+    await wait_for(lambda: len(got.messages) >= 40, "every event", within=15)
+    await sub.stop()
+    assert Counter(got.ids()) == Counter(e.event_id for e in events)
 
 
 async def test_slow_handler_keeps_partitions_and_gets_each_event_once(

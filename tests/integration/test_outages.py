@@ -12,6 +12,7 @@ import signal
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from kz_stream.faults import is_transient
 from kz_stream.infra import LocalBroker, LocalPostgres, free_port
 from kz_stream.runtime import DependencyMonitor, ServiceContext, run_services
 from kz_stream.store import open_store
-from tests.contract.test_bus_contract import KAFKA_TEST_OPTIONS, wait_for
+from tests.contract.test_bus_contract import KAFKA_TEST_OPTIONS, Collector, wait_for
 from tests.integration.test_learner_restart import GROUPS, fill_store, read, start_learner
 from tests.rl.tiny import tiny_model, tiny_tokenizer
 from tests.unit.test_runtime import get
@@ -255,7 +256,7 @@ async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
             await wait_for(lambda: not dependencies()["broker"]["up"], "the broker reported down")
             assert dependencies()["status"] == 503
             # The same address, nothing stored: as a broker replaced with an empty one.
-            LocalBroker(port=own_broker.port).start()
+            own_broker.start()  # the same port; the fixture stops this one
             await wait_for(lambda: dependencies()["status"] == 200,
                            "broker up, topics recreated, recorder healthy", within=120)
             after = verdicts(100, "b")
@@ -267,6 +268,155 @@ async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
             await bus.close()
     assert recorder.subscriptions[0].stats.dead_lettered == 0
     assert {str(e.event_id) for e in after} <= await stored_ids(url)
+
+
+@pytest.mark.kafka
+async def test_after_a_broker_lost_its_storage_every_record_of_its_new_logs_is_consumed(
+    own_broker: LocalBroker, tmp_path: Path
+) -> None:
+    """The recorder (positions in its store) and a plain group member (positions in the
+    broker, as the coder's and the proposer's) each read N records; the broker is started
+    empty on the same port and 3N records reach its new logs before either has rejoined,
+    so the new logs reach past the old positions: every one is consumed (the fault run lost
+    a kernel this way)."""
+    n = 20
+    tag, topics = unique_topics()
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    settings = Settings(database_url=url, topics=topics, resilience=FAST_RETRIES)
+    async with open_store(url) as store:
+        bus = KafkaBus(own_broker.bootstrap, client_id=f"newlog-{tag}", **KAFKA_TEST_OPTIONS)
+        await bus.start()
+        await bus.create_topics(topics.specs())
+        recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
+        run = asyncio.create_task(run_services([recorder], install_signal_handlers=False))
+        tail = Collector()
+        tail_sub = await bus.subscribe(f"tail-{tag}", [topics.verdicts], tail)
+        try:
+            await bus.publish_many(topics.verdicts, verdicts(n, "a"))
+            await wait_for(lambda: recorder.appended_total >= n and len(tail.messages) >= n,
+                           "the first events")
+
+            own_broker.stop()
+            own_broker.start()  # the same port; the fixture stops this one
+            # Within milliseconds: a member needs a heartbeat and a JoinGroup round (about
+            # a second on tansu) to rejoin.
+            await bus.create_topics(topics.specs())
+            after = verdicts(3 * n, "b")
+            await bus.publish_many(topics.verdicts, after)
+            want = {e.event_id for e in after}
+            await wait_for(lambda: want <= set(tail.ids()), "the new log, to the tail",
+                           within=20)
+            await wait_for(lambda: recorder.appended_total >= 4 * n,
+                           "the new log, to the recorder", within=20)
+        finally:
+            await tail_sub.stop()
+            recorder.request_stop()
+            await run
+            await bus.close()
+    assert recorder.subscriptions[0].stats.dead_lettered == 0
+    assert {str(i) for i in want} <= await stored_ids(url)
+
+
+class CuttableProxy:
+    """A TCP proxy in front of a broker whose connections can be cut, and new ones refused,
+    for a while: a broker outage that keeps the broker's state, as a restarted Kafka broker
+    with its disks does (tansu keeps its state in memory only)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.port = free_port()
+        self._target = target_port
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    async def cut(self) -> None:
+        """Closes every connection and refuses new ones until ``start``."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for w in list(self._writers):
+            w.close()
+        self._writers.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+
+@pytest.mark.kafka
+async def test_a_broker_outage_that_keeps_its_storage_makes_nobody_read_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker is cut off for a while and comes back with its logs and the groups'
+    offsets, and then a second member joins the plain member's group: the recorder and the
+    members go on where they were and, after the rebalance, from the group's offsets; nothing
+    is read twice and no partition from its start."""
+    n = 20
+    tag, topics = unique_topics()
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    settings = Settings(database_url=url, topics=topics, resilience=FAST_RETRIES)
+    broker_port = free_port()
+    proxy = CuttableProxy(broker_port)
+    await proxy.start()
+    broker = LocalBroker(port=broker_port, advertised_port=proxy.port).start()
+    try:
+        async with open_store(url) as store:
+            bus = KafkaBus(broker.bootstrap, client_id=f"cut-{tag}", **KAFKA_TEST_OPTIONS)
+            await bus.start()
+            await bus.create_topics(topics.specs())
+            recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
+            run = asyncio.create_task(run_services([recorder], install_signal_handlers=False))
+            a, b = Collector(), Collector()
+            sub_a = await bus.subscribe(f"tail-{tag}", [topics.verdicts], a)
+            sub_b = None
+            try:
+                await bus.publish_many(topics.verdicts, verdicts(n, "a"))
+                await wait_for(lambda: recorder.appended_total >= n and len(a.messages) >= n,
+                               "the first events")
+                await proxy.cut()
+                await asyncio.sleep(3)
+                await proxy.start()
+                sub_b = await bus.subscribe(f"tail-{tag}", [topics.verdicts], b)
+                await wait_for(lambda: len(sub_a.assignment()) == len(sub_b.assignment()) == 1,
+                               "the members to share the partitions", within=20)
+                await bus.publish_many(topics.verdicts, verdicts(n, "b"))
+                await wait_for(lambda: recorder.appended_total >= 2 * n
+                               and len(a.messages) + len(b.messages) >= 2 * n,
+                               "the later events", within=20)
+                await asyncio.sleep(1)  # room for anything read twice to show
+            finally:
+                for sub in (sub_a, sub_b):
+                    if sub is not None:
+                        await sub.stop()
+                recorder.request_stop()
+                await run
+                await bus.close()
+    finally:
+        broker.stop()
+        await proxy.cut()
+    counts = Counter(a.ids() + b.ids())
+    assert len(counts) == 2 * n and max(counts.values()) == 1
+    assert recorder.duplicates_total == 0 and recorder.appended_total == 2 * n
+    assert "reading them from the start" not in caplog.text
 
 
 @pytest.mark.kafka
