@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -148,8 +148,10 @@ def summarize_run(
         if ev.correlation_id != run_id:
             continue
         position = max(position, rec.global_position)
-        first = rec.recorded_at if first is None else min(first, rec.recorded_at)
-        last = rec.recorded_at if last is None else max(last, rec.recorded_at)
+        # When it happened, to the microsecond (SQLite stores recorded_at to the second).
+        at = ev.occurred_at
+        first = at if first is None else min(first, at)
+        last = at if last is None else max(last, at)
         if ev.type == "TrainingStepCompleted":
             s = payload_as(ev, TrainingStepCompleted)
             steps[s.role].append(s)
@@ -322,12 +324,15 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def _trend(values: Sequence[float | None], fmt: str) -> str:
-    """``first -> last`` where there is more than one value, else the one value."""
-    shown = [format(v, fmt) if v is not None else "-" for v in values]
-    if not shown:
-        return "-"
-    return shown[0] if len(shown) == 1 else f"{shown[0]} -> {shown[-1]} (first -> last step)"
+def _training(r: RoleSummary, rate_name: str) -> str:
+    """Mean reward and the step's rate, first -> last step where there is more than one."""
+    if not r.steps:
+        return "no training step yet"
+    if r.steps == 1:
+        return f"mean reward {r.mean_rewards[0]:+.3f} (1 step)"
+    first, last = r.step_rates[0], r.step_rates[-1]
+    return (f"mean reward {r.mean_rewards[0]:+.3f} -> {r.mean_rewards[-1]:+.3f}, {rate_name} "
+            f"{_pct(first)} -> {_pct(last)} (first -> last of {r.steps} steps)")
 
 
 def _headline(s: RunSummary) -> str:
@@ -340,7 +345,7 @@ def _headline(s: RunSummary) -> str:
         "error": f"run {s.run_id} stopped by an error after {took}{why}",
     }[s.outcome]
     if s.resumed and s.first_event_at is not None:
-        head += f"; resumed, it began {s.first_event_at:%Y-%m-%d %H:%M} UTC"
+        head += f"; resumed, it began {s.first_event_at.astimezone(UTC):%Y-%m-%d %H:%M} UTC"
     return head
 
 
@@ -376,13 +381,11 @@ def render_summary(summary: RunSummary, commands: Sequence[tuple[str, str]] = ()
         counts += f", unverified {s.unverified}"
     row("kernels", f"{s.kernels} generated: {counts}")
     c, p = s.coder, s.proposer
-    row("Coder", f"mean reward {_trend(c.mean_rewards, '+.3f')}; pass rate "
-                          f"{_pct(c.rate)} ({c.rate_of}/{c.rate_n} judged)"
-                 + (f", per step {_trend(c.step_rates, '.0%')}" if c.steps > 1 else ""))
-    row("Proposer", f"mean reward {_trend(p.mean_rewards, '+.3f')}; valid "
-                             f"{_pct(p.rate)} ({p.rate_of}/{p.rate_n} proposals, "
-                             f"{s.seed_modules} seed modules)"
-                 + (f", per step {_trend(p.step_rates, '.0%')}" if p.steps > 1 else ""))
+    seeds = f"; {s.seed_modules} seed module{'s' if s.seed_modules != 1 else ''}"
+    row("Coder", f"pass rate {_pct(c.rate)} ({c.rate_of}/{c.rate_n} judged); "
+                 + _training(c, "pass rate"))
+    row("Proposer", f"valid {_pct(p.rate)} ({p.rate_of}/{p.rate_n} proposals{seeds}); "
+                    + _training(p, "valid"))
     row("policies", f"{_policies(c)}; {_policies(p)}")
     where = s.store
     if s.checkpoint_dir:
@@ -393,7 +396,7 @@ def render_summary(summary: RunSummary, commands: Sequence[tuple[str, str]] = ()
         nxt.add_column(style="cyan", no_wrap=True)
         nxt.add_column(style="dim")
         for cmd, why in commands:
-            nxt.add_row(cmd, why)
+            nxt.add_row(escape(cmd), escape(why))
         grid.add_row("next", nxt)
     style = "green" if s.outcome == "finished" else "red" if s.outcome == "error" else "yellow"
     return Group(Rule(escape(_headline(s)), style=style, align="left"), grid)
