@@ -8,10 +8,11 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from pydantic import ValidationError
@@ -26,6 +27,10 @@ from kz_stream.config import (
     load_settings,
     validated_copy,
 )
+
+if TYPE_CHECKING:
+    from kz_stream.app import RunOptions
+    from kz_stream.summary import Outcome, RunSummary
 
 app = typer.Typer(
     name="kz",
@@ -659,14 +664,17 @@ def run_loop(
                 raise typer.Exit(130) from None
             raise
     assert report.summary is not None  # run_coevolution returns with it
-    _print_summary(report.summary, options, config)
+    # The session's wall time as the user saw it: stopping waits for threads still busy
+    # (a model load, a training step) after the summary was read.
+    _print_summary(replace(report.summary, session_seconds=time.monotonic() - t0), options,
+                   config)
     if report.outcome == "interrupted":
         raise typer.Exit(130)
     if report.outcome != "finished":
         raise typer.Exit(1)
 
 
-def _rerun_command(options: Any, config: Path | None) -> str:
+def _rerun_command(options: RunOptions, config: Path | None) -> str:
     """The ``kz run`` command line with ``options``: run again, it resumes the run."""
     from kz_stream.app import RunOptions
 
@@ -681,21 +689,21 @@ def _rerun_command(options: Any, config: Path | None) -> str:
     return " ".join(parts)
 
 
-def _print_summary(summary: Any, options: Any, config: Path | None) -> None:
+def _print_summary(summary: RunSummary, options: RunOptions, config: Path | None) -> None:
     from kz_stream.summary import next_commands, render_summary
 
     commands = next_commands(summary, config=config, rerun=_rerun_command(options, config))
     console.print(render_summary(summary, commands))
 
 
-def _print_summary_after(settings: Settings, options: Any, config: Path | None,
-                         started: datetime, seconds: float, outcome: Any) -> None:
+def _print_summary_after(settings: Settings, options: RunOptions, config: Path | None,
+                         started: datetime, seconds: float, outcome: Outcome) -> None:
     """Prints the summary of a run that ``run_coevolution`` did not return from, when the
     store can be read and holds any of it; otherwise nothing (the error says enough)."""
     from kz_stream.app import load_summary
     from kz_stream.store import open_store
 
-    async def go() -> Any:
+    async def go() -> RunSummary:
         async with open_store(settings.database_url, create_schema=False) as store:
             return await load_summary(store, options.apply(settings), outcome=outcome,
                                       session_seconds=seconds, session_started=started)
