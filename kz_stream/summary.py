@@ -117,9 +117,6 @@ class RunSummary:
     store: str = ""  # the store's URL, password hidden
     checkpoint_dir: str = ""
 
-    def role(self, role: Role) -> RoleSummary:
-        return self.coder if role == "coder" else self.proposer
-
 
 def summarize_run(
     records: Iterable[RecordedEvent],
