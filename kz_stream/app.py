@@ -9,6 +9,7 @@ import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,8 @@ from kz_stream.runtime import Service, ServiceContext, run_services
 from kz_stream.warmstart import warm_adapter
 
 if TYPE_CHECKING:
+    from kz_stream.store import EventStore
+    from kz_stream.summary import Outcome, RunSummary
     from kz_stream.verify import Verifier
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "RunReport",
     "ensure_sqlite_dir",
     "evaluation_hashes",
+    "load_summary",
     "make_verifier",
     "open_context",
     "projection_by_name",
@@ -285,13 +289,41 @@ class RunOptions:
 
 @dataclass
 class RunReport:
-    """What a run did, for the per-round summary and for tests."""
+    """What a run did: live counters for the per-round tables, how it ended, and at the
+    end the summary replayed from the store."""
 
     counts: dict[str, int] = field(default_factory=dict)
     statuses: dict[str, int] = field(default_factory=dict)
     steps: list[dict[str, Any]] = field(default_factory=list)
     finished: bool = False
     seconds: float = 0.0
+    # "finished", "time_limit", or "interrupted" (SIGINT/SIGTERM stopped the services).
+    outcome: Outcome | None = None
+    summary: RunSummary | None = None
+
+
+async def load_summary(
+    store: EventStore,
+    settings: Settings,
+    *,
+    outcome: Outcome,
+    session_seconds: float,
+    session_started: datetime | None = None,
+    detail: str = "",
+) -> RunSummary:
+    """The summary of run ``settings.run_id`` in ``store``; ``settings`` as the run used
+    them (``RunOptions.apply``-ed), for the planned schedule and where things are."""
+    from kz_stream.rl import AlternationConfig
+    from kz_stream.summary import load_run_summary
+
+    lc = settings.learner
+    schedule = AlternationConfig(proposer_steps=lc.proposer_steps, coder_steps=lc.coder_steps,
+                                 rounds=lc.rounds, order=lc.order)
+    return await load_run_summary(
+        store, settings.run_id, outcome=outcome, detail=detail,
+        session_seconds=session_seconds, session_started=session_started, schedule=schedule,
+        store_url=settings.database_url, checkpoint_dir=lc.checkpoint_dir,
+    )
 
 
 async def run_coevolution(
@@ -301,12 +333,14 @@ async def run_coevolution(
     on_tick: Callable[[RunReport], None] | None = None,
 ) -> RunReport:
     """Runs proposer, coder, verifier, recorder and learner in one process until the
-    alternation schedule is over (or the time limit passes)."""
+    alternation schedule is over (or the time limit passes, or SIGINT/SIGTERM); the report
+    ends with the run's summary, replayed from the store."""
     import time as _time
 
     settings = options.apply(settings)
     configure_logging(settings.log_level, json=settings.log_json)
     report = RunReport()
+    started = datetime.now(UTC)
     t0 = _time.monotonic()
     async with open_context(settings) as ctx:
         names = ["recorder", "verifier", "coder", "proposer", "learner"]
@@ -323,6 +357,7 @@ async def run_coevolution(
                 if report.seconds > options.time_limit_s:
                     break
             report.finished = learner.finished.is_set()
+            report.outcome = "finished" if report.finished else "time_limit"
             # Let the last policies reach the generators (and their loads the store).
             for _ in range(600):
                 if learner.state.policies_loaded():
@@ -342,6 +377,13 @@ async def run_coevolution(
                     await backend.close()
         _fill_report(report, learner)
         report.seconds = _time.monotonic() - t0
+        # The services returned before the supervisor stopped them: a signal did.
+        report.outcome = report.outcome or "interrupted"
+        report.summary = await load_summary(
+            ctx.store, settings, outcome=report.outcome, session_seconds=report.seconds,
+            session_started=started,
+            detail=f"{options.time_limit_s:.0f}s" if report.outcome == "time_limit" else "",
+        )
     return report
 
 

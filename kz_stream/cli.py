@@ -8,10 +8,11 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 from pydantic import ValidationError
@@ -26,6 +27,10 @@ from kz_stream.config import (
     load_settings,
     validated_copy,
 )
+
+if TYPE_CHECKING:
+    from kz_stream.app import RunOptions
+    from kz_stream.summary import Outcome, RunSummary
 
 app = typer.Typer(
     name="kz",
@@ -645,14 +650,70 @@ def run_loop(
                     shown_rounds.add(rnd)
                     progress.console.print(_round_table(rnd, done, report))
 
-        report = _run(run_coevolution(settings, options, on_tick=tick))
-    if not report.finished:
-        raise TimeoutError(f"the schedule did not finish within {time_limit:.0f}s")
-    console.print(
-        f"run finished in {report.seconds:.0f}s: {len(report.steps)} training steps, "
-        f"verdicts {report.statuses}",
-        highlight=False,
-    )
+        started, t0 = datetime.now(UTC), time.monotonic()
+        try:
+            report = _run(run_coevolution(settings, options, on_tick=tick))
+        except (KeyboardInterrupt, Exception) as e:
+            # Ctrl-C before the services' handlers were in place, or a failure: the store
+            # still tells what the run did. The error's own line follows (_one_line_errors).
+            progress.stop()
+            interrupted = isinstance(e, KeyboardInterrupt)
+            _print_summary_after(settings, options, config, started, time.monotonic() - t0,
+                                 "interrupted" if interrupted else "error")
+            if interrupted:
+                raise typer.Exit(130) from None
+            raise
+    assert report.summary is not None  # run_coevolution returns with it
+    # The session's wall time as the user saw it: stopping waits for threads still busy
+    # (a model load, a training step) after the summary was read.
+    _print_summary(replace(report.summary, session_seconds=time.monotonic() - t0), options,
+                   config)
+    if report.outcome == "interrupted":
+        raise typer.Exit(130)
+    if report.outcome != "finished":
+        raise typer.Exit(1)
+
+
+def _rerun_command(options: RunOptions, config: Path | None) -> str:
+    """The ``kz run`` command line with ``options``: run again, it resumes the run."""
+    from kz_stream.app import RunOptions
+
+    default = RunOptions()
+    parts = ["kz run"] + ([f"--config {config}"] if config else [])
+    for name, flag in (("rounds", "--rounds"), ("steps_per_turn", "--steps-per-turn"),
+                       ("group_size", "--group-size"), ("groups_per_step", "--groups-per-step"),
+                       ("max_new_tokens", "--max-new-tokens"), ("time_limit_s", "--time-limit")):
+        value = getattr(options, name)
+        if value != getattr(default, name):
+            parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    return " ".join(parts)
+
+
+def _print_summary(summary: RunSummary, options: RunOptions, config: Path | None) -> None:
+    from kz_stream.summary import next_commands, render_summary
+
+    commands = next_commands(summary, config=config, rerun=_rerun_command(options, config))
+    console.print(render_summary(summary, commands))
+
+
+def _print_summary_after(settings: Settings, options: RunOptions, config: Path | None,
+                         started: datetime, seconds: float, outcome: Outcome) -> None:
+    """Prints the summary of a run that ``run_coevolution`` did not return from, when the
+    store can be read and holds any of it; otherwise nothing (the error says enough)."""
+    from kz_stream.app import load_summary
+    from kz_stream.store import open_store
+
+    async def go() -> RunSummary:
+        async with open_store(settings.database_url, create_schema=False) as store:
+            return await load_summary(store, options.apply(settings), outcome=outcome,
+                                      session_seconds=seconds, session_started=started)
+
+    try:
+        summary = _run(go())
+    except Exception:  # a store that cannot be read: the run's own error is the news
+        return
+    if summary.position:
+        _print_summary(summary, options, config)
 
 
 def _round_table(rnd: int, steps: list[dict[str, Any]], report: Any) -> Table:

@@ -1,5 +1,6 @@
 """structlog setup: one JSON object per line on stderr, with context variables (service,
-event_id, correlation_id) merged into every line."""
+event_id, correlation_id) merged into every line; and the filters that keep third-party
+noise (repeated retries, lines that do not concern the user, per-load progress bars) off it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,36 @@ from typing import Any
 
 import structlog
 
-__all__ = ["RepeatFilter", "bind_event", "configure_logging", "get_logger"]
+__all__ = [
+    "NOISE",
+    "NoiseFilter",
+    "RepeatFilter",
+    "bind_event",
+    "configure_logging",
+    "get_logger",
+]
+
+# Third-party log lines that say nothing a kz_stream user can act on: (logger name prefix,
+# text in the message's format string). Each is dropped at the handler, nothing else from
+# that logger is.
+NOISE: tuple[tuple[str, str], ...] = (
+    # TRL imports vLLM (for a client kz_stream never uses), and vLLM, on a CPU-only machine,
+    # warns at import that it turns off Triton for its own kernels. kz_stream's Triton kernels
+    # run through the interpreter, untouched by that.
+    ("vllm.triton_utils", "Triton is installed, but doesn't include CPU backend"),
+)
+
+
+class NoiseFilter(logging.Filter):
+    """Drops the log lines listed in ``rules`` (see ``NOISE``); every other line passes."""
+
+    def __init__(self, rules: tuple[tuple[str, str], ...] = NOISE) -> None:
+        super().__init__()
+        self.rules = rules
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not any(record.name.startswith(p) and text in msg for p, text in self.rules)
 
 
 class RepeatFilter(logging.Filter):
@@ -67,10 +97,26 @@ def configure_logging(level: str = "INFO", *, json: bool = True) -> None:
     )
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(name)s %(message)s")
     for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, RepeatFilter) for f in handler.filters):
-            handler.addFilter(RepeatFilter())
+        for kind in (RepeatFilter, NoiseFilter):
+            if not any(isinstance(f, kind) for f in handler.filters):
+                handler.addFilter(kind())
     # aiokafka logs every rebalance at INFO; keep it to warnings.
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    _quiet_progress_bars()
+
+
+def _quiet_progress_bars() -> None:
+    """Turns off the Hugging Face libraries' progress bars. transformers draws one for every
+    model it loads ("Loading weights": four in a ``kz run``, each gone in under a second)
+    between the run's own bars and tables, and nothing is downloaded that a bar would follow.
+    The one long load, the first run's GGUF conversion, keeps its bar (plain tqdm)."""
+    from huggingface_hub.utils.tqdm import disable_progress_bars
+
+    disable_progress_bars()
+    if "transformers" in sys.modules:  # it copied the hub's setting when it was imported
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def get_logger(name: str | None = None) -> Any:

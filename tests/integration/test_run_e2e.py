@@ -1,41 +1,48 @@
-"""`kz run` for one short round on the embedded default: the full event trail exists."""
+"""`kz run` for one short round on the embedded default, run as a user runs it: the full
+event trail exists, the screen is free of third-party noise, and the output ends with the
+run's summary, which agrees with the store."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
-from kz_stream.app import RunOptions, run_coevolution
-from kz_stream.config import Settings, TopicsConfig
 from kz_stream.events import TrainingStepCompleted, payload_as
 from kz_stream.rl.trainer import policy_sha256
 from kz_stream.store import open_store
+from kz_stream.summary import RunSummary, load_run_summary
 from kz_stream.warmstart import packaged_adapter
 
 pytestmark = pytest.mark.slow
 
 
-def test_one_round_leaves_the_full_event_trail(tmp_path: Path) -> None:
-    settings = Settings(
-        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
-        bus_url=f"memory://{uuid.uuid4().hex}",
-        topics=TopicsConfig(partitions=2),
-        log_level="WARNING",
+def test_one_round_leaves_the_full_event_trail_and_ends_with_its_summary(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    env = {**os.environ, "COLUMNS": "200", "KZ_DATABASE_URL": url,
+           "KZ_BUS_URL": f"memory://{uuid.uuid4().hex}", "KZ_TOPICS__PARTITIONS": "2"}
+    env.pop("KZ_LOG_LEVEL", None)  # the default screen
+    # Checkpoints go to .kz/policies under the working directory.
+    run = subprocess.run(
+        [sys.executable, "-m", "kz_stream.cli", "run", "--groups-per-step", "1",
+         "--max-new-tokens", "32", "--time-limit", "900"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1500,
     )
-    options = RunOptions(
-        rounds=1, steps_per_turn=1, group_size=2, groups_per_step=1,
-        proposals_per_prompt=2, max_new_tokens=32, order=("coder", "proposer"),
-        time_limit_s=900, checkpoint_dir=str(tmp_path / "policies"),
-    )
-    report = asyncio.run(run_coevolution(settings, options))
-    assert report.finished, report
+    assert run.returncode == 0, run.stdout + run.stderr
+    for noise in ("Loading weights", "Disabling Triton", "TRL currently supports vLLM",
+                  "nanobind"):
+        assert noise not in run.stderr, run.stderr
 
     async def trail() -> dict[str, list]:  # type: ignore[type-arg]
         out: dict[str, list] = {}  # type: ignore[type-arg]
-        async with open_store(settings.database_url, create_schema=False) as store:
+        async with open_store(url, create_schema=False) as store:
             async for batch in store.read_all(0):
                 for r in batch:
                     out.setdefault(r.event.type, []).append(r.event)
@@ -63,3 +70,24 @@ def test_one_round_leaves_the_full_event_trail(tmp_path: Path) -> None:
         adapter = packaged_adapter(role)
         assert adapter is not None and zero["uri"] == adapter.resolve().as_uri()
         assert zero["sha256"] == policy_sha256(adapter)
+
+    # The summary, replayed from the store, agrees with the trail, and the output ends with
+    # it: headline, figures, and next commands naming a real kernel and the new Coder.
+    async def summary() -> RunSummary:
+        async with open_store(url, create_schema=False) as store:
+            return await load_run_summary(store, "run-0", outcome="finished")
+
+    s = asyncio.run(summary())
+    assert s.kernels == len(kernel_ids) and s.coder.steps == s.proposer.steps == 1
+    assert sum(s.verdicts.values()) + s.unverified == s.kernels
+    assert s.coder.warm_start_packaged and s.proposer.warm_start_packaged
+    assert s.audit_kernel and s.audit_kernel.removeprefix("kernel-") in kernel_ids
+    out = run.stdout
+    tail = out[out.index("run run-0 finished in"):]
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    assert len(lines) <= 12, tail
+    assert "rounds 1 of 1; steps coder 1/1, proposer 1/1" in tail
+    assert f"{s.kernels} generated: " in tail
+    assert "coder v0 (packaged warm start) -> v1" in tail
+    assert f"kz audit {s.audit_kernel}" in tail
+    assert lines[-1].startswith(f"kz eval run SUITE --policy run:run-0:{s.coder.latest}"), tail

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kz_stream.logging import RepeatFilter
+from kz_stream.logging import NoiseFilter, RepeatFilter
 
 
 def record(name: str, msg: str, *args: object) -> logging.LogRecord:
@@ -38,3 +38,13 @@ def test_other_loggers_and_other_messages_pass() -> None:
     assert f.filter(record("aiokafka.conn", "first %s", 1))
     assert f.filter(record("aiokafka.conn", "second %s", 1))
     assert not f.filter(record("aiokafka.conn", "first %s", 2))
+
+
+def test_the_noise_filter_drops_only_its_listed_lines() -> None:
+    f = NoiseFilter()
+    vllm = "vllm.triton_utils.importing"
+    assert not f.filter(record(vllm, "Triton is installed, but doesn't include CPU backend. "
+                                     "Disabling Triton."))
+    assert f.filter(record(vllm, "Triton is not installed"))
+    assert f.filter(record("kz_stream.app", "Triton is installed, but doesn't include CPU "
+                                            "backend."))

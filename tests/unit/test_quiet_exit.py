@@ -43,3 +43,25 @@ def test_importing_the_trainer_does_not_warn_about_trls_vllm_range() -> None:
     out = run_python("import kz_stream.rl.trainer")
     assert out.returncode == 0, out.stderr
     assert "TRL currently supports vLLM versions" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_services_screen_has_no_vllm_triton_line_or_weight_loading_bars() -> None:
+    # What `kz run` does before its first table: logging configured, then TRL (and through
+    # it vLLM) imported and the embedded model loaded.
+    out = run_python("""
+        import logging
+        from kz_stream.logging import configure_logging
+
+        configure_logging("WARNING", json=False)
+        import kz_stream.rl.trainer  # noqa: F401  (TRL imports vLLM)
+        from transformers import AutoModelForCausalLM
+        from kz_stream.llm.models import smollm2_dir
+
+        AutoModelForCausalLM.from_pretrained(str(smollm2_dir()))
+        logging.getLogger("vllm.triton_utils.importing").warning("another vLLM warning")
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "Disabling Triton" not in out.stderr
+    assert "Loading weights" not in out.stderr
+    assert "another vLLM warning" in out.stderr  # the filter is for that one line only
