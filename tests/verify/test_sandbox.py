@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
 
-from kz_stream.verify.sandbox import isolation_prefix, run_in_sandbox
+from kz_stream.verify.sandbox import isolation, run_in_sandbox
 
 T = "tests.verify.sandbox_targets"
 
@@ -43,7 +44,7 @@ def test_network_blocked_in_python() -> None:
     assert out.error_kind == "forbidden" and "socket" in out.error_message
 
 
-@pytest.mark.skipif(not isolation_prefix(), reason="no network namespace on this host")
+@pytest.mark.skipif(isolation().level == "none", reason="no network namespace on this host")
 def test_network_blocked_below_python() -> None:
     out = run_in_sandbox(f"{T}:native_connect", timeout_s=30)
     assert out.ok and out.value == -1  # connect() fails: no route in the empty namespace
@@ -55,10 +56,23 @@ def test_subprocess_blocked() -> None:
 
 
 def test_native_fork_detected_and_killed() -> None:
-    out = run_in_sandbox(f"{T}:native_fork", timeout_s=30)
+    token = f"KZ_TEST_{uuid.uuid4().hex}"
+    out = run_in_sandbox(f"{T}:native_fork", timeout_s=30, env={token: "1"})
     assert out.error_kind == "forbidden" and "child processes" in out.error_message
-    pid = int(out.error_message.split("[")[1].split("]")[0].split(",")[0])
-    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    assert not processes_with(token)
+
+
+def processes_with(token: str) -> list[int]:
+    """Live processes of this host whose environment holds ``token``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry.name.isdigit() and token.encode() in (entry / "environ").read_bytes()
+                    and "Z" not in (entry / "stat").read_text().rsplit(")", 1)[1][:3]):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def test_write_outside_blocked(tmp_path: Path) -> None:
