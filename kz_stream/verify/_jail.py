@@ -7,7 +7,7 @@ tmpfs holding only what the spec names: read-only binds of the system and the Py
 installation, the device nodes, a fresh /proc of the new PID namespace, a fresh /tmp and
 /dev/shm, and the one writable scratch folder; it makes that root read-only, pivots into
 it and detaches the old one (so nothing else of the host is reachable), caps the number
-of processes and the address space, and drops every privilege: a root caller switches to
+of processes, and drops every privilege: a root caller switches to
 an unprivileged uid of the spec's choosing, a user-namespace caller clears its capability
 bounding set, and both set no-new-privileges. Then it runs the program as its child and
 exits with the program's status (``128 + n`` for death by signal ``n``).
@@ -94,7 +94,7 @@ def _place(root: str, path: str, like: str) -> str:
     else:
         os.makedirs(os.path.dirname(inside), exist_ok=True)
         if not os.path.exists(inside):
-            open(inside, "w").close()  # noqa: SIM115 - an empty file to bind onto
+            open(inside, "w").close()
     return inside
 
 
@@ -128,7 +128,7 @@ def _drop_privileges(uid: int | None) -> None:
     """No way back to any privilege: the bounding set emptied, no-new-privs set, and a uid
     without capabilities (``uid``, or uid 0 of a user namespace that gains none at exec)."""
     try:
-        last = int(open("/proc/sys/kernel/cap_last_cap").read())  # noqa: SIM115
+        last = int(open("/proc/sys/kernel/cap_last_cap").read())
     except (OSError, ValueError):
         last = 63
     for cap in range(last + 1):
@@ -188,8 +188,6 @@ def build(spec: dict[str, Any]) -> None:
     _check(_libc.umount2(b".", MNT_DETACH), "detach the old root")
     os.chdir(spec.get("cwd") or scratch)
     _limit(resource.RLIMIT_NPROC, int(spec["processes"]))
-    if spec.get("memory_mb"):
-        _limit(resource.RLIMIT_AS, int(spec["memory_mb"]) << 20)
     _drop_privileges(uid)
 
 

@@ -96,10 +96,9 @@ class Child:
     def __init__(self, module: str, args: list[str], *, env: dict[str, str] | None = None,
                  isolate: bool = True, strong: bool = False, gated: bool = False,
                  start_timeout_s: float = 180.0, gpu: bool = False,
-                 read_only: tuple[str, ...] = (), memory_mb: int | None = None) -> None:
+                 read_only: tuple[str, ...] = ()) -> None:
         """``strong`` asks for the jail (``sandbox.isolation``), else a network namespace;
-        ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths;
-        ``memory_mb`` caps its address space."""
+        ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths."""
         self.private = tempfile.mkdtemp(prefix="kz-child-")
         work = os.path.join(self.private, "work")
         os.mkdir(work)
@@ -110,7 +109,7 @@ class Child:
         self.isolation = isolation(strong) if isolate else Isolation("none")
         cmd = jail_command([sys.executable, "-m", module, str(child_sock.fileno()), *args],
                            self.private, self.isolation, gpu=gpu, read_only=read_only,
-                           memory_mb=memory_mb, cwd=work)
+                           cwd=work)
         e = child_env(self.private, env)
         e["KZ_PRIVATE_DIR"] = self.private
         if gated:

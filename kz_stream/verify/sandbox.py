@@ -152,8 +152,7 @@ def gpu_devices() -> list[str]:
 
 
 def jail_command(cmd: list[str], scratch: str, iso: Isolation, *, gpu: bool = False,
-                 read_only: tuple[str, ...] = (), memory_mb: int | None = None,
-                 cwd: str | None = None) -> list[str]:
+                 read_only: tuple[str, ...] = (), cwd: str | None = None) -> list[str]:
     """``cmd`` as ``iso`` runs it: inside the filesystem boundary for a jail (``scratch``
     its one writable folder), under the namespace prefix otherwise."""
     if iso.level != "jail":
@@ -164,7 +163,6 @@ def jail_command(cmd: list[str], scratch: str, iso: Isolation, *, gpu: bool = Fa
         "read_only": visible_paths(read_only),
         "devices": gpu_devices() if gpu else [],
         "processes": MAX_PROCESSES,
-        "memory_mb": memory_mb,
         "uid": _UID_BASE + secrets.randbelow(_UID_SPAN) if iso.switch_uid else None,
     }
     return [*iso.prefix, sys.executable, "-I", "-S", _JAIL, json.dumps(spec), "--", *cmd]

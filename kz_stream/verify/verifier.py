@@ -227,12 +227,13 @@ class _Lane:
             raise ChildDied("the verifier is closed")
         cfg = self.v.config
         gpu = self.index is not None
-        child = Child("kz_stream.verify.worker", [self.device],
-                      env=self._env(cfg.worker_memory_fraction),
+        env = self._env(cfg.worker_memory_fraction)
+        if not gpu and cfg.cpu_worker_memory_mb:
+            env["KZ_WORKER_MEMORY_MB"] = str(cfg.cpu_worker_memory_mb)
+        child = Child("kz_stream.verify.worker", [self.device], env=env,
                       isolate=True, strong=cfg.strong_isolation, gated=True, gpu=gpu,
                       # The CUDA extensions it loads are built there ahead of time.
-                      read_only=(str(self.v.builder.cache_dir),) if gpu else (),
-                      memory_mb=None if gpu else cfg.cpu_worker_memory_mb)
+                      read_only=(str(self.v.builder.cache_dir),) if gpu else ())
         task = asyncio.get_running_loop().create_task(self._start(child))
         task.add_done_callback(_retrieve)
         self.starting[child] = task
@@ -745,6 +746,7 @@ class _Stage:
         """A worker request; errors become the verdict they mean."""
         stage = stage or str(msg["cmd"])
         started = time.monotonic()
+        oom_kills = _oom_kills()
         try:
             async with self._shared():
                 r = await asyncio.to_thread(self.w.call, msg,
@@ -753,8 +755,11 @@ class _Stage:
             raise self.reject(Status.TIMEOUT, f"{stage}: {e}", stage) from e
         except ChildDied as e:
             status = Status.RUNTIME_ERROR
-            if (e.returncode is not None and e.returncode in (-9, 137)) or "out of memory" in (
-                    e.stderr_tail.lower()):
+            killed = e.returncode is not None and e.returncode in (-9, 137)
+            # A SIGKILL is the kernel's OOM killer only if it killed something meanwhile
+            # (a candidate can kill its own process group too).
+            if (killed and (oom_kills is None or _oom_kills() != oom_kills)) or (
+                    "out of memory" in e.stderr_tail.lower()):
                 status = Status.OUT_OF_MEMORY
             raise self.reject(status, f"{stage}: worker crashed: {e}; "
                               f"{_tail(e.stderr_tail, 1500)}", stage) from e
@@ -1123,6 +1128,18 @@ _FLAG_TEXT = {
 _OOM_SIZES = re.compile(r"Tried to allocate ([\d.]+) ([KMGT]i?B)\b.*?of which ([\d.]+) "
                         r"([KMGT]i?B) is free", re.S)
 _UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed on this host, if it says."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def device_was_full(message: str) -> bool:
