@@ -116,7 +116,8 @@ def visible_paths(extra: tuple[str, ...] = ()) -> list[str]:
     if site.ENABLE_USER_SITE and site.getusersitepackages() in sys.path:
         installs.add(site.getusersitepackages())
     package = str(Path(__file__).resolve().parents[1])
-    protected = {os.path.abspath(os.getcwd()), os.path.expanduser("~")}
+    # "/" (a service's working directory or a system user's HOME) protects nothing.
+    protected = {os.path.abspath(os.getcwd()), os.path.expanduser("~")} - {"/"}
     if not any(_inside(_PKG_ROOT, p) for p in installs):
         protected.add(_PKG_ROOT)
     # The search path beyond the installation (a script's own folder, PYTHONPATH) is not
