@@ -41,6 +41,7 @@ __all__ = ["ErrorKind", "Isolation", "SandboxOutcome", "isolation", "jail_comman
            "run_in_sandbox", "visible_paths"]
 
 ErrorKind = Literal["crash", "timeout", "oom", "exception", "forbidden"]
+Level = Literal["jail", "network", "none"]
 
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])
 _STDERR_TAIL = 4000
@@ -62,9 +63,6 @@ class SandboxOutcome:
     network_isolation: str = ""
     isolation: Level = "none"  # "jail" only where the filesystem boundary was in place
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-Level = Literal["jail", "network", "none"]
 
 
 @dataclass(frozen=True)
@@ -169,28 +167,28 @@ def jail_command(cmd: list[str], scratch: str, iso: Isolation, *, gpu: bool = Fa
     return [*iso.prefix, sys.executable, "-I", "-S", _JAIL, json.dumps(spec), "--", *cmd]
 
 
-def _works(cmd: list[str], what: str) -> bool:
+def _fails(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    """Why ``cmd`` does not run to success here ("" when it does)."""
     try:
-        probe = subprocess.run(cmd, capture_output=True, timeout=30)
+        probe = subprocess.run(cmd, capture_output=True, timeout=30, env=env)
     except (OSError, subprocess.SubprocessError) as e:
-        log.info("sandbox: %s does not start here: %s", what, e)
-        return False
-    if probe.returncode != 0:
-        log.info("sandbox: %s failed here (code %s): %s", what, probe.returncode,
-                 probe.stderr.decode(errors="replace").strip()[-500:])
-    return probe.returncode == 0
+        return f"{' '.join(cmd[:2])}: {e}"
+    if probe.returncode == 0:
+        return ""
+    return (f"code {probe.returncode}: "
+            f"{probe.stderr.decode(errors='replace').strip()[-300:] or 'no message'}")
 
 
 @cache
 def isolation(jail: bool = True) -> Isolation:
     """The strongest isolation this host allows (probed once per process), at most a
     network namespace when ``jail`` is False. Anything short of the jail is logged as a
-    warning: the filesystem is then guarded by the audit hooks alone.
+    warning, with the reason: the filesystem is then guarded by the audit hooks alone.
 
     Root uses the namespaces directly and runs the child under an unprivileged uid; others
     add a user namespace (``unshare -r``), in which the child keeps uid 0 but no
-    capability. ``KZ_SANDBOX_NO_JAIL=1`` skips the jail, ``KZ_SANDBOX_NO_UNSHARE=1`` every
-    namespace.
+    capability. The probe imports the sandbox's guard inside the jail, as a child would.
+    ``KZ_SANDBOX_NO_JAIL=1`` skips the jail, ``KZ_SANDBOX_NO_UNSHARE=1`` every namespace.
     """
     exe = shutil.which("unshare")
     if exe is None or os.environ.get("KZ_SANDBOX_NO_UNSHARE") == "1":
@@ -198,23 +196,27 @@ def isolation(jail: bool = True) -> Isolation:
             log.warning("sandbox: %s", Isolation("none").describe())
         return Isolation("none")
     root = os.geteuid() == 0
+    why = "KZ_SANDBOX_NO_JAIL=1"
     if jail and os.environ.get("KZ_SANDBOX_NO_JAIL") != "1":
         options = [Isolation("jail", (exe, *_NAMESPACES), switch_uid=True)] if root else []
         options.append(Isolation("jail", (exe, "-r", *_NAMESPACES)))
         for iso in options:
             scratch = tempfile.mkdtemp(prefix="kz-probe-")
             try:
-                if _works(jail_command(["true"], scratch, iso), iso.describe()):
-                    return iso
+                why = _fails(jail_command([sys.executable, "-c", "import kz_stream.verify._guard"],
+                                          scratch, iso, cwd=scratch), child_env(scratch))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+            if not why:
+                return iso
     fallback = Isolation("none")
     for prefix in ([(exe, "-n")] if root else []) + [(exe, "-rn")]:
-        if _works([*prefix, "true"], " ".join(prefix)):
+        if not _fails([*prefix, "true"]):
             fallback = Isolation("network", prefix)
             break
     if jail:
-        log.warning("sandbox: no filesystem boundary on this host: %s", fallback.describe())
+        log.warning("sandbox: no filesystem boundary on this host (%s): %s", why,
+                    fallback.describe())
     return fallback
 
 
