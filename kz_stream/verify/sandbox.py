@@ -336,13 +336,15 @@ def run_in_sandbox(
     allow_network: bool = False,
     file_size_mb: int = 256,
     env: dict[str, str] | None = None,
+    gpu: bool = False,
 ) -> SandboxOutcome:
     """Calls ``target`` ("package.module:function") with ``args`` in a fresh isolated process.
 
     The value must be picklable. ``error_kind`` is "timeout" when the wall clock ran out
     (the whole process group is killed), "oom" on MemoryError or the memory rlimit,
     "exception" when the function raised, "forbidden" when it tried to start a process,
-    open a socket or write outside its directory, and "crash" when the process died.
+    open a socket or write outside its directory, or left processes running, and "crash"
+    when the process died. ``gpu`` shows a jailed child the NVIDIA device nodes.
     """
     module, sep, func = target.partition(":")
     if not sep or not module or not func:
@@ -363,7 +365,7 @@ def run_in_sandbox(
     )
     iso = Isolation("none") if allow_network else isolation()
     cmd = jail_command([sys.executable, "-m", "kz_stream.verify._sandbox_child"], private, iso,
-                       read_only=_module_files(module), cwd=work)
+                       gpu=gpu, read_only=_module_files(module), cwd=work)
     started = time.monotonic()
     proc = subprocess.Popen(
         cmd,
