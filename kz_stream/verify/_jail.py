@@ -37,6 +37,9 @@ PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 SECURE_NOROOT = 0x1 | 0x2
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+# The fresh /tmp and /dev/shm hold RAM, which no rlimit counts: small, since the child's
+# caches and TMPDIR are in its scratch folder.
+_TMPFS_MB = 512
 
 # The line that names processes a program left behind (read by the sandbox).
 LEFTOVER_MARK = "kz sandbox: child processes left running: "
@@ -157,7 +160,7 @@ def build(spec: dict[str, Any]) -> None:
     root = os.path.join(scratch, ".root")
     os.makedirs(root, exist_ok=True)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=0755")
-    _tmpfs(root, "/tmp", int(spec.get("tmp_mb", 1024)), "1777")
+    _tmpfs(root, "/tmp", _TMPFS_MB, "1777")
     for path in sorted(spec["read_only"], key=lambda p: p.count("/")):
         _bind(root, path)
     os.makedirs(root + "/dev", exist_ok=True)
@@ -169,7 +172,7 @@ def build(spec: dict[str, Any]) -> None:
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{root}/dev/{name}")
-    _tmpfs(root, "/dev/shm", int(spec.get("tmp_mb", 1024)), "1777")
+    _tmpfs(root, "/dev/shm", _TMPFS_MB, "1777")
     os.makedirs(root + "/proc", exist_ok=True)
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     if uid is not None:
