@@ -17,6 +17,7 @@ Run: ``python -m benchmarks.bench_sandbox``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -112,9 +113,11 @@ def main() -> None:
     rows = "".join(
         f"| {o.name} | {o.status} | {o.reason[:100].replace('|', '/')} | "
         f"{_before(was_by_name.get(o.name))} |\n" for o in outcomes)
-    notes = (f"Isolation: {iso.describe()}. Static scan off; call timeout 6 s; CPU worker "
-             f"address space capped at 4096 MB. Baselines: the same corpus with the "
-             f"workers in a network namespace alone (the isolation before the boundary), "
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    notes = (f"Isolation: {iso.describe()}. Load average at the end (1, 5, 15 min): {load} "
+             f"(a shared machine: times are inflated with it). Static scan off; call "
+             f"timeout 6 s; CPU worker address space capped at 4096 MB. Baselines: the "
+             f"same corpus with the workers in a network namespace alone (the isolation before the boundary), "
              f"without {' and '.join(UNSAFE_WITHOUT_JAIL)} (unbounded there, and the "
              f"worker's parent is the verifier). A `correct` verdict under the boundary is "
              f"an act that harmed nothing: writes to /tmp land in the child's own /tmp "
