@@ -114,17 +114,18 @@ def main() -> None:
         f"| {o.name} | {o.status} | {o.reason[:100].replace('|', '/')} | "
         f"{_before(was_by_name.get(o.name))} |\n" for o in outcomes)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    notes = (f"Isolation: {iso.describe()}. Load average at the end (1, 5, 15 min): {load} "
-             f"(a shared machine: times are inflated with it). Static scan off; call "
-             f"timeout 6 s; CPU worker address space capped at 4096 MB. Baselines: the "
-             f"same corpus with the workers in a network namespace alone (the isolation before the boundary), "
-             f"without {' and '.join(UNSAFE_WITHOUT_JAIL)} (unbounded there, and the "
-             f"worker's parent is the verifier). A `correct` verdict under the boundary is "
-             f"an act that harmed nothing: writes to /tmp land in the child's own /tmp "
-             f"(thrown away), no other process is in view, and the jail's first process "
-             f"ignores a SIGKILL sent from inside.\n\n"
-             f"| candidate | verdict | reason | without the boundary |\n|---|---|---|---|\n"
-             f"{rows}")
+    notes = (
+        f"Isolation: {iso.describe()}. Load average at the end (1, 5, 15 min): {load} (a "
+        f"shared machine: times are inflated with it). Static scan off; call timeout 6 s; "
+        f"CPU worker address space capped at 4096 MB. Baselines: the same corpus with the "
+        f"workers in a network namespace alone (the isolation before the boundary), "
+        f"without {' and '.join(UNSAFE_WITHOUT_JAIL)} (unbounded there, and the worker's "
+        f"parent is the verifier). A `correct` verdict under the boundary is an act that "
+        f"harmed nothing: writes to /tmp land in the child's own /tmp (thrown away), no "
+        f"other process is in view, and the jail's first process ignores a SIGKILL sent "
+        f"from inside.\n\n"
+        f"| candidate | verdict | reason | without the boundary |\n|---|---|---|---|\n"
+        f"{rows}")
     write_result("sandbox", "python -m benchmarks.bench_sandbox", metrics, notes=notes)
 
 
