@@ -52,6 +52,7 @@ def admission_check(
         (reference_source, device),
         timeout_s=timeout_s,
         memory_mb=memory_mb,
+        gpu=device != "cpu",
     )
     if outcome.ok:
         admitted, reason, detail = outcome.value

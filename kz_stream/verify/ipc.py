@@ -1,7 +1,9 @@
 """Child processes of the verifier (oracle and candidate workers) and their message channel.
 
-A child is started as ``python -m <module> <fd>`` in its own process group, under the
-network-namespace prefix when available, with a private working directory and HOME.
+A child is started as ``python -m <module> <fd>`` in its own process group, with a private
+working directory and HOME, inside the sandbox's isolation (``sandbox.isolation``: the
+filesystem boundary and namespaces where the host allows them, a network namespace or
+nothing where it does not).
 Messages are pickled dicts over a socketpair; replies carry CPU tensors only. A call
 that exceeds its deadline kills the whole process group. The child kills its group when
 the verifier's end of the socket closes, and the group is in the verifier's registry
@@ -23,7 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kz_stream.verify import lifeline
-from kz_stream.verify.sandbox import child_env, isolation_prefix, kill_group
+from kz_stream.verify.sandbox import Isolation, child_env, isolation, jail_command, kill_group
 
 
 class ChildTimeout(TimeoutError):
@@ -93,7 +95,10 @@ class Child:
 
     def __init__(self, module: str, args: list[str], *, env: dict[str, str] | None = None,
                  isolate: bool = True, strong: bool = False, gated: bool = False,
-                 start_timeout_s: float = 180.0) -> None:
+                 start_timeout_s: float = 180.0, gpu: bool = False,
+                 read_only: tuple[str, ...] = ()) -> None:
+        """``strong`` asks for the jail (``sandbox.isolation``), else a network namespace;
+        ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths."""
         self.private = tempfile.mkdtemp(prefix="kz-child-")
         work = os.path.join(self.private, "work")
         os.mkdir(work)
@@ -101,8 +106,10 @@ class Child:
         self.conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()
         self._stderr_path = os.path.join(self.private, "stderr.log")
-        prefix = isolation_prefix(strong) if isolate else ()
-        cmd = [*prefix, sys.executable, "-m", module, str(child_sock.fileno()), *args]
+        self.isolation = isolation(strong) if isolate else Isolation("none")
+        cmd = jail_command([sys.executable, "-m", module, str(child_sock.fileno()), *args],
+                           self.private, self.isolation, gpu=gpu, read_only=read_only,
+                           cwd=work)
         e = child_env(self.private, env)
         e["KZ_PRIVATE_DIR"] = self.private
         if gated:
@@ -115,7 +122,7 @@ class Child:
         child_sock.close()
         self.ready: dict[str, Any] | None = None
         self.start_timeout_s = start_timeout_s
-        self.strong = "--mount-proc" in prefix  # the PID/mount namespace is in use
+        self.strong = self.isolation.level == "jail"
         self.gated = gated
         self._imported = False
         self._start_sent = False

@@ -1,20 +1,29 @@
-"""Runs a function in a fresh, isolated process and reports what happened.
+"""Runs a function in a fresh, isolated process and reports what happened; the one home of
+the isolation every process that runs untrusted code gets (this sandbox's children and the
+verifier's workers).
 
 Each call starts ``python -m kz_stream.verify._sandbox_child`` in its own process group
-(killed whole on timeout) with a private temporary working directory and HOME, rlimits
-(address space, file size, no core dumps), no network (a network namespace via
-``unshare -n`` where the host allows it, and an audit hook that blocks sockets either
-way), and an audit hook that blocks starting processes and writing outside the private
-directory. Children left behind in the process group are detected and killed; the group
-dies with the verifier too (``kz_stream.verify.lifeline``).
+(killed whole on timeout) inside a filesystem boundary where the host allows namespaces
+(``isolation``: fresh network, PID, IPC and mount namespaces; a read-only view of the
+system and the Python installation, none of the project, the store, HOME or other
+children; a private scratch that is thrown away; no privileges; a process cap), with
+rlimits (address space, file size, no core dumps) and, as further layers, audit hooks
+that block sockets, starting processes and writing outside the scratch. Children left
+behind in the process group are detected and killed; the group dies with the verifier too
+(``kz_stream.verify.lifeline``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import logging
 import os
 import pickle
+import secrets
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -26,13 +35,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kz_stream.verify import lifeline
+from kz_stream.verify._jail import LEFTOVER_MARK
 
-__all__ = ["ErrorKind", "SandboxOutcome", "isolation_prefix", "run_in_sandbox"]
+__all__ = ["ErrorKind", "Isolation", "SandboxOutcome", "isolation", "jail_command",
+           "run_in_sandbox", "visible_paths"]
 
 ErrorKind = Literal["crash", "timeout", "oom", "exception", "forbidden"]
+Level = Literal["jail", "network", "none"]
 
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])
 _STDERR_TAIL = 4000
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,32 +61,163 @@ class SandboxOutcome:
     writes: tuple[str, ...] = ()
     wall_s: float = 0.0
     network_isolation: str = ""
+    isolation: Level = "none"  # "jail" only where the filesystem boundary was in place
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@cache
-def isolation_prefix(strong: bool = False) -> tuple[str, ...]:
-    """The command prefix that puts a child in a fresh network namespace, or () if none works.
+@dataclass(frozen=True)
+class Isolation:
+    """How far a child is isolated on this host.
 
-    Root uses ``unshare -n``; others try ``unshare -rn`` (a user namespace maps them to root
-    inside it). ``strong`` also asks for a PID and mount namespace with a private /proc, so
-    that the child cannot see (or read the memory of) the verifier's other processes.
-    Probed once per process.
+    ``jail``: fresh network, PID, IPC and mount namespaces and the filesystem boundary of
+    ``kz_stream.verify._jail`` (no project, store, HOME or other children in view; a
+    private scratch; no privileges). ``network``: a network namespace only (the host
+    allows no mount namespace): the audit hooks are then the only guard of the files.
+    ``none``: no namespace at all: the audit hooks guard the network and the files.
+    """
+
+    level: Level
+    prefix: tuple[str, ...] = ()
+    switch_uid: bool = False  # a root caller runs the child under an unprivileged uid
+
+    def describe(self) -> str:
+        if self.level == "jail":
+            return "jail: " + " ".join(self.prefix) + (" +uid" if self.switch_uid else "")
+        if self.level == "network":
+            return ("network namespace only (" + " ".join(self.prefix) + "); no filesystem "
+                    "boundary: files are guarded by audit hooks alone")
+        return "none: no namespaces on this host; audit hooks alone guard network and files"
+
+
+_NAMESPACES = ("-n", "-p", "-f", "-m", "-i", "--mount-proc", "--kill-child")
+_JAIL = str(Path(__file__).with_name("_jail.py"))
+_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys")
+_GPU_DEVICES = ("/dev/nvidia*", "/dev/nvidia-caps", "/dev/dri")
+# A forking candidate stops here (threads count too: a CUDA worker runs a few dozen).
+MAX_PROCESSES = 256
+# Unprivileged uids for a root caller's children: one per child, so no two share a
+# process count (RLIMIT_NPROC is per uid) and none owns a file of the host.
+_UID_BASE, _UID_SPAN = 1_900_000_000, 1_000_000
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def visible_paths(extra: tuple[str, ...] = ()) -> list[str]:
+    """What a jailed child sees read-only: the system, the Python installation (with the
+    user's site-packages when in use), the CUDA toolchain named by the environment, the
+    ``kz_stream`` package and ``extra``; never the project folder around the package, the
+    verifier's working directory or HOME (unless a Python installation lives inside)."""
+    installs = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                              sys.base_exec_prefix)}
+    if site.ENABLE_USER_SITE and site.getusersitepackages() in sys.path:
+        installs.add(site.getusersitepackages())
+    package = str(Path(__file__).resolve().parents[1])
+    # "/" (a service's working directory or a system user's HOME) protects nothing.
+    protected = {os.path.abspath(os.getcwd()), os.path.expanduser("~")} - {"/"}
+    if not any(_inside(_PKG_ROOT, p) for p in installs):
+        protected.add(_PKG_ROOT)
+    # The search path beyond the installation (a script's own folder, PYTHONPATH) is not
+    # shown: it may be the project, or /tmp with every other child's scratch in it.
+    wanted = [*_SYSTEM, *installs]
+    for var in ("CUDA_HOME", "CUDA_PATH", "TRITON_LIBCUDA_PATH"):
+        if os.environ.get(var):
+            wanted.append(os.environ[var])
+    if os.environ.get("TRITON_PTXAS_PATH"):
+        wanted.append(os.path.dirname(os.environ["TRITON_PTXAS_PATH"]))
+    wanted += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    allowed = {package, *(os.path.abspath(e) for e in extra)}
+    chosen: set[str] = set()
+    for raw in [*wanted, *allowed]:
+        for path in dict.fromkeys((os.path.abspath(raw), os.path.realpath(raw))):
+            if not os.path.exists(path) or any(_inside(r, path) for r in protected):
+                continue  # "/", or a folder holding the project, the cwd or HOME
+            if (any(_inside(path, r) for r in protected) and path not in allowed
+                    and not any(_inside(path, p) for p in installs)):
+                continue
+            chosen.add(path)
+    # A folder whose ancestor is bound already comes with it.
+    return sorted(p for p in chosen
+                  if not any(q != p and _inside(p, q) and not os.path.islink(q)
+                             for q in chosen))
+
+
+def gpu_devices() -> list[str]:
+    """The NVIDIA device nodes of this host (bound into a GPU child's jail)."""
+    import glob
+
+    return sorted({p for pattern in _GPU_DEVICES for p in glob.glob(pattern)})
+
+
+def jail_command(cmd: list[str], scratch: str, iso: Isolation, *, gpu: bool = False,
+                 read_only: tuple[str, ...] = (), cwd: str | None = None) -> list[str]:
+    """``cmd`` as ``iso`` runs it: inside the filesystem boundary for a jail (``scratch``
+    its one writable folder), under the namespace prefix otherwise."""
+    if iso.level != "jail":
+        return [*iso.prefix, *cmd]
+    spec = {
+        "scratch": scratch,
+        "cwd": cwd,
+        "read_only": visible_paths(read_only),
+        "devices": gpu_devices() if gpu else [],
+        "processes": MAX_PROCESSES,
+        "uid": _UID_BASE + secrets.randbelow(_UID_SPAN) if iso.switch_uid else None,
+    }
+    return [*iso.prefix, sys.executable, "-I", "-S", _JAIL, json.dumps(spec), "--", *cmd]
+
+
+def _fails(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    """Why ``cmd`` does not run to success here ("" when it does)."""
+    try:
+        probe = subprocess.run(cmd, capture_output=True, timeout=30, env=env)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{' '.join(cmd[:2])}: {e}"
+    if probe.returncode == 0:
+        return ""
+    return (f"code {probe.returncode}: "
+            f"{probe.stderr.decode(errors='replace').strip()[-300:] or 'no message'}")
+
+
+@cache
+def isolation(jail: bool = True) -> Isolation:
+    """The strongest isolation this host allows (probed once per process), at most a
+    network namespace when ``jail`` is False. Anything short of the jail is logged as a
+    warning, with the reason: the filesystem is then guarded by the audit hooks alone.
+
+    Root uses the namespaces directly and runs the child under an unprivileged uid; others
+    add a user namespace (``unshare -r``), in which the child keeps uid 0 but no
+    capability. The probe imports the sandbox's guard inside the jail, as a child would.
+    ``KZ_SANDBOX_NO_JAIL=1`` skips the jail, ``KZ_SANDBOX_NO_UNSHARE=1`` every namespace.
     """
     exe = shutil.which("unshare")
     if exe is None or os.environ.get("KZ_SANDBOX_NO_UNSHARE") == "1":
-        return ()
-    extra = ("-p", "-f", "-m", "--mount-proc", "--kill-child") if strong else ()
-    options = [(exe, "-n", *extra)] if os.geteuid() == 0 else []
-    options.append((exe, "-rn", *extra))
-    for prefix in options:
-        try:
-            probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if probe.returncode == 0:
-            return prefix
-    return () if not strong else isolation_prefix(False)
+        if jail:
+            log.warning("sandbox: %s", Isolation("none").describe())
+        return Isolation("none")
+    root = os.geteuid() == 0
+    why = "KZ_SANDBOX_NO_JAIL=1"
+    if jail and os.environ.get("KZ_SANDBOX_NO_JAIL") != "1":
+        options = [Isolation("jail", (exe, *_NAMESPACES), switch_uid=True)] if root else []
+        options.append(Isolation("jail", (exe, "-r", *_NAMESPACES)))
+        for iso in options:
+            scratch = tempfile.mkdtemp(prefix="kz-probe-")
+            try:
+                why = _fails(jail_command([sys.executable, "-c", "import kz_stream.verify._guard"],
+                                          scratch, iso, cwd=scratch), child_env(scratch))
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            if not why:
+                return iso
+    fallback = Isolation("none")
+    for prefix in ([(exe, "-n")] if root else []) + [(exe, "-rn")]:
+        if not _fails([*prefix, "true"]):
+            fallback = Isolation("network", prefix)
+            break
+    if jail:
+        log.warning("sandbox: no filesystem boundary on this host (%s): %s", why,
+                    fallback.describe())
+    return fallback
 
 
 def child_env(private_dir: str, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -89,6 +233,8 @@ def child_env(private_dir: str, extra: dict[str, str] | None = None) -> dict[str
         PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)),
         PYTHONDONTWRITEBYTECODE="1",
         PYTHONHASHSEED="0",
+        USER="kz-sandbox",  # getpass.getuser() for a uid with no passwd entry
+        LOGNAME="kz-sandbox",
         TRITON_CACHE_DIR=os.path.join(private_dir, ".triton"),
         TORCHINDUCTOR_CACHE_DIR=os.path.join(private_dir, ".inductor"),
         TORCH_EXTENSIONS_DIR=os.path.join(private_dir, ".torch_extensions"),
@@ -155,6 +301,32 @@ def _collect(
     return b"".join(chunks["out"]), b"".join(chunks["err"]), timed_out, leftovers
 
 
+def killed_by(returncode: int | None, iso: Isolation) -> int | None:
+    """The signal that ended a child, if one did: a negative return code, or in a jail
+    (whose first process cannot die of a signal) the shell's ``128 + n``."""
+    if returncode is None:
+        return None
+    if returncode < 0:
+        return -returncode
+    if iso.level == "jail" and 128 < returncode < 128 + signal.NSIG:
+        return returncode - 128
+    return None
+
+
+def _module_files(module: str) -> tuple[str, ...]:
+    """The source files of ``module`` and its parent packages, when it lives outside
+    ``kz_stream`` (a test's target): the jail shows the child the code it is to run."""
+    if module == "kz_stream" or module.startswith("kz_stream."):
+        return ()
+    files = []
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        spec = importlib.util.find_spec(".".join(parts[:i]))
+        if spec is not None and spec.origin and os.path.isfile(spec.origin):
+            files.append(spec.origin)
+    return tuple(files)
+
+
 def run_in_sandbox(
     target: str,
     args: tuple[Any, ...] = (),
@@ -164,13 +336,15 @@ def run_in_sandbox(
     allow_network: bool = False,
     file_size_mb: int = 256,
     env: dict[str, str] | None = None,
+    gpu: bool = False,
 ) -> SandboxOutcome:
     """Calls ``target`` ("package.module:function") with ``args`` in a fresh isolated process.
 
     The value must be picklable. ``error_kind`` is "timeout" when the wall clock ran out
     (the whole process group is killed), "oom" on MemoryError or the memory rlimit,
     "exception" when the function raised, "forbidden" when it tried to start a process,
-    open a socket or write outside its directory, and "crash" when the process died.
+    open a socket or write outside its directory, or left processes running, and "crash"
+    when the process died. ``gpu`` shows a jailed child the NVIDIA device nodes.
     """
     module, sep, func = target.partition(":")
     if not sep or not module or not func:
@@ -189,8 +363,9 @@ def run_in_sandbox(
             "write_roots": [private],
         }
     )
-    prefix = () if allow_network else isolation_prefix()
-    cmd = [*prefix, sys.executable, "-m", "kz_stream.verify._sandbox_child"]
+    iso = Isolation("none") if allow_network else isolation()
+    cmd = jail_command([sys.executable, "-m", "kz_stream.verify._sandbox_child"], private, iso,
+                       gpu=gpu, read_only=_module_files(module), cwd=work)
     started = time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -209,8 +384,8 @@ def run_in_sandbox(
     wall = time.monotonic() - started
     shutil.rmtree(private, ignore_errors=True)
     tail = err.decode(errors="replace")[-_STDERR_TAIL:]
-    iso = " ".join(prefix) if prefix else "audit-hook"
-    common: dict[str, Any] = {"stderr_tail": tail, "wall_s": wall, "network_isolation": iso}
+    common: dict[str, Any] = {"stderr_tail": tail, "wall_s": wall,
+                              "network_isolation": iso.describe(), "isolation": iso.level}
     if timed_out:
         return SandboxOutcome(False, None, "timeout", f"no result within {timeout_s:g} s",
                               **common)
@@ -222,13 +397,16 @@ def run_in_sandbox(
     writes = tuple(result.get("writes", ()))
     if leftovers:
         violations += (f"child processes left running: {leftovers}",)
+    violations += tuple(line.removeprefix("kz sandbox: ") for line in tail.splitlines()
+                        if line.startswith(LEFTOVER_MARK))  # the jail's count of them
     common.update(violations=violations, writes=writes)
     status = result.get("status")
     if status is None:
         rc = proc.returncode
-        if rc is not None and rc < 0:
-            sig = signal.Signals(-rc).name
-            kind: ErrorKind = "oom" if (-rc == signal.SIGKILL and memory_mb) else "crash"
+        signum = killed_by(rc, iso)
+        if signum:
+            sig = signal.Signals(signum).name
+            kind: ErrorKind = "oom" if (signum == signal.SIGKILL and memory_mb) else "crash"
             return SandboxOutcome(False, None, kind, f"killed by {sig}", **common)
         return SandboxOutcome(False, None, "crash", f"exited with code {rc} and no result",
                               **common)

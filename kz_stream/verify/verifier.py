@@ -48,6 +48,7 @@ from kz_stream.verify.compare import (
 from kz_stream.verify.hardware import manifest
 from kz_stream.verify.inputs import at_own_shapes, nbytes
 from kz_stream.verify.ipc import Child, ChildDied, ChildTimeout
+from kz_stream.verify.sandbox import isolation, run_in_sandbox
 from kz_stream.verify.timing import (
     FlushMode,
     bootstrap_ratio_ci,
@@ -98,7 +99,13 @@ class VerifierConfig:
     floor_margin: float = 0.8
     worker_memory_fraction: float = 0.4
     oracle_memory_fraction: float = 0.4
+    # Workers in the sandbox's jail (sandbox.isolation: a filesystem boundary, PID and
+    # network namespaces); off, or where the host allows no mount namespace, a network
+    # namespace only (stamped on verdicts: hardware["isolation"]).
     strong_isolation: bool = True
+    # Address-space cap of a CPU-path worker (a memory bomb ends as its own "oom"); none on
+    # a GPU, whose CUDA context reserves far more address space than it uses.
+    cpu_worker_memory_mb: int | None = 16384
     # Workers started ahead of need, per device. None: two per slot on a GPU (a worker
     # takes seconds to start, and each candidate uses a fresh one), one on the CPU.
     prewarm: int | None = None
@@ -218,9 +225,15 @@ class _Lane:
     def _spawn_worker(self) -> Child:
         if self.closed:
             raise ChildDied("the verifier is closed")
-        child = Child("kz_stream.verify.worker", [self.device],
-                      env=self._env(self.v.config.worker_memory_fraction),
-                      isolate=True, strong=self.v.config.strong_isolation, gated=True)
+        cfg = self.v.config
+        gpu = self.index is not None
+        env = self._env(cfg.worker_memory_fraction)
+        if not gpu and cfg.cpu_worker_memory_mb:
+            env["KZ_WORKER_MEMORY_MB"] = str(cfg.cpu_worker_memory_mb)
+        child = Child("kz_stream.verify.worker", [self.device], env=env,
+                      isolate=True, strong=cfg.strong_isolation, gated=True, gpu=gpu,
+                      # The CUDA extensions it loads are built there ahead of time.
+                      read_only=(str(self.v.builder.cache_dir),) if gpu else ())
         task = asyncio.get_running_loop().create_task(self._start(child))
         task.add_done_callback(_retrieve)
         self.starting[child] = task
@@ -256,6 +269,9 @@ class _Lane:
                         and "strong" not in self.v._fallbacks):
                     self.v._fallbacks.add("strong")
                     cfg.strong_isolation = False
+                    log.warning("verifier: a worker failed to start in the jail, so workers "
+                                "now run without the filesystem boundary (%s): %s",
+                                isolation(False).describe(), _tail(child.stderr_tail(), 500))
                 elif fresh:
                     raise
                 # A spare that died or hung while waiting, or one started before the fallback.
@@ -453,6 +469,7 @@ class Verifier:
         hw["verifier_version"] = VERIFIER_VERSION
         hw["l2_flush"] = f"{self.config.l2_flush}x{self.config.l2_flush_factor}"
         hw["devices"] = [i for i in self._device_ids if i is not None]
+        hw["isolation"] = isolation(self.config.strong_isolation).level  # of the workers
         return hw
 
     def verify_sync(self, problem: Problem, candidate: Candidate) -> Verdict:
@@ -597,8 +614,6 @@ class Verifier:
     async def _build(self, candidate: Candidate, details: dict[str, Any]) -> list[BuildResult]:
         calls = extract_inline_calls(candidate.source)
         if calls is None:
-            from kz_stream.verify.sandbox import run_in_sandbox
-
             out = await asyncio.to_thread(
                 run_in_sandbox, "kz_stream.verify.build:record_inline_calls",
                 (candidate.source,), timeout_s=120)
@@ -731,6 +746,7 @@ class _Stage:
         """A worker request; errors become the verdict they mean."""
         stage = stage or str(msg["cmd"])
         started = time.monotonic()
+        oom_kills = _oom_kills()
         try:
             async with self._shared():
                 r = await asyncio.to_thread(self.w.call, msg,
@@ -739,8 +755,11 @@ class _Stage:
             raise self.reject(Status.TIMEOUT, f"{stage}: {e}", stage) from e
         except ChildDied as e:
             status = Status.RUNTIME_ERROR
-            if (e.returncode is not None and e.returncode in (-9, 137)) or "out of memory" in (
-                    e.stderr_tail.lower()):
+            killed = e.returncode is not None and e.returncode in (-9, 137)
+            # A SIGKILL is the kernel's OOM killer only if it killed something meanwhile
+            # (a candidate can kill its own process group too).
+            if (killed and (oom_kills is None or _oom_kills() != oom_kills)) or (
+                    "out of memory" in e.stderr_tail.lower()):
                 status = Status.OUT_OF_MEMORY
             raise self.reject(status, f"{stage}: worker crashed: {e}; "
                               f"{_tail(e.stderr_tail, 1500)}", stage) from e
@@ -1109,6 +1128,18 @@ _FLAG_TEXT = {
 _OOM_SIZES = re.compile(r"Tried to allocate ([\d.]+) ([KMGT]i?B)\b.*?of which ([\d.]+) "
                         r"([KMGT]i?B) is free", re.S)
 _UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed on this host, if it says."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def device_was_full(message: str) -> bool:

@@ -505,7 +505,8 @@ def classify(e: BaseException) -> dict[str, Any]:
     text = "".join(traceback.format_exception_only(type(e), e)).strip()
     low = text.lower()
     kind = "exception"
-    if isinstance(e, torch.OutOfMemoryError | MemoryError) or "out of memory" in low:
+    if isinstance(e, torch.OutOfMemoryError | MemoryError) or "out of memory" in low or (
+            "t allocate memory" in low):  # the CPU allocator at the address-space cap
         kind = "oom"
     elif isinstance(e, _guard.GuardViolation):
         kind = "forbidden"
@@ -561,9 +562,14 @@ def _warm_harness() -> None:
 
 
 def _limit_resources() -> None:
+    """No core dumps, files up to 1 GiB, and the address space the verifier allows (a CPU
+    worker's ``KZ_WORKER_MEMORY_MB``), once the harness is loaded and warm."""
     import resource
 
-    for kind, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, 1 << 30)):
+    limits = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, 1 << 30)]
+    if os.environ.get("KZ_WORKER_MEMORY_MB"):
+        limits.append((resource.RLIMIT_AS, int(os.environ["KZ_WORKER_MEMORY_MB"]) << 20))
+    for kind, value in limits:
         try:
             resource.setrlimit(kind, (value, value))
         except (ValueError, OSError):
