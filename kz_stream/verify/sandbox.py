@@ -127,6 +127,12 @@ def visible_paths(extra: tuple[str, ...] = ()) -> list[str]:
     if os.environ.get("TRITON_PTXAS_PATH"):
         wanted.append(os.path.dirname(os.environ["TRITON_PTXAS_PATH"]))
     wanted += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    # Triton builds its driver stub with the host's C compiler ($CC, else one on PATH), and
+    # a toolchain outside /usr (e.g. /opt/gcc/bin/gcc) needs its whole root (libexec, include).
+    for entry in [*os.environ.get("PATH", "").split(os.pathsep),
+                  *(os.path.dirname(os.environ[v]) for v in ("CC", "CXX") if os.environ.get(v))]:
+        if entry:
+            wanted.append(os.path.dirname(entry) if os.path.basename(entry) == "bin" else entry)
     allowed = {package, *(os.path.abspath(e) for e in extra)}
     chosen: set[str] = set()
     for raw in [*wanted, *allowed]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.verify.sandbox import MAX_PROCESSES, isolation, run_in_sandbox
+from kz_stream.verify.sandbox import MAX_PROCESSES, isolation, run_in_sandbox, visible_paths
 from tests.verify.corpus.hostile import HostileHost
 
 T = "tests.verify.sandbox_targets"
@@ -203,3 +203,15 @@ def test_fallback_is_said_not_silent() -> None:
     level = r.stdout.split("LEVEL ")[1].split()[0]
     assert level in ("network", "none") and "3" in r.stdout
     assert "no filesystem boundary" in r.stderr
+
+
+def test_a_compiler_outside_usr_is_visible_with_its_toolchain_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The H200 host's CC is /opt/gcc/bin/gcc: Triton's driver build failed in the jail
+    # until the toolchain's root was bound.
+    gcc = tmp_path / "opt" / "gcc" / "bin" / "gcc"
+    gcc.parent.mkdir(parents=True)
+    gcc.write_text("")
+    monkeypatch.setenv("CC", str(gcc))
+    assert str(tmp_path / "opt" / "gcc") in visible_paths()
