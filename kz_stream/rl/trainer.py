@@ -736,9 +736,13 @@ class GRPOLearner:
         if tmp.exists():
             shutil.rmtree(tmp)
         model = self.model
-        model.save_pretrained(str(tmp))
         if self.config.full_finetune:
+            model.save_pretrained(str(tmp))
             self.tokenizer.save_pretrained(str(tmp))
+        else:
+            # LoRA never targets the embeddings here; without this PEFT looks the base model
+            # up on the Hub (a network call and a warning) to see if the vocabulary changed.
+            model.save_pretrained(str(tmp), save_embedding_layers=False)
         sha = policy_sha256(tmp)
         manifest = {
             "role": self.role,

@@ -99,7 +99,10 @@ def train_sft(options: SFTOptions) -> dict[str, Any]:
     seconds = time.monotonic() - started
     options.out.mkdir(parents=True, exist_ok=True)
     model: Any = trainer.model
-    model.save_pretrained(str(options.out))
+    if options.full_finetune:
+        model.save_pretrained(str(options.out))
+    else:  # no Hub lookup of the base (see rl.trainer's _write_policy)
+        model.save_pretrained(str(options.out), save_embedding_layers=False)
     shutil.rmtree(options.out / "trainer", ignore_errors=True)
     (options.out / "README.md").unlink(missing_ok=True)  # peft's empty model-card template
     if options.full_finetune:

@@ -292,6 +292,19 @@ def test_save_and_resume(tmp_path: Path) -> None:
     assert result.trained and result.policy_version == 3
 
 
+def test_saving_a_lora_policy_looks_nothing_up_on_the_hub(tmp_path: Path) -> None:
+    import warnings
+
+    cfg = LearnerConfig(learning_rate=1e-2, output_dir=str(tmp_path / "scratch"))
+    learner = CoderLearner(cfg, model=tiny_model(), tokenizer=tiny_tokenizer())
+    # The packaged warm-start adapter names its base by folder name, which is no local path.
+    learner.model.peft_config["default"].base_model_name_or_path = "smollm2-135m-instruct-f32"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        learner.save_policy(tmp_path / "policies")
+    assert [str(w.message) for w in caught if "config" in str(w.message)] == []
+
+
 def test_full_finetune_save_and_resume(tmp_path: Path) -> None:
     learner = _learner(True, tmp_path)
     learner.train_step(_groups(learner.model, shift_logprobs=False))
