@@ -239,6 +239,8 @@ class RunOptions:
     groups_per_step: int = 2
     proposals_per_prompt: int = 2
     max_new_tokens: int = 640  # most warm-Coder kernels fit (p50 504 tokens); CPU time
+    # Both generators' (and so the learner's) sampling temperature; None: the settings'.
+    temperature: float | None = None
     backends: tuple[str, ...] = ("triton",)
     seed_modules: bool = True
     order: tuple[str, ...] = ("coder", "proposer")
@@ -250,7 +252,10 @@ class RunOptions:
         unless a GPU is visible)."""
 
         def llm(cfg: Any) -> Any:
-            return validated_copy(cfg, max_tokens=self.max_new_tokens)
+            changes: dict[str, Any] = {"max_tokens": self.max_new_tokens}
+            if self.temperature is not None:
+                changes["temperature"] = self.temperature
+            return validated_copy(cfg, **changes)
 
         s = settings
         return s.model_copy(

@@ -604,6 +604,11 @@ def run_loop(
     group_size: Annotated[int, typer.Option(help="Kernels sampled per module (G).")] = 2,
     groups_per_step: Annotated[int, typer.Option(help="Complete groups per training step.")] = 2,
     max_new_tokens: Annotated[int, typer.Option(help="Completion length cap.")] = 640,
+    temperature: Annotated[
+        float | None,
+        typer.Option(help="Sampling temperature of both generators (and so of the learner's "
+                          "importance ratios); default: the settings' (1.0)."),
+    ] = None,
     time_limit: Annotated[float, typer.Option(help="Stop after this many seconds.")] = 3600.0,
 ) -> None:
     """Runs the whole co-evolution loop in one process (embedded default: in-memory bus,
@@ -619,6 +624,7 @@ def run_loop(
         group_size=group_size,
         groups_per_step=groups_per_step,
         max_new_tokens=max_new_tokens,
+        temperature=temperature,
         time_limit_s=time_limit,
     )
     try:
@@ -682,7 +688,8 @@ def _rerun_command(options: RunOptions, config: Path | None) -> str:
     parts = ["kz run"] + ([f"--config {config}"] if config else [])
     for name, flag in (("rounds", "--rounds"), ("steps_per_turn", "--steps-per-turn"),
                        ("group_size", "--group-size"), ("groups_per_step", "--groups-per-step"),
-                       ("max_new_tokens", "--max-new-tokens"), ("time_limit_s", "--time-limit")):
+                       ("max_new_tokens", "--max-new-tokens"), ("temperature", "--temperature"),
+                       ("time_limit_s", "--time-limit")):
         value = getattr(options, name)
         if value != getattr(default, name):
             parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")

@@ -259,7 +259,16 @@ def test_summarize_run_takes_records_in_any_mix() -> None:
 
 def test_rerun_command_repeats_the_options_that_differ_from_the_defaults() -> None:
     assert _rerun_command(RunOptions(), None) == "kz run"
-    options = RunOptions(rounds=2, groups_per_step=1, max_new_tokens=32, time_limit_s=900.0)
+    options = RunOptions(rounds=2, groups_per_step=1, max_new_tokens=32, temperature=0.5,
+                         time_limit_s=900.0)
     assert _rerun_command(options, Path("my.toml")) == (
         "kz run --config my.toml --rounds 2 --groups-per-step 1 --max-new-tokens 32 "
-        "--time-limit 900")
+        "--temperature 0.5 --time-limit 900")
+
+
+def test_the_run_temperature_is_both_generators_and_so_the_learners() -> None:
+    from kz_stream.config import Settings
+
+    settings = RunOptions(temperature=0.5).apply(Settings())
+    assert settings.coder.llm.temperature == settings.proposer.llm.temperature == 0.5
+    assert RunOptions().apply(Settings()).coder.llm.temperature == Settings().coder.llm.temperature
