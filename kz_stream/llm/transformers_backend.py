@@ -410,6 +410,10 @@ class TransformersBackend(LLMBackend):
             # peft cannot disable adapters once the last one is gone (its active adapter
             # would name a deleted one), so the last adapter stays loaded, unused.
             if len(policy.model.peft_config) > 1:
+                # Another adapter active first: deleting the active one makes peft pick
+                # one itself, with a warning. Generation sets its own adapter anyway.
+                others = [n for n in policy.model.peft_config if n != policy.adapter]
+                policy.model.set_adapter(others[-1])
                 policy.model.delete_adapter(policy.adapter)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -130,10 +131,17 @@ async def test_a_warm_start_adapter_is_version_zero(smollm2_path: Path, lora_pat
         assert tuned.token_ids != plain.token_ids
         again = warm.sequence_logprobs(tuned.prompt_token_ids, tuned.token_ids, version=0)
         assert again == pytest.approx(tuned.logprobs, abs=TOL)
-        # The learner's first version replaces the warm start; the base is still reachable.
-        await warm.load_policy(1, "")
+        # The learner's first version replaces the warm start, quietly (peft warns when the
+        # active adapter is deleted); then the base is still reachable.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            await warm.load_policy(1, str(lora_path))
+            ((swapped,),) = await warm.generate([TEXT], sampling=greedy)
+        assert swapped.policy_version == 1 and set(warm._policies) == {1}
+        assert [str(w.message) for w in caught if "adapter" in str(w.message).lower()] == []
+        await warm.load_policy(2, "")
         ((back,),) = await warm.generate([TEXT], sampling=greedy)
-        assert back.policy_version == 1 and back.token_ids == plain.token_ids
+        assert back.policy_version == 2 and back.token_ids == plain.token_ids
     finally:
         await bare.close()
         await warm.close()
