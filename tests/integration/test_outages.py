@@ -13,7 +13,8 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,28 @@ def unique_topics() -> tuple[str, TopicsConfig]:
     tag = uuid.uuid4().hex[:8]
     names = ("modules", "kernels", "verdicts", "frontier", "policy", "dead_letter")
     return tag, TopicsConfig(**{f: f"{f}-{tag}" for f in names}, partitions=2)
+
+
+@asynccontextmanager
+async def recording(
+    url: str, bootstrap: str, settings: Settings, *, client_id: str,
+    http_port: int = 0,
+) -> AsyncIterator[tuple[KafkaBus, Recorder]]:
+    """A recorder running on the store at ``url`` and a Kafka bus (topics created); stopped,
+    and the bus closed, on the way out."""
+    async with open_store(url) as store:
+        bus = KafkaBus(bootstrap, client_id=client_id, **KAFKA_TEST_OPTIONS)
+        await bus.start()
+        await bus.create_topics(settings.topics.specs())
+        recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
+        run = asyncio.create_task(run_services([recorder], http_port=http_port,
+                                               install_signal_handlers=False))
+        try:
+            yield bus, recorder
+        finally:
+            recorder.request_stop()
+            await run
+            await bus.close()
 
 
 async def stored_ids(url: str) -> set[str]:
@@ -240,32 +263,21 @@ async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
         status, body = get(health_url)
         return {"status": status, **json.loads(body)["dependencies"]}
 
-    async with open_store(url) as store:
-        bus = KafkaBus(own_broker.bootstrap, client_id=f"restart-{tag}", **KAFKA_TEST_OPTIONS)
-        await bus.start()
-        await bus.create_topics(topics.specs())
-        recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
-        run = asyncio.create_task(
-            run_services([recorder], http_port=port, install_signal_handlers=False)
-        )
-        try:
-            await bus.publish_many(topics.verdicts, verdicts(300, "a"))
-            await wait_for(lambda: recorder.appended_total >= 300, "the first 300 events")
+    async with recording(url, own_broker.bootstrap, settings, client_id=f"restart-{tag}",
+                         http_port=port) as (bus, recorder):
+        await bus.publish_many(topics.verdicts, verdicts(300, "a"))
+        await wait_for(lambda: recorder.appended_total >= 300, "the first 300 events")
 
-            own_broker.stop()
-            await wait_for(lambda: not dependencies()["broker"]["up"], "the broker reported down")
-            assert dependencies()["status"] == 503
-            # The same address, nothing stored: as a broker replaced with an empty one.
-            own_broker.start()  # the same port; the fixture stops this one
-            await wait_for(lambda: dependencies()["status"] == 200,
-                           "broker up, topics recreated, recorder healthy", within=120)
-            after = verdicts(100, "b")
-            await bus.publish_many(topics.verdicts, after)
-            await wait_for(lambda: recorder.appended_total >= 400, "the 100 new events")
-        finally:
-            recorder.request_stop()
-            await run
-            await bus.close()
+        own_broker.stop()
+        await wait_for(lambda: not dependencies()["broker"]["up"], "the broker reported down")
+        assert dependencies()["status"] == 503
+        # The same address, nothing stored: as a broker replaced with an empty one.
+        own_broker.start()  # the same port; the fixture stops this one
+        await wait_for(lambda: dependencies()["status"] == 200,
+                       "broker up, topics recreated, recorder healthy", within=120)
+        after = verdicts(100, "b")
+        await bus.publish_many(topics.verdicts, after)
+        await wait_for(lambda: recorder.appended_total >= 400, "the 100 new events")
     assert recorder.subscriptions[0].stats.dead_lettered == 0
     assert {str(e.event_id) for e in after} <= await stored_ids(url)
 
@@ -283,12 +295,8 @@ async def test_after_a_broker_lost_its_storage_every_record_of_its_new_logs_is_c
     tag, topics = unique_topics()
     url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
     settings = Settings(database_url=url, topics=topics, resilience=FAST_RETRIES)
-    async with open_store(url) as store:
-        bus = KafkaBus(own_broker.bootstrap, client_id=f"newlog-{tag}", **KAFKA_TEST_OPTIONS)
-        await bus.start()
-        await bus.create_topics(topics.specs())
-        recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
-        run = asyncio.create_task(run_services([recorder], install_signal_handlers=False))
+    async with recording(url, own_broker.bootstrap, settings,
+                         client_id=f"newlog-{tag}") as (bus, recorder):
         tail = Collector()
         tail_sub = await bus.subscribe(f"tail-{tag}", [topics.verdicts], tail)
         try:
@@ -310,9 +318,6 @@ async def test_after_a_broker_lost_its_storage_every_record_of_its_new_logs_is_c
                            "the new log, to the recorder", within=20)
         finally:
             await tail_sub.stop()
-            recorder.request_stop()
-            await run
-            await bus.close()
     assert recorder.subscriptions[0].stats.dead_lettered == 0
     assert {str(i) for i in want} <= await stored_ids(url)
 
@@ -379,12 +384,8 @@ async def test_a_broker_outage_that_keeps_its_storage_makes_nobody_read_again(
     await proxy.start()
     broker = LocalBroker(port=broker_port, advertised_port=proxy.port).start()
     try:
-        async with open_store(url) as store:
-            bus = KafkaBus(broker.bootstrap, client_id=f"cut-{tag}", **KAFKA_TEST_OPTIONS)
-            await bus.start()
-            await bus.create_topics(topics.specs())
-            recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
-            run = asyncio.create_task(run_services([recorder], install_signal_handlers=False))
+        async with recording(url, broker.bootstrap, settings,
+                             client_id=f"cut-{tag}") as (bus, recorder):
             a, b = Collector(), Collector()
             sub_a = await bus.subscribe(f"tail-{tag}", [topics.verdicts], a)
             sub_b = None
@@ -407,9 +408,6 @@ async def test_a_broker_outage_that_keeps_its_storage_makes_nobody_read_again(
                 for sub in (sub_a, sub_b):
                     if sub is not None:
                         await sub.stop()
-                recorder.request_stop()
-                await run
-                await bus.close()
     finally:
         broker.stop()
         await proxy.cut()
