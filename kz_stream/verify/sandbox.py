@@ -131,8 +131,9 @@ def visible_paths(extra: tuple[str, ...] = ()) -> list[str]:
     # a toolchain outside /usr (e.g. /opt/gcc/bin/gcc) needs its whole root (libexec, include).
     for entry in [*os.environ.get("PATH", "").split(os.pathsep),
                   *(os.path.dirname(os.environ[v]) for v in ("CC", "CXX") if os.environ.get(v))]:
-        if entry:
-            wanted.append(os.path.dirname(entry) if os.path.basename(entry) == "bin" else entry)
+        root = os.path.dirname(entry) if os.path.basename(entry) == "bin" else entry
+        if root and os.path.abspath(root) != "/":  # /bin's root is the whole host
+            wanted.append(root)
     allowed = {package, *(os.path.abspath(e) for e in extra)}
     chosen: set[str] = set()
     for raw in [*wanted, *allowed]:

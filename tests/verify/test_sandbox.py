@@ -218,3 +218,16 @@ def test_a_compiler_outside_usr_is_visible_with_its_toolchain_root(
     gcc.write_text("")
     monkeypatch.setenv("CC", str(gcc))
     assert str(tmp_path / "opt" / "gcc") in visible_paths()
+
+
+def test_bin_on_path_never_shows_the_whole_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    # /bin and /sbin are PATH entries whose "toolchain root" would be /; with a service
+    # run from / and a system user's HOME of /, nothing else would keep / out.
+    # (the package pip-installed into the environment, so no project folder to protect).
+    from kz_stream.verify import sandbox
+
+    monkeypatch.setattr(sandbox, "_PKG_ROOT", os.path.join(sys.prefix, "lib", "site-packages"))
+    monkeypatch.setenv("PATH", "/bin:/sbin:/usr/bin")
+    monkeypatch.setenv("HOME", "/")
+    monkeypatch.chdir("/")
+    assert "/" not in visible_paths()
