@@ -4,7 +4,7 @@ PostgreSQL and the tansu broker, each next to a raw baseline measured in the sam
     python -m benchmarks.bench_recorder [--events 100000] [--repeats 2]
 
 Recorder: ``--events`` ~500 B KernelGenerated/KernelVerified envelopes are published to
-``kz.kernels`` and ``kz.verdicts`` first. Then the real service runs as it does in
+``kz.kernels`` first. Then the real service runs as it does in
 production, ``kz serve recorder`` in its own process configured by environment variables,
 into a fresh database; the benchmark watches the recorder's offsets in the tracking table
 (they commit with the events) until all are stored. The baseline, alternating with it, is a
@@ -62,7 +62,7 @@ from kz_stream.store._schema import EVENT_COLUMNS
 from kz_stream.store._sql import _COPY_TYPES, _page_query
 
 GROUP = "kz-recorder"  # consumers.recorder.Recorder.group
-TOPIC_KEYS = ("modules", "kernels", "verdicts", "frontier", "policy")
+TOPIC_KEYS = ("modules", "kernels", "frontier", "policy")
 MAX_BATCH = 5000  # what the recorder asks the bus for
 COPY_TYPES = list(_COPY_TYPES)  # the store's own COPY column types, for the raw baseline
 RAW_COPY = f"COPY events_raw ({', '.join(EVENT_COLUMNS)}) FROM STDIN (FORMAT BINARY)"
@@ -139,13 +139,14 @@ def topic_names(prefix: str) -> dict[str, str]:
 
 
 async def publish(bootstrap: str, prefix: str, events: Sequence[Event], partitions: int) -> float:
-    """Publishes generations to kz.kernels and verdicts to kz.verdicts; returns events/s."""
+    """Publishes generations and verdicts to kz.kernels (a kernel's verdict after it, in its
+    partition: there is no verdicts topic); returns events/s."""
     names = topic_names(prefix)
     bus = KafkaBus(bootstrap, client_id="bench")
     await bus.start()
     try:
         await bus.create_topics(
-            [TopicSpec(names[k], partitions) for k in ("modules", "kernels", "verdicts")]
+            [TopicSpec(names[k], partitions) for k in ("modules", "kernels")]
             + [TopicSpec(names[k], 1, compacted=True) for k in ("frontier", "policy")]
             + [TopicSpec(names["dead_letter"], 1)]
         )
@@ -154,7 +155,7 @@ async def publish(bootstrap: str, prefix: str, events: Sequence[Event], partitio
         started = time.perf_counter()
         for i in range(0, len(gens), 10_000):
             await bus.publish_many(names["kernels"], gens[i : i + 10_000])
-            await bus.publish_many(names["verdicts"], verdicts[i : i + 10_000])
+            await bus.publish_many(names["kernels"], verdicts[i : i + 10_000])
         return len(events) / (time.perf_counter() - started)
     finally:
         await bus.close()
@@ -442,8 +443,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     notes = (
         f"{n:,} KernelGenerated/KernelVerified envelopes of ~{wire_bytes:,.0f} B (payload "
-        f"~{payload_bytes:,.0f} B) pre-published to kz.kernels and kz.verdicts "
-        f"({args.partitions} partitions each), tansu broker (memory storage), throwaway "
+        f"~{payload_bytes:,.0f} B) pre-published to kz.kernels "
+        f"({args.partitions} partitions), tansu broker (memory storage), throwaway "
         f"Postgres (fsync off); best of {args.repeats}, alternating with the baselines. "
         "Recorder: the real service, `kz serve recorder` as a subprocess (decode and pydantic "
         "validation of every event, advisory-locked COPY, offsets in the same transaction, "

@@ -64,9 +64,8 @@ def workload(n: int, backends: tuple[str, ...] = ("triton", "cuda")) -> list[tup
 
 def _topics(tag: str) -> TopicsConfig:
     return TopicsConfig(modules=f"kz.modules.{tag}", kernels=f"kz.kernels.{tag}",
-                        verdicts=f"kz.verdicts.{tag}", frontier=f"kz.frontier.{tag}",
-                        policy=f"kz.policy.{tag}", dead_letter=f"kz.dead-letter.{tag}",
-                        partitions=8)
+                        frontier=f"kz.frontier.{tag}", policy=f"kz.policy.{tag}",
+                        dead_letter=f"kz.dead-letter.{tag}", partitions=8)
 
 
 async def seed(settings: Settings, kernels: list[tuple[str, str, str]]) -> list[str]:

@@ -23,10 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kz_stream.events import Event, FrontierUpdated, PolicyVersionPublished, new_event
+from kz_stream.events import (
+    Event,
+    FrontierUpdated,
+    PolicyVersionPublished,
+    TrainingStepCompleted,
+    new_event,
+)
 from kz_stream.faults import is_transient
-from kz_stream.frontier import FrontierConfig, RunState, compute_frontier
 from kz_stream.rl import AlternationConfig, AlternationSchedule, Group, Role, Sample
+from kz_stream.run_state import FrontierConfig, RunState, compute_frontier
 from kz_stream.runtime import Service, ServiceContext
 
 if TYPE_CHECKING:
@@ -304,15 +310,24 @@ class LearnerService(Service):
         groups: list[Group],
         seconds: float,
     ) -> None:
-        # Even a step that trained nothing (all samples stale) records its groups as used,
-        # so they are not offered again.
-        step_payload = result.as_event(store_position=self.state.position)
-        step_payload = step_payload.model_copy(
-            update={"group_ids": [g.group_id for g in groups], "step": self.steps_done + 1}
+        step = TrainingStepCompleted(
+            role=role,
+            step=self.steps_done + 1,  # the schedule's step, not the optimizer's count
+            policy_version=result.policy_version,
+            kernel_ids=result.kernel_ids,
+            module_ids=result.module_ids,
+            # Every group offered, not only those trained on: even a step that trained
+            # nothing (all samples stale) uses its groups up, so they are not offered again.
+            group_ids=[g.group_id for g in groups],
+            losses=result.losses,
+            mean_reward=result.mean_reward,
+            staleness=result.staleness,
+            dropped_stale=result.dropped_stale,
+            store_position=self.state.position,
         )
         events = [
             new_event(
-                step_payload,
+                step,
                 stream_id=f"learner-{role}",
                 stream_version=self.steps_done,
                 producer=self.ctx.producer_id,

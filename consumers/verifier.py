@@ -1,36 +1,43 @@
-"""The verifier service: reads ``kz.kernels``, verifies each kernel in worker processes,
-writes ``KernelVerified`` with the consumer's offsets in one transaction, then publishes
-the verdict on ``kz.verdicts``.
+"""The verifier service: reads ``kz.kernels``, verifies each kernel in worker processes and
+writes ``KernelVerified`` with the consumer's offsets in one transaction. The store is where
+verdicts go: the learner tails it (nothing reads verdicts off the bus).
 
-A bad kernel is a verdict. A kernel whose module is not in the store (yet) is retried for
-a while and then raised as an infrastructure fault, which the bus dead-letters.
+A kernel names its module (``module_id``, and since ``KernelGenerated`` v3 the source's
+``module_sha256``). The service keeps the sources it saw on ``kz.modules`` (a subscription
+of its own); a module it has not seen there (published before it subscribed, a replay) is
+read from the store. Only a module in neither place is waited for, up to ``module_wait_s``
+(its recorder may lag), and then raised as an infrastructure fault, which the bus
+dead-letters. A bad kernel is a verdict.
 
 A verdict's event id is derived from the kernel event's id and the verifier version, so a
 kernel verified twice by one verifier version (a consumer that lost its partitions while
 verifying, a redelivery after a crash between commit and offset) is stored once: the
-store skips an event id it holds.
+store skips an event id it holds. Its stream version is computed, not read back: the
+kernel event's plus one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 
 from kz_stream.bus import BusMessage, InfrastructureError, offsets_after
 from kz_stream.events import (
     Event,
     KernelGenerated,
+    KernelVerified,
     ModuleProposed,
     new_event,
     payload_as,
+    source_sha256,
 )
 from kz_stream.runtime import Service, ServiceContext, StoreOffsets
-from kz_stream.store import EventStore, RecordedEvent
 from kz_stream.verify import VERIFIER_VERSION, Candidate, Problem, Verifier
-from kz_stream.verify.events import to_kernel_verified
 
-__all__ = ["VerifierService", "verdict_event", "verdict_event_id"]
+__all__ = ["ModuleSources", "VerifierService", "verdict_event", "verdict_event_id"]
 
 _VERDICT_NAMESPACE = uuid.UUID("6d1c7f0e-3b7a-4c55-9a0e-5b2d1f8e9c41")
 
@@ -42,34 +49,60 @@ def verdict_event_id(kernel_event_id: uuid.UUID, verifier_version: str = VERIFIE
 
 
 async def verdict_event(
-    verifier: Verifier, store: EventStore, event: Event, module_source: str, *, producer: str,
-    read_stream: Callable[[str], Awaitable[Sequence[RecordedEvent]]] | None = None,
+    verifier: Verifier,
+    event: Event,
+    module_source: str,
+    *,
+    producer: str,
+    stream_version: int | None = None,
 ) -> Event:
     """Verifies a ``KernelGenerated`` event against its module's source and returns the
-    ``KernelVerified`` event, next in the kernel's stream, with its deterministic id.
-    ``read_stream`` reads the kernel's stream (default: ``store.read_stream``)."""
+    ``KernelVerified`` event in the kernel's stream, with its deterministic id, at
+    ``stream_version`` (default: the kernel event's plus one; a re-score, which adds a
+    verdict beside earlier ones, passes the stream's next version)."""
     kernel = payload_as(event, KernelGenerated)
     verdict = await verifier.verify(
         Problem(module_source), Candidate(kernel.source, backend=kernel.backend)
     )
-    payload = to_kernel_verified(
-        verdict,
-        kernel_id=kernel.kernel_id,
-        module_id=kernel.module_id,
-        group_id=kernel.group_id,
-        policy_version=kernel.policy_version,
-    )
-    history = await (read_stream or store.read_stream)(event.stream_id)
-    version = max([r.event.stream_version for r in history] + [event.stream_version]) + 1
     return new_event(
-        payload,
+        KernelVerified.from_verdict(verdict, kernel),
         event_id=verdict_event_id(event.event_id, verdict.verifier_version),
         stream_id=event.stream_id,
-        stream_version=version,
+        stream_version=event.stream_version + 1 if stream_version is None else stream_version,
         producer=producer,
         correlation_id=event.correlation_id,
         causation_id=event.event_id,
     )
+
+
+class ModuleSources:
+    """Module sources by module id with their SHA-256, the newest ``capacity`` kept (a
+    kernel's module is one proposed shortly before it; an older one is in the store)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._sources: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._added = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def put(self, module_id: str, source: str) -> None:
+        self._sources[module_id] = (source, source_sha256(source))
+        self._sources.move_to_end(module_id)
+        while len(self._sources) > self.capacity:
+            self._sources.popitem(last=False)
+        self._added.set()
+        self._added = asyncio.Event()
+
+    def get(self, module_id: str) -> tuple[str, str] | None:
+        """The source and its SHA-256, or None when the module is not here."""
+        return self._sources.get(module_id)
+
+    async def wait_for_more(self, seconds: float) -> None:
+        """Returns when a module is added, or after ``seconds``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._added.wait(), seconds)
 
 
 class VerifierService(Service):
@@ -88,10 +121,18 @@ class VerifierService(Service):
         self.verifier = verifier or Verifier()
         self.module_wait_s = module_wait_s
         self.max_batch = max_batch
-        self._modules: dict[str, str] = {}
+        self.modules = ModuleSources()
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
+        # A group of this process's own: every verifier needs every module. From the end of
+        # the topic: modules proposed before this process started are read from the store.
+        modules_sub = await self.subscribe(
+            f"{self.group}-modules-{uuid.uuid4().hex[:8]}",
+            [topics.modules],
+            self.remember_modules,
+            from_beginning=False,
+        )
         sub = await self.subscribe(
             self.group,
             [topics.kernels],
@@ -109,41 +150,55 @@ class VerifierService(Service):
         finally:
             stop.cancel()
             await sub.stop()
+            await modules_sub.stop()
             await self.verifier.aclose()
             if failed.done() and not failed.cancelled() and failed.exception():
                 raise failed.exception()  # type: ignore[misc]
             failed.cancel()
 
-    async def _module_source(self, module_id: str) -> str:
-        """The reference module's source, from the store (the recorder may lag a little)."""
-        if module_id in self._modules:
-            return self._modules[module_id]
+    async def remember_modules(self, batch: Sequence[BusMessage]) -> None:
+        """Keeps the sources of the valid modules on ``kz.modules`` (the Coder's work)."""
+        for m in batch:
+            if m.event is not None and m.event.type == "ModuleProposed":
+                module = payload_as(m.event, ModuleProposed)  # validated by the bus already
+                if module.validation.valid:
+                    self.modules.put(module.module_id, module.source)
+
+    async def _stored_module(self, module_id: str) -> str | None:
+        records = await self.wait_out(lambda: self.ctx.store.read_stream(f"module-{module_id}"))
+        for r in records:
+            if r.event.type == "ModuleProposed":
+                source = payload_as(r.event, ModuleProposed).source
+                self.modules.put(module_id, source)
+                return source
+        return None
+
+    async def _module_source(self, kernel: KernelGenerated) -> str:
+        """The source of the kernel's module: kept from ``kz.modules``, else from the store;
+        a module in neither is waited for (the recorder may lag) up to ``module_wait_s``."""
         delay, waited = 0.05, 0.0
-        while True:
-            records = await self.wait_out(
-                lambda: self.ctx.store.read_stream(f"module-{module_id}")
-            )
-            for r in records:
-                if r.event.type == "ModuleProposed":
-                    source = payload_as(r.event, ModuleProposed).source
-                    self._modules[module_id] = source
-                    return source
+        while (known := self.modules.get(kernel.module_id)) is None:
+            if await self._stored_module(kernel.module_id) is not None:
+                continue
             if waited >= self.module_wait_s:
-                raise InfrastructureError(f"module {module_id} is not in the store")
-            await asyncio.sleep(delay)
+                raise InfrastructureError(f"module {kernel.module_id} is not in the store")
+            await self.modules.wait_for_more(delay)
             waited += delay
             delay = min(delay * 2, 1.0)
+        source, sha256 = known
+        if kernel.module_sha256 and kernel.module_sha256 != sha256:
+            raise InfrastructureError(
+                f"module {kernel.module_id}: its source is not the one kernel "
+                f"{kernel.kernel_id} was written for (sha256 {kernel.module_sha256})"
+            )
+        return source
 
     async def _verify_one(self, event: Event) -> Event:
-        kernel = payload_as(event, KernelGenerated)
-        source = await self._module_source(kernel.module_id)
+        source = await self._module_source(payload_as(event, KernelGenerated))
         self.metrics.in_flight.inc()
         try:
             return await verdict_event(
-                self.verifier, self.ctx.store, event, source, producer=self.ctx.producer_id,
-                # An outage after the verification is waited out, not a reason to verify
-                # the whole batch again.
-                read_stream=lambda sid: self.wait_out(lambda: self.ctx.store.read_stream(sid)),
+                self.verifier, event, source, producer=self.ctx.producer_id
             )
         finally:
             self.metrics.in_flight.dec()
@@ -161,9 +216,6 @@ class VerifierService(Service):
         # verify the whole batch again.
         await self.wait_out(
             lambda: self.ctx.store.append(verdicts, tracking={self.group: offsets_after(batch)})
-        )
-        await self.wait_out(
-            lambda: self.ctx.bus.publish_many(self.ctx.settings.topics.verdicts, verdicts)
         )
         for v in verdicts:
             self.metrics.handled("KernelVerified")

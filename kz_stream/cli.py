@@ -463,7 +463,7 @@ def frontier(
     top: Annotated[int, typer.Option(help="Rows to show.")] = 30,
 ) -> None:
     """Shows the capability map (pass rate and speed per API) and the current frontier."""
-    from kz_stream.frontier import CapabilityMap, RunState, compute_frontier
+    from kz_stream.run_state import CapabilityMap, RunState, compute_frontier
     from kz_stream.store import open_store
 
     settings = _settings(config)
@@ -1048,13 +1048,9 @@ def rescore_cmd(
                           f"{VERIFIER_VERSION}", highlight=False)
             with _progress_bars(counts=True) as bars:
                 task = bars.add_task("verified", total=todo, detail="")
-
-                async def publish(events: list[Any]) -> None:
-                    await ctx.bus.publish_many(settings.topics.verdicts, events)
-
                 return await rescore(
                     ctx.store, make_verifier(settings), plan, producer=ctx.producer_id,
-                    publish=publish, concurrency=concurrency,
+                    concurrency=concurrency,
                     on_verdict=lambda done, _: bars.update(task, completed=done))
 
     d = _run(go())

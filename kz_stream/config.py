@@ -53,7 +53,6 @@ class _Section(BaseModel):
 class TopicsConfig(_Section):
     modules: str = "kz.modules"
     kernels: str = "kz.kernels"
-    verdicts: str = "kz.verdicts"
     frontier: str = "kz.frontier"
     policy: str = "kz.policy"
     dead_letter: str = "kz.dead-letter"
@@ -64,7 +63,6 @@ class TopicsConfig(_Section):
         return [
             TopicSpec(self.modules, self.partitions),
             TopicSpec(self.kernels, self.partitions),
-            TopicSpec(self.verdicts, self.partitions),
             TopicSpec(self.frontier, 1, compacted=True),
             TopicSpec(self.policy, 1, compacted=True),
             TopicSpec(self.dead_letter, 1),

@@ -10,22 +10,27 @@ object (orjson, UTF-8, no whitespace)::
 
 Payloads are pydantic models registered by ``type``. Each payload class carries the
 schema version it writes; older stored versions are upcast on read by functions in
-``UPCASTERS`` keyed by ``(type, from_version)``. Stored rows are never rewritten.
+``UPCASTERS`` keyed by ``(type, from_version)``, walked in one place (``current_payload``).
+Stored rows are never rewritten. A payload is validated once per envelope: ``decode_event``
+(the bus edge) or the first ``Event.decode()`` keeps it, and later decodes return it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 # One enum for verdicts: the verify core's, which imports only the standard library (the
-# core runs on GPU hosts without pydantic).
-from kz_stream.verify._types import Status as VerdictStatus
+# core runs on GPU hosts without pydantic). The arrow points this way only: the event model
+# knows verdicts, the verify core knows no events.
+from kz_stream.verify import Status as VerdictStatus
+from kz_stream.verify import Verdict
 
 __all__ = [
     "EVALUATION_PREFIX",
@@ -46,11 +51,13 @@ __all__ = [
     "PolicyVersionPublished",
     "TrainingStepCompleted",
     "VerdictStatus",
+    "current_payload",
     "decode_event",
     "encode_event",
     "is_evaluation",
     "new_event",
     "payload_as",
+    "source_sha256",
 ]
 
 
@@ -107,11 +114,18 @@ class ModuleProposed(Payload):
     validation: ModuleValidation
 
 
+def source_sha256(source: str) -> str:
+    """The SHA-256 (hex) of a source text as UTF-8: how a kernel names its module's text."""
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
 class KernelGenerated(Payload):
-    """A Coder sample. v1 named the backend ``language``; v2 calls it ``backend``."""
+    """A Coder sample. v1 named the backend ``language``; v2 calls it ``backend``; v3 adds
+    ``module_sha256``, the ``source_sha256`` of the module source the kernel was written
+    for, so a verifier can take that source from its own cache and know it is the one."""
 
     event_type: ClassVar[str] = "KernelGenerated"
-    schema_version: ClassVar[int] = 2
+    schema_version: ClassVar[int] = 3
 
     kernel_id: str
     module_id: str
@@ -123,6 +137,7 @@ class KernelGenerated(Payload):
     sampling: dict[str, Any] = Field(default_factory=dict)
     policy_version: int = 0
     completion: Completion | None = None
+    module_sha256: str = ""  # "" in kernels generated before v3
 
 
 class KernelVerified(Payload):
@@ -144,6 +159,19 @@ class KernelVerified(Payload):
     details: dict[str, Any] = Field(default_factory=dict)
     # What this verifier could not check here (e.g. "timing" on a machine without a GPU).
     unchecked: list[str] = Field(default_factory=list)
+
+    @classmethod
+    def from_verdict(cls, verdict: Verdict, kernel: KernelGenerated) -> KernelVerified:
+        """The payload of ``verdict`` on ``kernel``: the one verdict-to-event conversion."""
+        return cls.model_validate(
+            {
+                "kernel_id": kernel.kernel_id,
+                "module_id": kernel.module_id,
+                "group_id": kernel.group_id,
+                "policy_version": kernel.policy_version,
+                **verdict.to_dict(),
+            }
+        )
 
 
 class FrontierUpdated(Payload):
@@ -193,7 +221,7 @@ class PolicyVersionLoaded(Payload):
 
 
 # Correlation ids of evaluation runs start with this; their events never become training
-# data or frontier statistics (``kz_stream.frontier.RunState`` skips them).
+# data or frontier statistics (``kz_stream.run_state.RunState`` skips them).
 EVALUATION_PREFIX = "eval-"
 
 
@@ -247,11 +275,16 @@ def _kernel_generated_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     return upcast
 
 
+def _kernel_generated_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"module_sha256": "", **payload}  # the module's hash was not recorded
+
+
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
 # (type, from_version) -> function returning the payload at from_version + 1.
 UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("KernelGenerated", 1): _kernel_generated_v1_to_v2,
+    ("KernelGenerated", 2): _kernel_generated_v2_to_v3,
 }
 
 
@@ -275,34 +308,59 @@ class Event(BaseModel):
     causation_id: uuid.UUID | None = None
     payload: dict[str, Any]
 
+    # The validated payload, kept by the first decode (``decode_event`` or ``decode()``).
+    _decoded: Payload | None = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:
+        # The envelope's fields, not whether its payload was decoded yet.
+        if not isinstance(other, Event):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
     def decode(self) -> Payload:
-        """Returns the typed payload, upcast to the current schema version."""
-        cls = EVENT_TYPES.get(self.type)
-        if cls is None:
-            raise EventDecodeError(f"type: unknown event type {self.type!r}")
-        data, version = self.payload, self.schema_version
-        if version > cls.schema_version:
-            raise EventDecodeError(
-                f"schema_version: {self.type} v{version} is newer than this code "
-                f"(v{cls.schema_version})"
-            )
-        while version < cls.schema_version:
-            upcast = UPCASTERS.get((self.type, version))
-            if upcast is None:
-                raise EventDecodeError(
-                    f"schema_version: no upcaster for {self.type} v{version}"
-                )
+        """Returns the typed payload, upcast to the current schema version; validated on
+        the first call only."""
+        decoded = self._decoded
+        if decoded is None:
+            cls = _payload_class(self.type)
             try:
-                data = upcast(data)
-            except KeyError as e:
-                raise EventDecodeError(
-                    f"payload.{e.args[0]}: missing in {self.type} v{version}"
-                ) from e
-            version += 1
+                decoded = cls.model_validate(current_payload(self))
+            except ValidationError as e:
+                raise EventDecodeError(_first_error(e, prefix="payload")) from e
+            self._decoded = decoded
+        return decoded
+
+
+def _payload_class(event_type: str) -> type[Payload]:
+    cls = EVENT_TYPES.get(event_type)
+    if cls is None:
+        raise EventDecodeError(f"type: unknown event type {event_type!r}")
+    return cls
+
+
+def current_payload(event: Event) -> dict[str, Any]:
+    """The event's payload upcast to its type's current schema version, not validated: the
+    one walk over ``UPCASTERS``. Projections read this (every stored row was validated on
+    append); ``Event.decode()`` validates it."""
+    cls = _payload_class(event.type)
+    data, version = event.payload, event.schema_version
+    if version > cls.schema_version:
+        raise EventDecodeError(
+            f"schema_version: {event.type} v{version} is newer than this code "
+            f"(v{cls.schema_version})"
+        )
+    while version < cls.schema_version:
+        upcast = UPCASTERS.get((event.type, version))
+        if upcast is None:
+            raise EventDecodeError(f"schema_version: no upcaster for {event.type} v{version}")
         try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            raise EventDecodeError(_first_error(e, prefix="payload")) from e
+            data = upcast(data)
+        except KeyError as e:
+            raise EventDecodeError(
+                f"payload.{e.args[0]}: missing in {event.type} v{version}"
+            ) from e
+        version += 1
+    return data
 
 
 def payload_as(event: Event, cls: type[P]) -> P:
@@ -401,7 +459,7 @@ def decode_event(data: bytes | str | Mapping[str, Any]) -> Event:
     if cls is not None and event.schema_version == cls.schema_version:
         # Current version: nothing to upcast, so this is all that decode() would do.
         try:
-            cls.__pydantic_validator__.validate_python(event.payload)
+            event._decoded = cls.__pydantic_validator__.validate_python(event.payload)
         except ValidationError as e:
             raise EventDecodeError(_first_error(e, prefix="payload")) from e
     else:

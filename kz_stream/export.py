@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kz_stream.app import redact_url
-from kz_stream.events import is_evaluation
-from kz_stream.frontier import CapabilityMap, KernelRecord, RunState
-from kz_stream.projections import current_payload
+from kz_stream.events import current_payload, is_evaluation
+from kz_stream.run_state import CapabilityMap, KernelRecord, RunState
 from kz_stream.store import EventStore
 
 __all__ = [

@@ -6,9 +6,9 @@ recorded events to them. Each batch's writes and the projection's position (trac
 stops anywhere resumes with ``catch_up`` with nothing lost and nothing applied twice.
 
 Projections read payloads as stored dicts, upcast to the current schema version
-(``current_payload``), not as pydantic models: every row was validated on append, and
-building a model of an 8 KB ``KernelGenerated`` per event would cost more than the rest of
-the replay together.
+(``kz_stream.events.current_payload``), not as pydantic models: every row was validated on
+append, and building a model of an 8 KB ``KernelGenerated`` per event would cost more than
+the rest of the replay together.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from kz_stream.events import EVENT_TYPES, UPCASTERS, Event, EventDecodeError
+from kz_stream.events import Event, current_payload
 from kz_stream.store._port import AppendResult, EventStore, RecordedEvent, StoreTransaction
 
 __all__ = [
@@ -54,7 +54,6 @@ __all__ = [
     "Projection",
     "ReplayStats",
     "catch_up",
-    "current_payload",
     "kernels",
     "projection_hash",
     "rebuild",
@@ -99,20 +98,6 @@ def tracking_name(projection: Projection) -> str:
     return f"projection:{projection.name}"
 
 
-def current_payload(event: Event) -> dict[str, Any]:
-    """The stored payload upcast to its type's current schema version, not validated."""
-    cls = EVENT_TYPES.get(event.type)
-    if cls is None:
-        raise EventDecodeError(f"type: unknown event type {event.type!r}")
-    data, version = event.payload, event.schema_version
-    while version < cls.schema_version:
-        upcast = UPCASTERS.get((event.type, version))
-        if upcast is None:
-            raise EventDecodeError(f"schema_version: no upcaster for {event.type} v{version}")
-        data, version = upcast(data), version + 1
-    return data
-
-
 OnBatch = Callable[[int], object]  # called with the position after each committed batch
 
 
@@ -124,12 +109,7 @@ async def rebuild(
     on_batch: OnBatch | None = None,
 ) -> ReplayStats:
     """Drops and recreates the projection's tables, then replays every event from 0."""
-    async with store.transaction() as tx:
-        await tx.run_sync(projection.metadata.drop_all)
-        await tx.run_sync(projection.metadata.create_all)
-        await tx.set_tracking(tracking_name(projection), {TRACKING_KEY: 0})
-        dialect = tx.dialect
-    return await _replay(store, projection, dialect, 0, batch_size, on_batch)
+    return await _replay(store, projection, batch_size, on_batch, fresh=True)
 
 
 async def catch_up(
@@ -140,27 +120,40 @@ async def catch_up(
     on_batch: OnBatch | None = None,
 ) -> ReplayStats:
     """Applies the events after the projection's stored position (creating missing tables)."""
+    return await _replay(store, projection, batch_size, on_batch, fresh=False)
+
+
+async def _start(store: EventStore, projection: Projection, *, fresh: bool) -> tuple[str, int]:
+    """Creates the projection's tables (dropped first when ``fresh``); returns the dialect
+    and the position to replay from."""
+    name = tracking_name(projection)
     async with store.transaction() as tx:
+        if fresh:
+            await tx.run_sync(projection.metadata.drop_all)
         await tx.run_sync(projection.metadata.create_all)
-        stored = await tx.get_tracking(tracking_name(projection))
-        dialect = tx.dialect
-    position = stored.get(TRACKING_KEY, 0)
-    return await _replay(store, projection, dialect, position, batch_size, on_batch)
+        if fresh:
+            await tx.set_tracking(name, {TRACKING_KEY: 0})
+            position = 0
+        else:
+            position = (await tx.get_tracking(name)).get(TRACKING_KEY, 0)
+        return tx.dialect, position
 
 
 async def _replay(
     store: EventStore,
     projection: Projection,
-    dialect: str,
-    position: int,
     batch_size: int,
     on_batch: OnBatch | None,
+    *,
+    fresh: bool,
 ) -> ReplayStats:
-    """Applies batches in order, one transaction each, with the next batch's Python work
-    (building its events, ``apply``'s fold) overlapping the database work of the one
-    before: that upsert was most of a replay's wall time, the CPU mostly idle during it
-    (measured ~15% faster). A batch opens its transaction only once the previous one has
-    committed (``_AfterCommit``), so batches still take effect one at a time, in order."""
+    """Prepares the tables (``_start``), then applies batches in order, one transaction
+    each, with the next batch's Python work (building its events, ``apply``'s fold)
+    overlapping the database work of the one before: that upsert was most of a replay's
+    wall time, the CPU mostly idle during it (measured ~15% faster). A batch opens its
+    transaction only once the previous one has committed (``_AfterCommit``), so batches
+    still take effect one at a time, in order."""
+    dialect, position = await _start(store, projection, fresh=fresh)
     started = time.perf_counter()
     applied = 0
     name = tracking_name(projection)

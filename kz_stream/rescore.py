@@ -4,7 +4,8 @@ their old verdicts, and report the drift.
 The new verdicts are written by the verifier service's own function
 (``consumers.verifier.verdict_event``): their ids come from the kernel event and the
 verifier version, so a kernel already judged by this version is skipped, and a rescore
-cut short resumes by running it again. The drift compares each kernel's newest earlier
+cut short resumes by running it again. A new verdict takes the next version of its kernel's
+stream as the replay found it. The drift compares each kernel's newest earlier
 verdict with the new one: verdicts that flipped between correct and not, grouped by the
 check that decided the new one, and the training steps (and the policy versions they
 published) whose rewards used a flipped kernel.
@@ -36,6 +37,17 @@ class RescorePlan:
     modules: dict[str, str] = field(default_factory=dict)  # module id -> source
     verdicts: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # in store order
     steps: list[TrainingStepCompleted] = field(default_factory=list)
+    # kernel id -> the highest stream version stored in its stream (generation, verdicts)
+    stream_versions: dict[str, int] = field(default_factory=dict)
+
+    def next_version(self, kernel_id: str) -> int:
+        """The stream version a new verdict on the kernel takes."""
+        return self.stream_versions[kernel_id] + 1
+
+    def record_version(self, kernel_id: str, stream_version: int) -> None:
+        self.stream_versions[kernel_id] = max(
+            stream_version, self.stream_versions.get(kernel_id, stream_version)
+        )
 
     def todo(self, version: str = VERIFIER_VERSION) -> list[str]:
         """Kernels without a verdict of ``version`` whose module is in the store."""
@@ -57,9 +69,11 @@ async def plan_rescore(store: EventStore, flt: KernelFilter) -> RescorePlan:
             if e.type == "ModuleProposed":
                 plan.modules.setdefault(p["module_id"], p["source"])
             elif e.type == "KernelGenerated":
+                plan.record_version(p["kernel_id"], e.stream_version)
                 if flt.keeps_kernel(e.correlation_id, e.occurred_at):
                     plan.kernels[p["kernel_id"]] = e
             elif e.type == "KernelVerified":
+                plan.record_version(p["kernel_id"], e.stream_version)
                 plan.verdicts.setdefault(p["kernel_id"], []).append(p)
             else:
                 plan.steps.append(payload_as(e, TrainingStepCompleted))
@@ -123,12 +137,11 @@ async def rescore(
     plan: RescorePlan,
     *,
     producer: str,
-    publish: Callable[[list[Event]], Any] | None = None,
     concurrency: int = 4,
     on_verdict: Callable[[int, int], None] | None = None,
 ) -> Drift:
-    """Verifies ``plan.todo()`` again, appends each new verdict as it comes (and hands it
-    to ``publish``), and returns the drift."""
+    """Verifies ``plan.todo()`` again, appends each new verdict as it comes, and returns
+    the drift."""
     from consumers.verifier import verdict_event
 
     todo = plan.todo()
@@ -138,12 +151,10 @@ async def rescore(
     async def one(kid: str) -> None:
         kernel = plan.kernels[kid]
         async with gate:
-            verdict = await verdict_event(verifier, store, kernel,
+            verdict = await verdict_event(verifier, kernel,
                                           plan.modules[kernel.payload["module_id"]],
-                                          producer=producer)
+                                          producer=producer, stream_version=plan.next_version(kid))
         await store.append([verdict])
-        if publish is not None:
-            await publish([verdict])
         new[kid] = verdict.payload
         if on_verdict is not None:
             on_verdict(len(new), len(todo))

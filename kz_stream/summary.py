@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Required, TypedDict, Unpack
 
 from rich.console import Group, RenderableType
 from rich.markup import escape
@@ -28,8 +28,8 @@ from kz_stream.events import (
     VerdictStatus,
     payload_as,
 )
-from kz_stream.frontier import KernelRecord, RunState
 from kz_stream.rl.schedule import AlternationConfig, AlternationSchedule, Role
+from kz_stream.run_state import KernelRecord, RunState
 from kz_stream.store import EventStore, RecordedEvent
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "Outcome",
     "RoleSummary",
     "RunSummary",
+    "SessionInfo",
     "load_run_summary",
     "next_commands",
     "render_summary",
@@ -118,21 +119,27 @@ class RunSummary:
     checkpoint_dir: str = ""
 
 
+class SessionInfo(TypedDict, total=False):
+    """How this session of a run ended, and what the summary takes besides the store."""
+
+    outcome: Required[Outcome]
+    detail: str  # the time limit or the error, for the outcome line
+    session_seconds: float
+    session_started: datetime | None  # events before it make the run a resumed one
+    schedule: AlternationConfig | None  # the planned rounds and steps
+    checkpoint_dir: str | Path
+
+
 def summarize_run(
     records: Iterable[RecordedEvent],
     *,
     run_id: str,
-    outcome: Outcome,
-    detail: str = "",
-    session_seconds: float = 0.0,
-    session_started: datetime | None = None,
-    schedule: AlternationConfig | None = None,
     store: str = "",
-    checkpoint_dir: str | Path = "",
     packaged_uris: Mapping[str, str] | None = None,
+    **session: Unpack[SessionInfo],
 ) -> RunSummary:
     """Folds the stored events of run ``run_id`` (others in ``records`` are skipped), in
-    position order, into a summary. ``schedule`` gives the planned rounds and steps;
+    position order, into a summary. ``store`` names the store (password hidden);
     ``packaged_uris`` (role -> URI) the shipped warm-start adapters, to name version 0."""
     state = RunState()
     steps: dict[Role, list[TrainingStepCompleted]] = {r: [] for r in ROLES}
@@ -157,7 +164,8 @@ def summarize_run(
             published[p.role][p.version] = p
         state.apply(ev, recorded_at=rec.recorded_at.timestamp())
 
-    cfg = schedule
+    cfg = session.get("schedule")
+    session_started = session.get("session_started")
     total_steps = sum(len(v) for v in steps.values())
     per_round = AlternationSchedule(cfg).steps_per_round if cfg else 0
     statuses = [k.verdict.status for k in state.kernels.values() if k.verdict is not None]
@@ -166,9 +174,9 @@ def summarize_run(
     audit = _kernel_to_audit(state)
     return RunSummary(
         run_id=run_id,
-        outcome=outcome,
-        detail=detail,
-        session_seconds=session_seconds,
+        outcome=session["outcome"],
+        detail=session.get("detail", ""),
+        session_seconds=session.get("session_seconds", 0.0),
         first_event_at=first,
         last_event_at=last,
         resumed=first is not None and session_started is not None and first < session_started,
@@ -187,7 +195,7 @@ def summarize_run(
         audit_kernel=f"kernel-{audit.kernel_id}" if audit else None,
         audit_status=audit.verdict.status.value if audit and audit.verdict else None,
         store=store,
-        checkpoint_dir=str(checkpoint_dir),
+        checkpoint_dir=str(session.get("checkpoint_dir", "")),
     )
 
 
@@ -254,16 +262,7 @@ def _kernel_to_audit(state: RunState) -> KernelRecord | None:
 
 
 async def load_run_summary(
-    store: EventStore,
-    run_id: str,
-    *,
-    outcome: Outcome,
-    detail: str = "",
-    session_seconds: float = 0.0,
-    session_started: datetime | None = None,
-    schedule: AlternationConfig | None = None,
-    store_url: str = "",
-    checkpoint_dir: str | Path = "",
+    store: EventStore, run_id: str, *, store_url: str = "", **session: Unpack[SessionInfo]
 ) -> RunSummary:
     """Reads run ``run_id``'s events from ``store`` and summarizes them."""
     from kz_stream.app import redact_url
@@ -276,10 +275,8 @@ async def load_run_summary(
         role: path.resolve().as_uri() for role in ROLES if (path := packaged_adapter(role))
     }
     return summarize_run(
-        records, run_id=run_id, outcome=outcome, detail=detail,
-        session_seconds=session_seconds, session_started=session_started, schedule=schedule,
-        store=redact_url(store_url) if store_url else "", checkpoint_dir=checkpoint_dir,
-        packaged_uris=packaged,
+        records, run_id=run_id, store=redact_url(store_url) if store_url else "",
+        packaged_uris=packaged, **session,
     )
 
 

@@ -25,6 +25,7 @@ from kz_stream.events import (
     PolicyVersionPublished,
     new_event,
     payload_as,
+    source_sha256,
 )
 from kz_stream.llm.base import LLMBackend, Sample, SamplingParams
 from kz_stream.modules.extraction import extract_code
@@ -39,6 +40,7 @@ def kernel_event(
     *,
     kernel_id: str,
     module_id: str,
+    module_sha256: str,
     group_id: str,
     group_size: int,
     backend: Backend,
@@ -50,10 +52,12 @@ def kernel_event(
     event_id: uuid.UUID | None = None,
 ) -> Event:
     """The ``KernelGenerated`` event of one sample: the reply's ``ModelNew`` code (the
-    whole reply when it has none, so the verifier reports why) and the completion."""
+    whole reply when it has none, so the verifier reports why), the completion, and the
+    module it answers (``module_sha256``: ``source_sha256`` of the module's source)."""
     payload = KernelGenerated(
         kernel_id=kernel_id,
         module_id=module_id,
+        module_sha256=module_sha256,
         group_id=group_id,
         group_size=group_size,
         backend=backend,
@@ -202,6 +206,7 @@ class CoderService(Service):
         self.metrics.llm_request(sum(len(s.token_ids) for s in samples))
         group_id = uuid.uuid4().hex
         text = prompt_text(prompt)
+        module_sha256 = source_sha256(module.source)
         events = []
         for s in samples:
             events.append(
@@ -209,6 +214,7 @@ class CoderService(Service):
                     s,
                     kernel_id=uuid.uuid4().hex,
                     module_id=module.module_id,
+                    module_sha256=module_sha256,
                     group_id=group_id,
                     group_size=self.config.group_size,
                     backend=backend,  # type: ignore[arg-type]

@@ -16,9 +16,8 @@ Ids are derived from (run id, problem, sample index), so a run started again wit
 same id skips the pairs whose verdicts are stored and verifies, without sampling again,
 kernels that were stored but not yet judged. The run writes to the store itself rather
 than through ``kz.kernels``: live verifiers would judge its kernels a second time, and
-the resume needs to know what is stored. Verdicts still go out on ``kz.verdicts`` as the
-verifier service's do. ``RunState`` ignores evaluation runs, so their kernels never
-become training data.
+the resume needs to know what is stored. ``RunState`` ignores evaluation runs, so their
+kernels never become training data.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from kz_stream.events import (
     PolicyVersionPublished,
     new_event,
     payload_as,
+    source_sha256,
 )
 from kz_stream.llm.base import LLMBackend, SamplingParams
 from kz_stream.modules.extraction import normalized_hash
@@ -290,10 +290,9 @@ async def run_evaluation(
 
         async def verify(event: Event, problem_id: str) -> None:
             async with gate:
-                verdict = await verdict_event(verifier, store, event, sources[problem_id],
+                verdict = await verdict_event(verifier, event, sources[problem_id],
                                               producer=producer)
             await store.append([verdict])
-            await ctx.bus.publish_many(settings.topics.verdicts, [verdict])
             progress.verified += 1
             progress.correct += payload_as(verdict, KernelVerified).status == "correct"
             notify()
@@ -372,6 +371,7 @@ async def _sample(
             sample,
             kernel_id=kid,
             module_id=module_id,
+            module_sha256=source_sha256(source),
             group_id=f"{options.run_id}/{problem_id}",
             group_size=options.samples,
             backend=options.backend,

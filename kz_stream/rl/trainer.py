@@ -67,7 +67,6 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from kz_stream.events import TrainingStepCompleted
 from kz_stream.rl.groups import Group, Sample, TrainingBatch, build_batch
 from kz_stream.rl.rewards import RewardConfig, ca_grpo_rewards, proposer_reward
 from kz_stream.rl.schedule import Role
@@ -160,7 +159,7 @@ class LearnerConfig:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """What one ``train_step`` did; ``as_event`` turns it into ``TrainingStepCompleted``."""
+    """What one ``train_step`` did (the learner service records it as an event)."""
 
     role: Role
     step: int  # optimizer steps taken so far, this one included
@@ -177,21 +176,6 @@ class StepResult:
     dropped_invalid: int
     dropped_groups: int
     num_samples: int
-
-    def as_event(self, store_position: int = 0) -> TrainingStepCompleted:
-        return TrainingStepCompleted(
-            role=self.role,
-            step=self.step,
-            policy_version=self.policy_version,
-            kernel_ids=self.kernel_ids,
-            module_ids=self.module_ids,
-            group_ids=self.group_ids,
-            losses=self.losses,
-            mean_reward=self.mean_reward,
-            staleness=self.staleness,
-            dropped_stale=self.dropped_stale,
-            store_position=store_position,
-        )
 
 
 # -- the rollout seam --------------------------------------------------------------------
@@ -238,8 +222,12 @@ class GroupFeed:
         }
 
 
-class CoderReward:
-    """TRL reward function: CA-GRPO rewards from the verdict fields (``rewards.py``)."""
+class _Reward:
+    """A TRL reward function over the ``kz_*`` fields ``GroupFeed`` adds to the inputs.
+
+    A filler row, or a sample without a verdict, gets None (unscored: out of the group
+    baseline); ``last`` keeps the latest batch's rewards by sample id.
+    """
 
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
@@ -253,60 +241,51 @@ class CoderReward:
         *,
         kz_filler: list[bool],
         kz_sample_id: list[str],
-        kz_group: list[str],
-        kz_correct: list[bool | None],
-        kz_speedup: list[float | None],
-        kz_speedup_ci: list[tuple[float, float] | None],
-        **_: Any,
+        **fields: Any,
     ) -> list[float | None]:
-        out: list[float | None] = [None] * len(prompts)
+        out = self._score(kz_filler, fields)
+        self.last = {kz_sample_id[i]: r for i, r in enumerate(out) if r is not None}
+        return out
+
+    def _score(self, filler: list[bool], fields: dict[str, Any]) -> list[float | None]:
+        raise NotImplementedError
+
+
+class CoderReward(_Reward):
+    """CA-GRPO rewards from the verdict fields (``rewards.py``), per group."""
+
+    def _score(self, filler: list[bool], fields: dict[str, Any]) -> list[float | None]:
+        correct: list[bool | None] = fields["kz_correct"]
+        speedup: list[float | None] = fields["kz_speedup"]
+        speedup_ci: list[tuple[float, float] | None] = fields["kz_speedup_ci"]
+        out: list[float | None] = [None] * len(filler)
         members: dict[str, list[int]] = {}
-        for i, (filler, correct) in enumerate(zip(kz_filler, kz_correct, strict=True)):
-            # A sample without a verdict is unscorable: None keeps it out of the baseline.
-            if not filler and correct is not None:
-                members.setdefault(kz_group[i], []).append(i)
+        for i, (fill, ok) in enumerate(zip(filler, correct, strict=True)):
+            if not fill and ok is not None:
+                members.setdefault(fields["kz_group"][i], []).append(i)
         for idx in members.values():
             rewards = ca_grpo_rewards(
-                [bool(kz_correct[i]) for i in idx],
-                [kz_speedup[i] for i in idx],
-                [kz_speedup_ci[i] for i in idx],
+                [bool(correct[i]) for i in idx],
+                [speedup[i] for i in idx],
+                [speedup_ci[i] for i in idx],
                 self.config,
             )
             for i, r in zip(idx, rewards, strict=True):
                 out[i] = r
-        self.last = {kz_sample_id[i]: r for i, r in enumerate(out) if r is not None}
         return out
 
 
-class ProposerReward:
-    """TRL reward function: ``1 - 2|l - 0.5|`` for valid modules, a penalty otherwise."""
+class ProposerReward(_Reward):
+    """``1 - 2|l - 0.5|`` for valid modules, a penalty otherwise."""
 
-    def __init__(self, config: RewardConfig) -> None:
-        self.config = config
-        self.last: dict[str, float] = {}
-
-    def __call__(
-        self,
-        prompts: list[Any],
-        completions: list[Any],
-        completion_ids: list[list[int]],
-        *,
-        kz_filler: list[bool],
-        kz_sample_id: list[str],
-        kz_module_valid: list[bool | None],
-        kz_mean_correctness: list[float | None],
-        **_: Any,
-    ) -> list[float | None]:
-        out: list[float | None] = [
-            None
-            if filler or valid is None
-            else proposer_reward(valid, lbar, self.config.invalid_module_reward)
-            for filler, valid, lbar in zip(
-                kz_filler, kz_module_valid, kz_mean_correctness, strict=True
-            )
+    def _score(self, filler: list[bool], fields: dict[str, Any]) -> list[float | None]:
+        valid: list[bool | None] = fields["kz_module_valid"]
+        lbar: list[float | None] = fields["kz_mean_correctness"]
+        return [
+            None if fill or ok is None
+            else proposer_reward(ok, mean, self.config.invalid_module_reward)
+            for fill, ok, mean in zip(filler, valid, lbar, strict=True)
         ]
-        self.last = {kz_sample_id[i]: r for i, r in enumerate(out) if r is not None}
-        return out
 
 
 class _NoWeightSync:

@@ -142,7 +142,7 @@ def _trusted_event(values: dict[str, Any]) -> Event:
     _set_attribute(ev, "__dict__", values)
     _set_attribute(ev, "__pydantic_fields_set__", _EVENT_FIELDS)
     _set_attribute(ev, "__pydantic_extra__", None)
-    _set_attribute(ev, "__pydantic_private__", None)
+    _set_attribute(ev, "__pydantic_private__", {"_decoded": None})  # not decoded yet
     return ev
 
 

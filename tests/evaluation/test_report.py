@@ -20,7 +20,7 @@ from kz_stream.events import (
     VerdictStatus,
     new_event,
 )
-from kz_stream.frontier import RunState
+from kz_stream.run_state import RunState
 from kz_stream.store import open_store
 
 RUN = "eval-report"

@@ -67,7 +67,7 @@ def verdicts(n: int, tag: str) -> list[Event]:
 def unique_topics() -> tuple[str, TopicsConfig]:
     """A tag and topic names of this test only (the session's broker is shared)."""
     tag = uuid.uuid4().hex[:8]
-    names = ("modules", "kernels", "verdicts", "frontier", "policy", "dead_letter")
+    names = ("modules", "kernels", "frontier", "policy", "dead_letter")
     return tag, TopicsConfig(**{f: f"{f}-{tag}" for f in names}, partitions=2)
 
 
@@ -125,13 +125,13 @@ async def test_the_recorder_waits_out_a_postgres_restart_with_nothing_lost_or_de
         )
         try:
             before = verdicts(200, "a")
-            await bus.publish_many(topics.verdicts, before)
+            await bus.publish_many(topics.kernels, before)
             published += before
             await wait_for(lambda: recorder.appended_total >= 200, "the first 200 events stored")
 
             await asyncio.to_thread(pg.stop)
             during = verdicts(200, "b")
-            await bus.publish_many(topics.verdicts, during)
+            await bus.publish_many(topics.kernels, during)
             published += during
             await wait_for(lambda: bool(recorder.subscriptions)
                         and recorder.subscriptions[0].outage is not None,
@@ -149,7 +149,7 @@ async def test_the_recorder_waits_out_a_postgres_restart_with_nothing_lost_or_de
 
             await asyncio.to_thread(pg.start)
             after = verdicts(200, "c")
-            await bus.publish_many(topics.verdicts, after)
+            await bus.publish_many(topics.kernels, after)
             published += after
             await wait_for(lambda: recorder.appended_total >= 600, "all 600 events stored")
             await wait_for(lambda: get(health_url)[0] == 200, "healthy again")
@@ -265,7 +265,7 @@ async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
 
     async with recording(url, own_broker.bootstrap, settings, client_id=f"restart-{tag}",
                          http_port=port) as (bus, recorder):
-        await bus.publish_many(topics.verdicts, verdicts(300, "a"))
+        await bus.publish_many(topics.kernels, verdicts(300, "a"))
         await wait_for(lambda: recorder.appended_total >= 300, "the first 300 events")
 
         own_broker.stop()
@@ -276,7 +276,7 @@ async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
         await wait_for(lambda: dependencies()["status"] == 200,
                        "broker up, topics recreated, recorder healthy", within=120)
         after = verdicts(100, "b")
-        await bus.publish_many(topics.verdicts, after)
+        await bus.publish_many(topics.kernels, after)
         await wait_for(lambda: recorder.appended_total >= 400, "the 100 new events")
     assert recorder.subscriptions[0].stats.dead_lettered == 0
     assert {str(e.event_id) for e in after} <= await stored_ids(url)
@@ -298,9 +298,9 @@ async def test_after_a_broker_lost_its_storage_every_record_of_its_new_logs_is_c
     async with recording(url, own_broker.bootstrap, settings,
                          client_id=f"newlog-{tag}") as (bus, recorder):
         tail = Collector()
-        tail_sub = await bus.subscribe(f"tail-{tag}", [topics.verdicts], tail)
+        tail_sub = await bus.subscribe(f"tail-{tag}", [topics.kernels], tail)
         try:
-            await bus.publish_many(topics.verdicts, verdicts(n, "a"))
+            await bus.publish_many(topics.kernels, verdicts(n, "a"))
             await wait_for(lambda: recorder.appended_total >= n and len(tail.messages) >= n,
                            "the first events")
 
@@ -310,7 +310,7 @@ async def test_after_a_broker_lost_its_storage_every_record_of_its_new_logs_is_c
             # a second on tansu) to rejoin.
             await bus.create_topics(topics.specs())
             after = verdicts(3 * n, "b")
-            await bus.publish_many(topics.verdicts, after)
+            await bus.publish_many(topics.kernels, after)
             want = {e.event_id for e in after}
             await wait_for(lambda: want <= set(tail.ids()), "the new log, to the tail",
                            within=20)
@@ -387,19 +387,19 @@ async def test_a_broker_outage_that_keeps_its_storage_makes_nobody_read_again(
         async with recording(url, broker.bootstrap, settings,
                              client_id=f"cut-{tag}") as (bus, recorder):
             a, b = Collector(), Collector()
-            sub_a = await bus.subscribe(f"tail-{tag}", [topics.verdicts], a)
+            sub_a = await bus.subscribe(f"tail-{tag}", [topics.kernels], a)
             sub_b = None
             try:
-                await bus.publish_many(topics.verdicts, verdicts(n, "a"))
+                await bus.publish_many(topics.kernels, verdicts(n, "a"))
                 await wait_for(lambda: recorder.appended_total >= n and len(a.messages) >= n,
                                "the first events")
                 await proxy.cut()
                 await asyncio.sleep(3)
                 await proxy.start()
-                sub_b = await bus.subscribe(f"tail-{tag}", [topics.verdicts], b)
+                sub_b = await bus.subscribe(f"tail-{tag}", [topics.kernels], b)
                 await wait_for(lambda: len(sub_a.assignment()) == len(sub_b.assignment()) == 1,
                                "the members to share the partitions", within=20)
-                await bus.publish_many(topics.verdicts, verdicts(n, "b"))
+                await bus.publish_many(topics.kernels, verdicts(n, "b"))
                 await wait_for(lambda: recorder.appended_total >= 2 * n
                                and len(a.messages) + len(b.messages) >= 2 * n,
                                "the later events", within=20)
@@ -459,7 +459,7 @@ async def test_a_recorder_stops_promptly_while_its_broker_is_down(
         await bus.create_topics(topics.specs())
         recorder = Recorder(ServiceContext(settings=settings, store=store, bus=bus))
         run = asyncio.create_task(run_services([recorder], install_signal_handlers=False))
-        await bus.publish_many(topics.verdicts, verdicts(50, "a"))
+        await bus.publish_many(topics.kernels, verdicts(50, "a"))
         await wait_for(lambda: recorder.appended_total >= 50, "the events stored")
         own_broker.stop()
         recorder.request_stop()

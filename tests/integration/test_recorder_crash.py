@@ -100,7 +100,7 @@ def test_a_recorder_killed_mid_stream_resumes_with_nothing_lost_or_applied_twice
         "KZ_LOG_LEVEL": "DEBUG",
         **{
             f"KZ_TOPICS__{t.upper()}": f"{prefix}.{t}"
-            for t in ("modules", "kernels", "verdicts", "frontier", "policy")
+            for t in ("modules", "kernels", "frontier", "policy")
         },
         "KZ_TOPICS__DEAD_LETTER": f"{prefix}.dlq",
         "KZ_TOPICS__PARTITIONS": "4",
@@ -113,9 +113,9 @@ def test_a_recorder_killed_mid_stream_resumes_with_nothing_lost_or_applied_twice
         try:
             from kz_stream.bus import TopicSpec
 
-            await bus.create_topics([TopicSpec(f"{prefix}.verdicts", 4)])
+            await bus.create_topics([TopicSpec(f"{prefix}.kernels", 4)])
             for i in range(0, len(part), 500):
-                await bus.publish_many(f"{prefix}.verdicts", part[i : i + 500])
+                await bus.publish_many(f"{prefix}.kernels", part[i : i + 500])
         finally:
             await bus.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import Any
 
@@ -14,11 +15,14 @@ from kz_stream.events import (
     KernelGenerated,
     KernelVerified,
     VerdictStatus,
+    current_payload,
     decode_event,
     encode_event,
     new_event,
     payload_as,
+    source_sha256,
 )
+from kz_stream.verify import Verdict
 
 
 def kernel_generated() -> KernelGenerated:
@@ -59,17 +63,49 @@ def test_the_wire_form_is_compact_json_with_the_envelope_fields() -> None:
         "causation_id",
         "payload",
     }
-    assert obj["type"] == "KernelGenerated" and obj["schema_version"] == 2
+    assert obj["type"] == "KernelGenerated" and obj["schema_version"] == 3
 
 
-def test_a_v1_kernel_generated_is_upcast_to_v2_on_read() -> None:
+def test_a_v1_kernel_generated_is_upcast_to_the_current_version_on_read() -> None:
     event = new_event(kernel_generated(), stream_id="kernel-k1", stream_version=0)
     obj = orjson.loads(encode_event(event))
     obj["schema_version"] = 1
     obj["payload"]["language"] = obj["payload"].pop("backend")
+    del obj["payload"]["module_sha256"]
     stored_v1 = decode_event(orjson.dumps(obj))
     assert stored_v1.schema_version == 1  # the stored form is kept as it was
     assert payload_as(stored_v1, KernelGenerated).backend == "triton"
+    assert current_payload(stored_v1) == {**event.payload, "module_sha256": ""}
+
+
+def test_a_v2_kernel_generated_reads_with_no_module_hash() -> None:
+    payload = kernel_generated().model_copy(update={"module_sha256": source_sha256("m")})
+    obj = orjson.loads(encode_event(new_event(payload, stream_id="s", stream_version=0)))
+    assert obj["payload"]["module_sha256"] == hashlib.sha256(b"m").hexdigest()
+    obj["schema_version"] = 2
+    del obj["payload"]["module_sha256"]
+    assert payload_as(decode_event(orjson.dumps(obj)), KernelGenerated).module_sha256 == ""
+
+
+def test_a_payload_is_validated_once_per_envelope() -> None:
+    event = new_event(kernel_generated(), stream_id="s", stream_version=0)
+    decoded = decode_event(encode_event(event))  # the bus edge validates ...
+    first = decoded.decode()
+    assert decoded.decode() is first  # ... and a handler's decode reuses that
+    assert decoded == event  # whether decoded or not is no part of equality
+    assert payload_as(event, KernelGenerated) is payload_as(event, KernelGenerated)
+
+
+def test_a_verdict_becomes_its_event_payload_with_the_kernel_it_judges() -> None:
+    kernel = kernel_generated()
+    verdict = Verdict(VerdictStatus.CORRECT, speedup=1.5, speedup_ci=(1.4, 1.6),
+                      hardware={"gpu": "H200"}, unchecked=("timing",))
+    payload = KernelVerified.from_verdict(verdict, kernel)
+    assert (payload.kernel_id, payload.module_id, payload.group_id, payload.policy_version) == (
+        "k1", "m1", "g1", 3)
+    assert payload.status is VerdictStatus.CORRECT and payload.speedup_ci == (1.4, 1.6)
+    assert payload.verifier_version == verdict.verifier_version
+    assert (payload.hardware, payload.unchecked) == ({"gpu": "H200"}, ["timing"])
 
 
 def test_an_unknown_event_type_is_rejected_naming_the_type() -> None:

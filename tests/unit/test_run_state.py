@@ -11,7 +11,7 @@ from kz_stream.events import (
     VerdictStatus,
     new_event,
 )
-from kz_stream.frontier import CapabilityMap, RunState, compute_frontier
+from kz_stream.run_state import CapabilityMap, RunState, compute_frontier
 
 
 def module(mid: str, apis: list[str]) -> ModuleProposed:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kz_stream.events import (
+    EVENT_TYPES,
     Event,
     FrontierUpdated,
     KernelGenerated,
@@ -128,70 +129,64 @@ class RunState:
         self.applied_ahead.add(event.event_id)
 
     def apply(self, event: Event, *, recorded_at: float | None = None) -> None:
+        """Folds one event in; ``recorded_at`` (epoch seconds) dates a kernel (default: now)."""
         if is_evaluation(event.correlation_id):
             return  # evaluation kernels must never train the policy or steer the frontier
         self.counts[event.type] = self.counts.get(event.type, 0) + 1
-        t = event.type
-        if t == "ModuleProposed":
-            m = event.decode()
-            assert isinstance(m, ModuleProposed)
-            if m.module_id in self.modules:
-                return
-            self.modules[m.module_id] = ModuleRecord(
-                m.module_id, sorted(m.api_set), m.validation.valid, m, str(event.event_id)
+        if event.type not in EVENT_TYPES:
+            return  # a type newer code wrote: nothing this read model keeps
+        match event.decode():
+            case ModuleProposed() as m:
+                self._module_proposed(m, str(event.event_id))
+            case KernelGenerated() as k:
+                self._kernel_generated(k, time.time() if recorded_at is None else recorded_at)
+            case KernelVerified() as v:
+                if (rec := self.kernels.get(v.kernel_id)) is not None:
+                    rec.verdict = v  # the latest verdict wins (re-scoring)
+            case TrainingStepCompleted() as s:
+                self._training_step(s)
+            case PolicyVersionPublished() as pv:
+                current = self.published.get(pv.role)
+                if current is None or pv.version > current.version:
+                    self.published[pv.role] = pv
+            case PolicyVersionLoaded() as pl:
+                key = (pl.role, pl.replica)
+                self.loaded[key] = max(self.loaded.get(key, 0), pl.version)
+            case FrontierUpdated() as f:
+                self.frontier_version = max(self.frontier_version, f.frontier_version)
+            case _:
+                pass  # an evaluation's start: nothing the learner keeps
+
+    def _module_proposed(self, m: ModuleProposed, event_id: str) -> None:
+        if m.module_id in self.modules:
+            return
+        self.modules[m.module_id] = ModuleRecord(
+            m.module_id, sorted(m.api_set), m.validation.valid, m, event_id
+        )
+        if m.group_id and m.completion is not None:
+            # Only model-written proposals train the Proposer (seeds have no tokens).
+            self.proposals.setdefault(m.group_id, []).append(m.module_id)
+
+    def _kernel_generated(self, k: KernelGenerated, generated_at: float) -> None:
+        if k.kernel_id in self.kernels:
+            return
+        self.kernels[k.kernel_id] = KernelRecord(
+            k.kernel_id, k.module_id, k.group_id, k.policy_version, k, generated_at
+        )
+        g = self.groups.get(k.group_id)
+        if g is None:
+            g = self.groups[k.group_id] = GroupState(
+                k.group_id, k.module_id, k.policy_version, k.group_size
             )
-            if m.group_id and m.completion is not None:
-                # Only model-written proposals train the Proposer (seeds have no tokens).
-                self.proposals.setdefault(m.group_id, []).append(m.module_id)
-        elif t == "KernelGenerated":
-            k = event.decode()
-            assert isinstance(k, KernelGenerated)
-            if k.kernel_id in self.kernels:
-                return
-            self.kernels[k.kernel_id] = KernelRecord(
-                k.kernel_id,
-                k.module_id,
-                k.group_id,
-                k.policy_version,
-                k,
-                recorded_at if recorded_at is not None else time.time(),
-            )
-            g = self.groups.get(k.group_id)
-            if g is None:
-                g = self.groups[k.group_id] = GroupState(
-                    k.group_id, k.module_id, k.policy_version, k.group_size
-                )
-            g.kernel_ids.append(k.kernel_id)
-        elif t == "KernelVerified":
-            v = event.decode()
-            assert isinstance(v, KernelVerified)
-            rec = self.kernels.get(v.kernel_id)
-            if rec is not None:
-                rec.verdict = v  # the latest verdict wins (re-scoring)
-        elif t == "TrainingStepCompleted":
-            s = event.decode()
-            assert isinstance(s, TrainingStepCompleted)
-            self.training_steps += 1
-            for gid in s.group_ids:
-                if gid in self.groups:
-                    self.groups[gid].used = True
-                if s.role == "proposer":
-                    self.used_proposals.add(gid)
-        elif t == "PolicyVersionPublished":
-            pv = event.decode()
-            assert isinstance(pv, PolicyVersionPublished)
-            current = self.published.get(pv.role)
-            if current is None or pv.version > current.version:
-                self.published[pv.role] = pv
-        elif t == "PolicyVersionLoaded":
-            pl = event.decode()
-            assert isinstance(pl, PolicyVersionLoaded)
-            key = (pl.role, pl.replica)
-            self.loaded[key] = max(self.loaded.get(key, 0), pl.version)
-        elif t == "FrontierUpdated":
-            f = event.decode()
-            assert isinstance(f, FrontierUpdated)
-            self.frontier_version = max(self.frontier_version, f.frontier_version)
+        g.kernel_ids.append(k.kernel_id)
+
+    def _training_step(self, s: TrainingStepCompleted) -> None:
+        self.training_steps += 1
+        for gid in s.group_ids:
+            if gid in self.groups:
+                self.groups[gid].used = True
+            if s.role == "proposer":
+                self.used_proposals.add(gid)
 
     def ready_groups(
         self, *, timeout_s: float = 600.0, now: float | None = None
