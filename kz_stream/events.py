@@ -141,6 +141,10 @@ class KernelGenerated(Payload):
 
 
 class KernelVerified(Payload):
+    """A verdict on a kernel. Past the kernel's ids, the fields are those of the verify
+    core's ``Verdict`` (a dataclass: the core runs without pydantic); ``from_verdict``
+    converts, and tests/unit/test_events.py pins that the two keep the same fields."""
+
     event_type: ClassVar[str] = "KernelVerified"
 
     kernel_id: str

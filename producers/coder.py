@@ -189,13 +189,15 @@ class CoderService(Service):
             module = payload_as(m.event, ModuleProposed)
             if not module.validation.valid:
                 continue
-            jobs.extend(self.generate_group(m.event, module, b) for b in self.config.backends)
+            jobs.extend(
+                self.generate_group(m.event, module, _backend(b)) for b in self.config.backends
+            )
         await asyncio.gather(*jobs)
 
-    async def generate_group(self, cause: Event, module: ModuleProposed, backend: str) -> None:
+    async def generate_group(self, cause: Event, module: ModuleProposed, backend: Backend) -> None:
         await self.policy.admit(self.config.max_staleness)
         version = self.backend.policy_version
-        prompt = coder_messages(module.source, backend)  # type: ignore[arg-type]
+        prompt = coder_messages(module.source, backend)
         self.metrics.in_flight.inc()
         try:
             [samples] = await self.backend.generate(
@@ -217,7 +219,7 @@ class CoderService(Service):
                     module_sha256=module_sha256,
                     group_id=group_id,
                     group_size=self.config.group_size,
-                    backend=backend,  # type: ignore[arg-type]
+                    backend=backend,
                     prompt=text,
                     sampling=self.config.sampling,
                     producer=self.ctx.producer_id,
@@ -239,3 +241,12 @@ class CoderService(Service):
             policy_version=version,
             n=len(events),
         )
+
+
+def _backend(name: str) -> Backend:
+    """A configured backend name as a ``Backend`` (the settings admit no other)."""
+    if name == "cuda":
+        return "cuda"
+    if name == "triton":
+        return "triton"
+    raise ValueError(f"backend: {name!r} is neither 'cuda' nor 'triton'")

@@ -183,6 +183,14 @@ def _recorded(row: Sequence[Any], payload: Any) -> RecordedEvent:
     )
 
 
+async def _psycopg(conn: AsyncConnection) -> psycopg.AsyncConnection[Any]:
+    """The psycopg connection under a SQLAlchemy connection of the Postgres engine."""
+    pg = (await conn.get_raw_connection()).driver_connection
+    if not isinstance(pg, psycopg.AsyncConnection):
+        raise TypeError(f"expected a psycopg connection, got {type(pg).__name__}")
+    return pg
+
+
 def _dedupe(batch: Sequence[Event]) -> tuple[list[Event], int]:
     """Drops repeated event ids inside one batch (first wins); returns (unique, repeats)."""
     # UUID.__hash__ is Python code; hashing the int directly is ~3x cheaper per event.
@@ -358,8 +366,7 @@ class SqlEventStore:
         )
 
     async def _append_postgres(self, conn: AsyncConnection, batch: list[Event]) -> tuple[int, int]:
-        raw = await conn.get_raw_connection()
-        pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
+        pg = await _psycopg(conn)
         async with pg.cursor() as cur:
             await cur.execute("SELECT pg_advisory_xact_lock(%s)", (_APPEND_LOCK_KEY,))
             new = batch
@@ -509,8 +516,7 @@ class SqlEventStore:
     ) -> Sequence[Sequence[Any]]:
         # Straight through psycopg in binary format: SQLAlchemy's row processing cost more
         # than the query itself here (measured: ~45k vs ~120k events/s at 500 B).
-        raw = await conn.get_raw_connection()
-        pg: psycopg.AsyncConnection[Any] = raw.driver_connection  # type: ignore[assignment]
+        pg = await _psycopg(conn)
         async with pg.cursor(binary=True) as cur:
             await cur.execute(sql, params)
             return await cur.fetchall()

@@ -106,6 +106,8 @@ def test_a_verdict_becomes_its_event_payload_with_the_kernel_it_judges() -> None
     assert payload.status is VerdictStatus.CORRECT and payload.speedup_ci == (1.4, 1.6)
     assert payload.verifier_version == verdict.verifier_version
     assert (payload.hardware, payload.unchecked) == ({"gpu": "H200"}, ["timing"])
+    kernel_fields = {"kernel_id", "module_id", "group_id", "policy_version"}
+    assert set(KernelVerified.model_fields) == kernel_fields | set(verdict.to_dict())
 
 
 def test_an_unknown_event_type_is_rejected_naming_the_type() -> None:
