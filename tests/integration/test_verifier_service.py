@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,19 @@ pytestmark = pytest.mark.slow
 WRONG_RELU = triton_honest.RELU.replace("tl.maximum(x, 0.0)", "tl.minimum(x, 0.0)")
 
 
+def embedded(tmp_path: Path, **settings: Any) -> Settings:
+    """Settings of an embedded stack of this test's own (SQLite file, in-memory bus)."""
+    return Settings(
+        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
+        bus_url=f"memory://{uuid.uuid4().hex}",
+        **settings,
+    )
+
+
+def delivered(topic: str, offset: int, event: Event) -> BusMessage:
+    return BusMessage(topic, 0, offset, None, b"", event=event)
+
+
 def kernel_event(module_id: str, source: str, module_source: str = problems.RELU) -> Event:
     kid = uuid.uuid4().hex
     return new_event(
@@ -51,11 +65,7 @@ def kernel_event(module_id: str, source: str, module_source: str = problems.RELU
 
 
 async def test_kernels_become_verdicts_in_the_store_with_offsets(tmp_path: Path) -> None:
-    settings = Settings(
-        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
-        bus_url=f"memory://{uuid.uuid4().hex}",
-        topics=TopicsConfig(partitions=2),
-    )
+    settings = embedded(tmp_path, topics=TopicsConfig(partitions=2))
     async with open_context(settings) as ctx:
         module = new_event(
             ModuleProposed(
@@ -105,10 +115,7 @@ async def test_a_kernel_delivered_twice_is_stored_with_one_verdict(tmp_path: Pat
     # Two consumers can verify one kernel: one that lost its partitions mid-batch, and the
     # member that took them over. The verdict's event id depends only on the kernel event and
     # the verifier version, so the second append is a no-op.
-    settings = Settings(
-        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
-        bus_url=f"memory://{uuid.uuid4().hex}",
-    )
+    settings = embedded(tmp_path)
     async with open_context(settings) as ctx:
         module = new_event(
             ModuleProposed(module_id="relu", api_set=["torch.relu"], source=problems.RELU,
@@ -118,7 +125,7 @@ async def test_a_kernel_delivered_twice_is_stored_with_one_verdict(tmp_path: Pat
         )
         kernel = kernel_event("relu", triton_honest.RELU)
         await ctx.store.append([module, kernel])
-        message = BusMessage(settings.topics.kernels, 0, 7, None, b"", event=kernel)
+        message = delivered(settings.topics.kernels, 7, kernel)
         async with Verifier(VerifierConfig(devices=[])) as verifier:
             first = VerifierService(ctx, verifier)
             second = VerifierService(ctx, verifier)
@@ -148,24 +155,17 @@ async def test_a_module_seen_on_the_bus_needs_no_store_and_a_wrong_one_is_refuse
 ) -> None:
     # The verifier keeps the modules it sees on kz.modules: no wait for the recorder. A
     # kernel whose module hash names another source is an infrastructure fault.
-    settings = Settings(
-        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
-        bus_url=f"memory://{uuid.uuid4().hex}",
-    )
+    settings = embedded(tmp_path)
     async with open_context(settings) as ctx:
-        message = BusMessage(settings.topics.modules, 0, 0, None, b"", event=relu_module("m1"))
+        message = delivered(settings.topics.modules, 0, relu_module("m1"))
         kernel = kernel_event("m1", triton_honest.RELU)
         other = kernel_event("m1", triton_honest.RELU, module_source="class Model: ...")
         async with Verifier(VerifierConfig(devices=[])) as verifier:
             service = VerifierService(ctx, verifier, module_wait_s=0.0)
             await service.remember_modules([message])
-            await service.verify_batch(
-                [BusMessage(settings.topics.kernels, 0, 0, None, b"", event=kernel)]
-            )
+            await service.verify_batch([delivered(settings.topics.kernels, 0, kernel)])
             with pytest.raises(InfrastructureError, match="not the one kernel"):
-                await service.verify_batch(
-                    [BusMessage(settings.topics.kernels, 0, 1, None, b"", event=other)]
-                )
+                await service.verify_batch([delivered(settings.topics.kernels, 1, other)])
         records = await ctx.store.read_stream(kernel.stream_id)
         assert [r.event.stream_version for r in records] == [1]  # the kernel's + 1, computed
         assert payload_as(records[0].event, KernelVerified).status is VerdictStatus.CORRECT
@@ -174,22 +174,15 @@ async def test_a_module_seen_on_the_bus_needs_no_store_and_a_wrong_one_is_refuse
 async def test_a_module_only_in_the_store_is_read_from_there_and_a_missing_one_fails(
     tmp_path: Path,
 ) -> None:
-    settings = Settings(
-        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
-        bus_url=f"memory://{uuid.uuid4().hex}",
-    )
+    settings = embedded(tmp_path)
     async with open_context(settings) as ctx:
         await ctx.store.append([relu_module("stored")])  # proposed before this verifier
         stored, missing = kernel_event("stored", triton_honest.RELU), kernel_event("gone", "x")
         async with Verifier(VerifierConfig(devices=[])) as verifier:
             service = VerifierService(ctx, verifier, module_wait_s=0.2)
-            await service.verify_batch(
-                [BusMessage(settings.topics.kernels, 0, 0, None, b"", event=stored)]
-            )
+            await service.verify_batch([delivered(settings.topics.kernels, 0, stored)])
             assert service.modules.get("stored") is not None  # kept for its next kernels
             with pytest.raises(InfrastructureError, match="not in the store"):
-                await service.verify_batch(
-                    [BusMessage(settings.topics.kernels, 0, 1, None, b"", event=missing)]
-                )
+                await service.verify_batch([delivered(settings.topics.kernels, 1, missing)])
         verdicts = [r async for b in ctx.store.read_all(0, types=["KernelVerified"]) for r in b]
         assert [r.event.causation_id for r in verdicts] == [stored.event_id]
