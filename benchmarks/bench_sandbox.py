@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import metric, write_result  # noqa: E402
 from kz_stream.verify import Candidate, Problem, Status, Verifier, VerifierConfig  # noqa: E402
-from kz_stream.verify.ipc import Child  # noqa: E402
-from kz_stream.verify.sandbox import isolation  # noqa: E402
+from kz_stream.verify._ipc import Child  # noqa: E402
+from kz_stream.verify._sandbox import isolation  # noqa: E402
 from tests.verify.corpus.hostile import PROBLEM, HostileHost, Outcome, run_corpus  # noqa: E402
 from tests.verify.corpus.triton_honest import TRITON_HONEST  # noqa: E402
 
@@ -57,7 +57,7 @@ def worker_start_s(strong: bool, n: int) -> list[float]:
     out = []
     for _ in range(n):
         t = time.monotonic()
-        child = Child("kz_stream.verify.worker", ["cpu"], isolate=True, strong=strong,
+        child = Child("kz_stream.verify._worker", ["cpu"], isolate=True, strong=strong,
                       gated=True)
         try:
             child.wait_warm()

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # One enum for verdicts: the verify core's, which imports only the standard library (the
 # core runs on GPU hosts without pydantic).
-from kz_stream.verify._types import Status as VerdictStatus
+from kz_stream.verify import Status as VerdictStatus
 
 __all__ = [
     "EVALUATION_PREFIX",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kz_stream.verify.admission import admission_check
+from kz_stream.verify._admission import admission_check
 from tests.verify.corpus.degenerate import DEGENERATE
 from tests.verify.corpus.problems import PROBLEMS
 

@@ -81,7 +81,7 @@ def test_timed_calls_rotate_output_blocks() -> None:
     without rotation the allocator hands every call the same block."""
     import torch
 
-    from kz_stream.verify.timing import L2Flusher, timed_calls
+    from kz_stream.verify._timing import L2Flusher, timed_calls
 
     sets = [[torch.randn(1 << 16, device="cuda")] for _ in range(4)]
     seen: dict[bool, set[int]] = {True: set(), False: set()}
@@ -100,7 +100,7 @@ def test_timed_calls_hold_at_most_a_gibibyte_of_outputs() -> None:
     """Big outputs are not held to rotate blocks: both sides would need the memory."""
     import torch
 
-    from kz_stream.verify.timing import L2Flusher, timed_calls
+    from kz_stream.verify._timing import L2Flusher, timed_calls
 
     sets = [[torch.randn(1, device="cuda")] for _ in range(4)]
     seen: set[int] = set()

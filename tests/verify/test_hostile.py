@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kz_stream.verify import Candidate, Problem, Status, Verifier, VerifierConfig
-from kz_stream.verify.sandbox import isolation
+from kz_stream.verify._sandbox import isolation
 from tests.verify.corpus.hostile import PROBLEM, HostileHost, acts, run_corpus
 from tests.verify.corpus.triton_honest import TRITON_HONEST
 

@@ -117,7 +117,7 @@ async def test_candidates_share_a_device_up_to_its_slots(slots: int) -> None:
 ])
 def test_profiled_kernel_names_lose_namespace_template_and_arguments(profiled: str,
                                                                      name: str) -> None:
-    from kz_stream.verify.verifier import _base_name
+    from kz_stream.verify._checks import _base_name
 
     assert _base_name(profiled) == name
 
