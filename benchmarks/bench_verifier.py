@@ -30,9 +30,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.verify.corpus.cuda_honest import CUDA_HONEST  # noqa: E402
-from tests.verify.corpus.problems import PROBLEMS  # noqa: E402
-from tests.verify.corpus.triton_honest import TRITON_HONEST  # noqa: E402
+from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST  # noqa: E402
+from kz_stream.testing.corpus.problems import PROBLEMS  # noqa: E402
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST  # noqa: E402
 
 HEADER = "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n"
 

@@ -22,8 +22,8 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
+from kz_stream.testing.corpus import problems, triton_honest
 from kz_stream.verify import Verifier, VerifierConfig
-from tests.verify.corpus import problems, triton_honest
 
 pytestmark = pytest.mark.slow
 

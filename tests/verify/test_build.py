@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST
 from kz_stream.verify._build import Builder
 from kz_stream.verify._extract import InlineCall, extract_inline_calls
 from kz_stream.verify._rewrite import hide_host_code, kernel_names, wrapper
-from tests.verify.corpus.cuda_honest import CUDA_HONEST
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 

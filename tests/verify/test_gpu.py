@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from kz_stream.testing.corpus.cheats import CHEATS, RUNTIME_CHECKS
+from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST
+from kz_stream.testing.corpus.problems import PROBLEMS
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
 from kz_stream.verify import Candidate, Problem, Status, Verifier, VerifierConfig
-from tests.verify.corpus.cheats import CHEATS, RUNTIME_CHECKS
-from tests.verify.corpus.cuda_honest import CUDA_HONEST
-from tests.verify.corpus.problems import PROBLEMS
-from tests.verify.corpus.triton_honest import TRITON_HONEST
 
 pytestmark = pytest.mark.gpu
 

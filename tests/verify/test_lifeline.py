@@ -28,8 +28,8 @@ _VERIFIER = textwrap.dedent("""
     from kz_stream.verify import Candidate, Problem, Verifier, VerifierConfig
     from kz_stream.verify._build import Builder
     from kz_stream.verify._sandbox import run_in_sandbox
-    from tests.verify.corpus.problems import PROBLEMS
-    from tests.verify.corpus.triton_honest import TRITON_HONEST
+    from kz_stream.testing.corpus.problems import PROBLEMS
+    from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
 
     work = sys.argv[1]
     threading.Thread(target=run_in_sandbox, args=("tests.verify.sandbox_targets:hang",),

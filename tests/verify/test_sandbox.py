@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kz_stream.testing.corpus.hostile import HostileHost
 from kz_stream.verify._sandbox import MAX_PROCESSES, isolation, run_in_sandbox, visible_paths
-from tests.verify.corpus.hostile import HostileHost
 
 T = "tests.verify.sandbox_targets"
 JAIL = isolation().level == "jail"
