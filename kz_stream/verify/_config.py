@@ -26,7 +26,7 @@ class VerifierConfig:
     min_rounds: int = 4
     max_rounds: int = 16
     round_ms: float = 40.0  # device time of one timing round, per side
-    # How L2 is evicted before each timed call (timing.L2Flusher): mode and buffer size in
+    # How L2 is evicted before each timed call (_timing.L2Flusher): mode and buffer size in
     # multiples of L2. "zero_read" gave the steadiest A/A on the H200 (p90 0.75% against
     # 1.9% for "read" and 4.7% for an 8x "read"; docs/verifier.md).
     l2_flush: FlushMode = "zero_read"
@@ -39,7 +39,7 @@ class VerifierConfig:
     floor_margin: float = 0.8
     worker_memory_fraction: float = 0.4
     oracle_memory_fraction: float = 0.4
-    # Workers in the sandbox's jail (sandbox.isolation: a filesystem boundary, PID and
+    # Workers in the sandbox's jail (_sandbox.isolation: a filesystem boundary, PID and
     # network namespaces); off, or where the host allows no mount namespace, a network
     # namespace only (stamped on verdicts: hardware["isolation"]).
     strong_isolation: bool = True
@@ -52,7 +52,7 @@ class VerifierConfig:
     problem_cache: int = 16
     # Host bytes the prepared problems may hold together (least recently used dropped;
     # the newest is always kept), and the memory plan's budget for one problem's sets at
-    # its own shapes (oracle.Oracle.prepare): a KernelBench ReLU's set holds 26 GB.
+    # its own shapes (_oracle.Oracle.prepare): a KernelBench ReLU's set holds 26 GB.
     problem_cache_bytes: int = 48 << 30
     full_set_budget_bytes: int = 16 << 30
     # A verdict rests on at least this many input sets, one at the module's own shapes

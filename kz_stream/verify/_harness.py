@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
@@ -26,6 +25,7 @@ from kz_stream.verify._inputs import (
     redraw_,
     to_device,
 )
+from kz_stream.verify._ipc import error_reply, error_text
 from kz_stream.verify._messages import (
     AblateReply,
     AblateRequest,
@@ -514,8 +514,7 @@ HANDLERS: dict[str, Callable[[State, Any], Mapping[str, Any]]] = {
 
 def classify(e: BaseException) -> ErrorReply:
     """An error reply: kind is oom, compile_error, cuda_error, forbidden or exception."""
-    text = "".join(traceback.format_exception_only(type(e), e)).strip()
-    low = text.lower()
+    low = error_text(e).lower()
     kind = "exception"
     if isinstance(e, torch.OutOfMemoryError | MemoryError) or "out of memory" in low or (
             "t allocate memory" in low):  # the CPU allocator at the address-space cap
@@ -527,5 +526,4 @@ def classify(e: BaseException) -> ErrorReply:
         kind = "compile_error"
     elif "cuda error" in low or "illegal memory access" in low or "device-side assert" in low:
         kind = "cuda_error"
-    return {"ok": False, "error": kind, "message": text[-3000:],
-            "traceback": traceback.format_exc()[-6000:]}
+    return error_reply(e, kind)

@@ -1,7 +1,7 @@
 """Child processes of the verifier (oracle and candidate workers) and their message channel.
 
 A child is started as ``python -m <module> <fd>`` in its own process group, with a private
-working directory and HOME, inside the sandbox's isolation (``sandbox.isolation``: the
+working directory and HOME, inside the sandbox's isolation (``_sandbox.isolation``: the
 filesystem boundary and namespaces where the host allows them, a network namespace or
 nothing where it does not).
 Messages (``_messages``: typed dicts) are pickled over a socketpair; replies carry CPU
@@ -22,11 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
 from kz_stream.verify import _lifeline as lifeline
-from kz_stream.verify._messages import ReadyReply, Request, StartRequest
+from kz_stream.verify._messages import ErrorReply, ReadyReply, Request, StartRequest
 from kz_stream.verify._sandbox import Isolation, child_env, isolation, jail_command, kill_group
 
 
@@ -46,6 +48,30 @@ class ChildDied(RuntimeError):
 def tail(text: str, n: int) -> str:
     """The last ``n`` characters of ``text``, marked as cut when cut."""
     return text if len(text) <= n else "…" + text[-n:]
+
+
+def error_text(e: BaseException) -> str:
+    """The exception's type and message, as a reply says it."""
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+def error_reply(e: BaseException, kind: str = "exception") -> ErrorReply:
+    """The reply of a request that raised ``e`` (call it while handling ``e``)."""
+    return {"ok": False, "error": kind, "message": error_text(e)[-3000:],
+            "traceback": traceback.format_exc()[-6000:]}
+
+
+def requests(conn: Connection) -> Iterator[Any]:
+    """A child's requests, one at a time, until the verifier closes the channel or says
+    "exit"."""
+    while True:
+        try:
+            msg = recv(conn)
+        except (EOFError, OSError):
+            return
+        if msg.get("cmd") == "exit":
+            return
+        yield msg
 
 
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
@@ -104,7 +130,7 @@ class Child:
                  isolate: bool = True, strong: bool = False, gated: bool = False,
                  start_timeout_s: float = 180.0, gpu: bool = False,
                  read_only: tuple[str, ...] = ()) -> None:
-        """``strong`` asks for the jail (``sandbox.isolation``), else a network namespace;
+        """``strong`` asks for the jail (``_sandbox.isolation``), else a network namespace;
         ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths."""
         self.private = tempfile.mkdtemp(prefix="kz-child-")
         work = os.path.join(self.private, "work")

@@ -96,15 +96,21 @@ class ExitRequest(TypedDict):
     cmd: Literal["exit"]
 
 
-class ErrorReply(TypedDict):
+class _Reply(TypedDict):
+    """What every worker reply has: whether the request succeeded, and the sandbox rules
+    the candidate broke so far (added by the worker's loop)."""
+
+    ok: bool
+    violations: NotRequired[list[str]]
+
+
+class ErrorReply(_Reply):
     """A request failed: ``error`` is oom, compile_error, cuda_error, forbidden or
     exception."""
 
-    ok: bool
     error: str
     message: str
     traceback: NotRequired[str]
-    violations: NotRequired[list[str]]
 
 
 # ---- candidate worker --------------------------------------------------------------------
@@ -131,12 +137,10 @@ class LoadRequest(TypedDict):
     builds: list[BuildManifest]
 
 
-class LoadReply(TypedDict):
-    ok: bool
+class LoadReply(_Reply):
     triton_kernels: list[str]
     changed: list[str]  # bindings the module rebound at import
     precision: dict[str, Any]
-    violations: NotRequired[list[str]]
 
 
 class ModelRequest(TypedDict):
@@ -150,31 +154,32 @@ class ModelRequest(TypedDict):
     state_dict: dict[str, Any] | None
 
 
-class ModelReply(TypedDict):
-    ok: bool
+class ModelReply(_Reply):
     weights_loaded: bool
     param_count: int
-    violations: NotRequired[list[str]]
 
 
-class RunRequest(TypedDict):
+class _OnSet(TypedDict):
+    """A request that calls the model ``model`` on one input set."""
+
+    inputs: list[Any]
+    out_specs: list[OutSpec]  # the expected outputs' (to poison freed blocks of their size)
+    model: str
+
+
+class RunRequest(_OnSet):
     """Runs one input set ``reps`` times with the per-call checks."""
 
     cmd: Literal["run"]
-    inputs: list[Any]
-    out_specs: list[OutSpec]
-    model: str
     reps: NotRequired[int]
     log_ops: NotRequired[bool]
 
 
-class RunReply(TypedDict):
-    ok: bool
+class RunReply(_Reply):
     outputs: list[list[Any]]  # one list of CPU outputs per repetition
     flags: list[str]
     ops: list[str]
     launches: dict[str, int]
-    violations: NotRequired[list[str]]
 
 
 class ProfileRequest(TypedDict):
@@ -195,28 +200,21 @@ class KernelEvent(TypedDict):
     cat: str | None
 
 
-class ProfileReply(TypedDict):
-    ok: bool
+class ProfileReply(_Reply):
     kernels: list[KernelEvent]
     launches: dict[str, int]
-    violations: NotRequired[list[str]]
 
 
-class AblateRequest(TypedDict):
+class AblateRequest(_OnSet):
     """Outputs with each of ``kernels`` disabled in turn; ``other_inputs`` run before each."""
 
     cmd: Literal["ablate"]
     kernels: list[str]
-    inputs: list[Any]
-    out_specs: list[OutSpec]
-    model: str
     other_inputs: list[Any] | None
 
 
-class AblateReply(TypedDict):
-    ok: bool
+class AblateReply(_Reply):
     outputs: dict[str, list[Any]]  # "error: ..." strings where the ablated call raised
-    violations: NotRequired[list[str]]
 
 
 class TimeSetupRequest(TypedDict):
@@ -232,11 +230,9 @@ class TimeSetupRequest(TypedDict):
     measure_pad: NotRequired[bool]
 
 
-class TimeSetupReply(TypedDict):
-    ok: bool
+class TimeSetupReply(_Reply):
     pad_cycles: int
     pad_ms: float
-    violations: NotRequired[list[str]]
 
 
 class TimeRequest(TypedDict):
@@ -250,27 +246,23 @@ class TimeRequest(TypedDict):
     pad_cycles: NotRequired[int]
 
 
-class TimeReply(TypedDict):
-    ok: bool
+class TimeReply(_Reply):
     event_ms: list[float]
     host_ms: list[float]
     issue_ms: list[float]
     outputs: dict[int, list[Any]]
-    violations: NotRequired[list[str]]
 
 
 class FinishRequest(TypedDict):
     cmd: Literal["finish"]
 
 
-class FinishReply(TypedDict):
-    ok: bool
+class FinishReply(_Reply):
     changed: list[str]
     threads: int
     native_threads: int
     native_threads_at_load: int
     precision: dict[str, Any]
-    violations: list[str]
     writes: list[str]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from multiprocessing.connection import Connection
@@ -36,9 +35,8 @@ from kz_stream.verify._inputs import (
     nbytes,
     small_map,
 )
-from kz_stream.verify._ipc import recv, send
+from kz_stream.verify._ipc import error_reply, requests, send
 from kz_stream.verify._messages import (
-    ErrorReply,
     InputSet,
     PrepareReply,
     PrepareRequest,
@@ -243,21 +241,12 @@ def main() -> None:
     }
     ready: ReadyReply = {"ready": True, "pid": os.getpid(), "device": device}
     send(conn, ready)
-    while True:
-        try:
-            msg = recv(conn)
-        except (EOFError, OSError):
-            break
-        if msg.get("cmd") == "exit":
-            break
+    for msg in requests(conn):
         reply: Mapping[str, Any]
         try:
             reply = handlers[str(msg["cmd"])](msg)
         except BaseException as e:
-            text = "".join(traceback.format_exception_only(type(e), e)).strip()
-            error: ErrorReply = {"ok": False, "error": "exception", "message": text[-3000:],
-                                 "traceback": traceback.format_exc()[-6000:]}
-            reply = error
+            reply = error_reply(e)
             if _sticky_cuda_error(e):
                 # Seen on the H200: one problem's device-side assert failed every later
                 # problem in 2 ms. Exiting makes the verifier start a fresh oracle.

@@ -191,6 +191,9 @@ _FLOAT_T = re.compile(r"^(const\s+)?(float|double)\s*&?$")
 _BOOL_T = re.compile(r"^(const\s+)?bool\s*&?$")
 _TENSOR_LIST_T = re.compile(r"^(const\s+)?std::vector<\s*(torch|at)::Tensor\s*>\s*&?$")
 _INT_LIST_T = re.compile(r"^(const\s+)?std::vector<\s*(int|int64_t|long)\s*>\s*&?$")
+# Scalar parameters, tried in this order, and the operator-schema type each widens to (the
+# wrapper narrows it back for the user's function).
+_SCALARS = ((_FLOAT_T, "double"), (_BOOL_T, "bool"), (_INT_T, "int64_t"))
 
 
 def _split_params(text: str) -> list[str]:
@@ -252,17 +255,10 @@ def wrapper(name: str, ret: str, params: str) -> str | None:
             decls.append(f"std::vector<int64_t> a{i}")
             inner = re.sub(r"^(const\s+)?std::vector<\s*|\s*>\s*&?$", "", typ)
             args.append(f"std::vector<{inner}>(a{i}.begin(), a{i}.end())")
-        elif _FLOAT_T.match(typ):
-            decls.append(f"double a{i}")
+        elif wide := next((w for rx, w in _SCALARS if rx.match(typ)), None):
+            decls.append(f"{wide} a{i}")
             base = re.sub(r"^const\s+|\s*&$", "", typ)
-            args.append(f"static_cast<{base}>(a{i})")
-        elif _BOOL_T.match(typ):
-            decls.append(f"bool a{i}")
-            args.append(f"a{i}")
-        elif _INT_T.match(typ):
-            decls.append(f"int64_t a{i}")
-            base = re.sub(r"^const\s+|\s*&$", "", typ)
-            args.append(f"static_cast<{base}>(a{i})")
+            args.append(f"a{i}" if wide == "bool" else f"static_cast<{base}>(a{i})")
         else:
             return None
     call = f"{name}({', '.join(args)})"

@@ -36,7 +36,7 @@ from kz_stream.verify._harness import (  # noqa: E402
     triton,
 )
 from kz_stream.verify._inputs import to_device  # noqa: E402
-from kz_stream.verify._ipc import recv, send  # noqa: E402
+from kz_stream.verify._ipc import recv, requests, send  # noqa: E402
 from kz_stream.verify._messages import ImportedReply, ReadyReply, WarmReply  # noqa: E402
 from kz_stream.verify._oplog import OpLog  # noqa: E402
 
@@ -161,14 +161,8 @@ def main() -> None:
         warm: WarmReply = {"warm": True, "info": {"start_s": {**phases,
                                                              "harness": time.monotonic() - t}}}
         send(conn, warm)
-    while True:
-        try:
-            msg = recv(conn)
-        except (EOFError, OSError):
-            break
+    for msg in requests(conn):
         cmd = msg.get("cmd")
-        if cmd == "exit":
-            break
         handler = HANDLERS.get(str(cmd))
         reply: dict[str, Any]
         try:
