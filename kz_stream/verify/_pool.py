@@ -241,6 +241,13 @@ class Lane:
         return RefTimer(child, int(r["pad_cycles"]), float(r["pad_ms"]),
                         n_sets * p.input_bytes)
 
+    async def shutdown(self) -> None:
+        """Stops the workers' start-ups and kills every child (``close``)."""
+        self.closed = True
+        for task in self.starting.values():
+            task.cancel()
+        await asyncio.to_thread(self.close)
+
     def close(self) -> None:
         """Kills every child, without a word: a spare may be mid-start with a start-up
         thread reading its channel, and a reference worker may be in a timing round of a

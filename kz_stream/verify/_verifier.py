@@ -106,10 +106,7 @@ class Verifier:
     async def close(self) -> None:
         """Stops every child process."""
         for lane in self._lanes:
-            lane.closed = True
-            for task in lane.starting.values():
-                task.cancel()
-            await asyncio.to_thread(lane.close)
+            await lane.shutdown()
         self._lanes = []
 
     async def aclose(self) -> None:
