@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from functools import cache, partial
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._extract import InlineCall
@@ -346,7 +346,7 @@ class Builder:
         done = entry / "result.txt"
         if done.exists():
             c_layout, c_ns, c_path = [*done.read_text().split("\n"), "", "", ""][:3]
-            return BuildResult(True, call, c_layout, c_path or None,  # type: ignore[arg-type]
+            return BuildResult(True, call, cast(Layout, c_layout), c_path or None,
                                c_ns or None, call.functions, "", time.monotonic() - started, True)
         work = Path(tempfile.mkdtemp(prefix="kzb-", dir=self.cache_dir))
         attempts: list[str] = []
