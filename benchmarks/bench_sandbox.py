@@ -30,9 +30,15 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._results import metric, write_result  # noqa: E402
 from kz_stream.testing.corpus.hostile import PROBLEM, HostileHost, Outcome, run_corpus  # noqa: E402
 from kz_stream.testing.corpus.triton_honest import TRITON_HONEST  # noqa: E402
-from kz_stream.verify import Candidate, Problem, Status, Verifier, VerifierConfig  # noqa: E402
-from kz_stream.verify._ipc import Child  # noqa: E402
-from kz_stream.verify._sandbox import isolation  # noqa: E402
+from kz_stream.verify import (  # noqa: E402
+    Candidate,
+    Problem,
+    Status,
+    Verifier,
+    VerifierConfig,
+    isolation,
+)
+from kz_stream.verify._ipc import Child  # noqa: E402  (the start-up it measures)
 
 
 def _before(o: Outcome | None) -> str:
