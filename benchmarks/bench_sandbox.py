@@ -1,6 +1,6 @@
 """The filesystem boundary against the hostile-kernel corpus, and what it costs.
 
-(a) Every candidate of ``tests/verify/corpus/hostile.py`` through the verifier's CPU path
+(a) Every candidate of ``kz_stream/testing/corpus/hostile.py`` through the verifier's CPU path
     with the static scan off (the boundary and the audit hooks alone): side effects
     outside the scratch folders (target 0), connections accepted by the store and broker
     ports (0), secrets or LEAKs in a verdict (0), bomb processes left (0), the verifier
@@ -28,11 +28,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import metric, write_result  # noqa: E402
-from kz_stream.verify import Candidate, Problem, Status, Verifier, VerifierConfig  # noqa: E402
-from kz_stream.verify.ipc import Child  # noqa: E402
-from kz_stream.verify.sandbox import isolation  # noqa: E402
-from tests.verify.corpus.hostile import PROBLEM, HostileHost, Outcome, run_corpus  # noqa: E402
-from tests.verify.corpus.triton_honest import TRITON_HONEST  # noqa: E402
+from kz_stream.testing.corpus.hostile import PROBLEM, HostileHost, Outcome, run_corpus  # noqa: E402
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST  # noqa: E402
+from kz_stream.verify import (  # noqa: E402
+    Candidate,
+    Problem,
+    Status,
+    Verifier,
+    VerifierConfig,
+    isolation,
+)
+from kz_stream.verify._ipc import Child  # noqa: E402  (the start-up it measures)
 
 
 def _before(o: Outcome | None) -> str:
@@ -57,7 +63,7 @@ def worker_start_s(strong: bool, n: int) -> list[float]:
     out = []
     for _ in range(n):
         t = time.monotonic()
-        child = Child("kz_stream.verify.worker", ["cpu"], isolate=True, strong=strong,
+        child = Child("kz_stream.verify._worker", ["cpu"], isolate=True, strong=strong,
                       gated=True)
         try:
             child.wait_warm()

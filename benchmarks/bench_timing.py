@@ -61,8 +61,8 @@ def median_times(name: str, buffer_sets: int, calls: int) -> dict[str, dict[str,
     import torch
 
     from benchmarks.bench_verifier import aa_modules
-    from kz_stream.verify.reference import strict_precision
-    from kz_stream.verify.timing import L2Flusher, pad_for, timed_calls
+    from kz_stream.verify._reference import strict_precision
+    from kz_stream.verify._timing import L2Flusher, pad_for, timed_calls
 
     strict_precision()  # as the verifier's workers run
     path = Path(tempfile.mkdtemp(prefix="kz-timing-")) / f"{name}.py"

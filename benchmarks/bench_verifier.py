@@ -30,9 +30,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.verify.corpus.cuda_honest import CUDA_HONEST  # noqa: E402
-from tests.verify.corpus.problems import PROBLEMS  # noqa: E402
-from tests.verify.corpus.triton_honest import TRITON_HONEST  # noqa: E402
+from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST  # noqa: E402
+from kz_stream.testing.corpus.problems import PROBLEMS  # noqa: E402
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST  # noqa: E402
 
 HEADER = "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n"
 
@@ -180,7 +180,7 @@ async def bench_throughput(quick: bool, cache_dir: str, save: Any, flush: str = 
 
 
 def _build_calls(n: int, salt: int) -> list[Any]:
-    from kz_stream.verify.build import extract_inline_calls
+    from kz_stream.verify._extract import extract_inline_calls
 
     base = [extract_inline_calls(s)[0] for s in CUDA_HONEST.values()]  # type: ignore[index]
     calls = []
@@ -193,14 +193,23 @@ def _build_calls(n: int, salt: int) -> list[Any]:
 
 
 def _baseline_build(args: tuple[Any, str]) -> float:
-    from kz_stream.verify.build import baseline_load_inline_build
+    """Builds one call with torch's own ``load_inline`` (the baseline); returns seconds.
+    Runs in the calling process."""
+    import torch.utils.cpp_extension as cpp_ext
 
-    call, d = args
-    return baseline_load_inline_build(call, d)
+    call, build_dir = args
+    started = time.monotonic()
+    cpp_ext.load_inline(
+        name=call.name, cpp_sources=list(call.cpp_sources), cuda_sources=list(call.cuda_sources),
+        functions=list(call.functions) or None, extra_cflags=list(call.extra_cflags),
+        extra_cuda_cflags=list(call.extra_cuda_cflags), extra_ldflags=list(call.extra_ldflags),
+        build_directory=build_dir, verbose=False,
+    )
+    return time.monotonic() - started
 
 
 def bench_builds(quick: bool) -> dict[str, Any]:
-    from kz_stream.verify.build import Builder
+    from kz_stream.verify._build import Builder
 
     jobs = len(os.sched_getaffinity(0))  # run under `taskset -c 0-15` on a larger host
     n_fast = 16 if quick else 32

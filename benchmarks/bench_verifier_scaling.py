@@ -45,10 +45,10 @@ from kz_stream.events import (  # noqa: E402
 )
 from kz_stream.infra import LocalBroker  # noqa: E402
 from kz_stream.store import open_store  # noqa: E402
-from tests.verify.corpus.cheats import CHEATS  # noqa: E402
-from tests.verify.corpus.cuda_honest import CUDA_HONEST  # noqa: E402
-from tests.verify.corpus.problems import PROBLEMS  # noqa: E402
-from tests.verify.corpus.triton_honest import TRITON_HONEST  # noqa: E402
+from kz_stream.testing.corpus.cheats import CHEATS  # noqa: E402
+from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST  # noqa: E402
+from kz_stream.testing.corpus.problems import PROBLEMS  # noqa: E402
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST  # noqa: E402
 
 
 def workload(n: int, backends: tuple[str, ...] = ("triton", "cuda")) -> list[tuple[str, str, str]]:

@@ -27,4 +27,4 @@ fi
 echo "setup: $(python -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"
 # Candidate code runs in namespaces made with util-linux's unshare (nothing to install);
 # say what this host allows, since anything short of the boundary weakens the verifier.
-echo "setup: candidate isolation: $(python -c 'from kz_stream.verify.sandbox import isolation; print(isolation().describe())' 2>&1 | tail -1)"
+echo "setup: candidate isolation: $(python -c 'from kz_stream.verify import isolation; print(isolation().describe())' 2>&1 | tail -1)"

@@ -765,8 +765,7 @@ def verify_audit_suite(
     """Prepares every problem of a suite as the verifier would and prints, per problem:
     admitted or why not, the input sets used and dropped, the memory plan, the oracle's
     peak device memory and time."""
-    from kz_stream.verify import Verifier, VerifierConfig
-    from kz_stream.verify.audit import audit_suite, suite_files
+    from kz_stream.verify import Verifier, VerifierConfig, audit_suite, suite_files
 
     if not path.is_dir():
         raise typer.BadParameter(f"{path} is not a folder", param_hint="PATH")

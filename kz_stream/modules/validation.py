@@ -8,7 +8,7 @@ The checks run cheapest first and stop at the first failure; ``reason`` is a sho
 3. ``wrong_apis``: the APIs the source calls (AST with alias resolution) lack a requested
    one, or add others. Layout ops (view, transpose, cat, ...) and elementwise arithmetic
    are always allowed; ``max_extra_apis`` other APIs may be tolerated.
-4. In a sandboxed process (``kz_stream.verify.sandbox.run_in_sandbox``): the module is
+4. In a sandboxed process (``kz_stream.verify.run_in_sandbox``): the module is
    imported, built from ``get_init_inputs()`` and run on ``get_inputs()`` while a
    ``TorchFunctionMode`` records the torch functions that forward *actually* calls (and a
    global module hook the ``torch.nn`` layers; calls inside those layers are theirs). A
@@ -16,7 +16,7 @@ The checks run cheapest first and stop at the first failure; ``reason`` is a sho
    ``wrong_apis``; an exception or a dead process is ``crash``; running out of time is
    ``timeout``; touching the network, writing outside the sandbox's directory or starting
    a process is ``forbidden``; NaN or inf in the outputs is ``non_finite``.
-5. The verifier's admission check (``kz_stream.verify.admission.admission_check``): an
+5. The verifier's admission check (``kz_stream.verify.admission_check``): an
    output that zeros, a constant, an input, another input's output or other weights'
    output would match is ``degenerate`` (the detail names which); outputs that change
    between identical runs are ``nondeterministic``, and outputs too ill-conditioned to
@@ -144,7 +144,7 @@ def validate_module(
             valid=False, reason="wrong_apis", detail=mismatch, apis_called=called
         )
 
-    from kz_stream.verify.sandbox import run_in_sandbox
+    from kz_stream.verify import run_in_sandbox
 
     outcome = run_in_sandbox(
         "kz_stream.modules.validation:_probe",
@@ -182,7 +182,7 @@ def validate_module(
             apis_called=runtime,
         )
     if check_degenerate:
-        from kz_stream.verify.admission import admission_check
+        from kz_stream.verify import admission_check
 
         verdict = admission_check(source, device="cpu", timeout_s=timeout_s)
         if not verdict.admitted:
@@ -202,7 +202,7 @@ def _probe(source: str) -> dict[str, Any]:
     from torch import nn
     from torch.overrides import TorchFunctionMode, resolve_name
 
-    from kz_stream.verify.loader import load_source, require
+    from kz_stream.verify import load_source, require
 
     torch.set_num_threads(1)  # validation runs beside other work; one core is plenty
     module = load_source(source, "kz_proposed_module", os.getcwd())

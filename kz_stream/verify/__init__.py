@@ -1,20 +1,23 @@
 """Kernel verification: turns an untrusted ``ModelNew`` (CUDA or Triton) and its reference
 module into a verdict — correct or why not, and its speedup over PyTorch eager.
 
-Public API::
+Public API (everything in ``__all__``; the modules with a leading underscore are internal)::
 
     from kz_stream.verify import Candidate, Problem, Verifier
 
     async with Verifier() as v:
         verdict = await v.verify(Problem(reference_source), Candidate(source, "triton"))
 
-Also ``kz_stream.verify.sandbox.run_in_sandbox`` and
-``kz_stream.verify.admission.admission_check`` for validating proposed modules. Names are
-imported lazily so that the sandbox child stays light (no torch at import).
+Also ``run_in_sandbox`` and ``admission_check`` for validating proposed modules,
+``load_source`` and ``require`` to load one, ``isolation`` (what untrusted code runs
+under on this host) and ``audit_suite`` for a problem suite. ``kz_stream.verify.events``
+converts a verdict to its event. Names are imported lazily so that the sandbox child stays
+light (no torch at import).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from kz_stream.verify._types import (
@@ -27,32 +30,51 @@ from kz_stream.verify._types import (
 )
 
 if TYPE_CHECKING:
-    from kz_stream.verify.admission import Admission, admission_check
-    from kz_stream.verify.sandbox import SandboxOutcome, run_in_sandbox
-    from kz_stream.verify.verifier import Verifier, VerifierConfig
+    from kz_stream.verify._admission import Admission, admission_check
+    from kz_stream.verify._audit import ProblemAudit, audit_suite, suite_files
+    from kz_stream.verify._config import VerifierConfig
+    from kz_stream.verify._loader import InterfaceError, load_source, require
+    from kz_stream.verify._sandbox import Isolation, SandboxOutcome, isolation, run_in_sandbox
+    from kz_stream.verify._verifier import Verifier
 
 __all__ = [
     "VERIFIER_VERSION",
     "Admission",
     "Backend",
     "Candidate",
+    "InterfaceError",
+    "Isolation",
     "Problem",
+    "ProblemAudit",
     "SandboxOutcome",
     "Status",
     "Verdict",
     "Verifier",
     "VerifierConfig",
     "admission_check",
+    "audit_suite",
+    "isolation",
+    "load_source",
+    "require",
     "run_in_sandbox",
+    "suite_files",
 ]
 
 _LAZY = {
-    "Verifier": "kz_stream.verify.verifier",
-    "VerifierConfig": "kz_stream.verify.verifier",
-    "Admission": "kz_stream.verify.admission",
-    "admission_check": "kz_stream.verify.admission",
-    "SandboxOutcome": "kz_stream.verify.sandbox",
-    "run_in_sandbox": "kz_stream.verify.sandbox",
+    "Verifier": "_verifier",
+    "VerifierConfig": "_config",
+    "Admission": "_admission",
+    "admission_check": "_admission",
+    "ProblemAudit": "_audit",
+    "audit_suite": "_audit",
+    "suite_files": "_audit",
+    "InterfaceError": "_loader",
+    "load_source": "_loader",
+    "require": "_loader",
+    "Isolation": "_sandbox",
+    "SandboxOutcome": "_sandbox",
+    "isolation": "_sandbox",
+    "run_in_sandbox": "_sandbox",
 }
 
 
@@ -60,6 +82,4 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kz_stream.verify' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(f"kz_stream.verify.{module}"), name)

@@ -1,6 +1,6 @@
 """Sets up a candidate's filesystem boundary, then runs the candidate's program in it.
 
-Run (by ``kz_stream.verify.sandbox``) as the first process of fresh network, PID, IPC and
+Run (by ``kz_stream.verify._sandbox``) as the first process of fresh network, PID, IPC and
 mount namespaces (``unshare``; with a user namespace too where the caller is not root), as
 ``python -I -S -P _jail.py <spec json> -- <program> [args...]``. It builds a new root on a
 tmpfs holding only what the spec names: read-only binds of the system and the Python

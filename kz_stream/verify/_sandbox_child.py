@@ -17,7 +17,7 @@ import traceback
 from typing import Any
 
 from kz_stream.verify._guard import Guard, GuardViolation
-from kz_stream.verify.lifeline import hold
+from kz_stream.verify._lifeline import hold
 
 
 def _limit(kind: int, value: int) -> None:

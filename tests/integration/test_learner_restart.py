@@ -24,7 +24,7 @@ from kz_stream.events import (
     new_event,
 )
 from kz_stream.store import open_store
-from tests.rl.tiny import EOS, prompt_ids, tiny_model, tiny_tokenizer
+from kz_stream.testing.tiny import EOS, prompt_ids, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -28,9 +28,9 @@ from kz_stream.faults import is_transient
 from kz_stream.infra import LocalBroker, LocalPostgres, free_port
 from kz_stream.runtime import DependencyMonitor, ServiceContext, run_services
 from kz_stream.store import open_store
+from kz_stream.testing.tiny import tiny_model, tiny_tokenizer
 from tests.contract.test_bus_contract import KAFKA_TEST_OPTIONS, Collector, wait_for
 from tests.integration.test_learner_restart import GROUPS, fill_store, read, start_learner
-from tests.rl.tiny import tiny_model, tiny_tokenizer
 from tests.unit.test_runtime import get
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -26,8 +26,8 @@ from kz_stream.events import (
     payload_as,
     source_sha256,
 )
+from kz_stream.testing.corpus import problems, triton_honest
 from kz_stream.verify import Verifier, VerifierConfig
-from tests.verify.corpus import problems, triton_honest
 
 pytestmark = pytest.mark.slow
 

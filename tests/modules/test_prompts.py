@@ -51,9 +51,9 @@ def test_coder_chat_states_the_contract(backend: str) -> None:
 
 
 def test_the_stated_correctness_rule_is_the_verifiers() -> None:
-    """The prompt's numbers are the verifier's bounds (kz_stream/verify/compare.py)."""
+    """The prompt's numbers are the verifier's bounds (kz_stream/verify/_compare.py)."""
     pytest.importorskip("torch")
-    from kz_stream.verify.compare import FLOOR, SAFETY
+    from kz_stream.verify._compare import FLOOR, SAFETY
 
     system = coder_messages(CODER_EXAMPLE_MODULE, "triton")[0]["content"]
     flat = " ".join(system.split())

@@ -15,7 +15,7 @@ from pathlib import Path
 def main() -> None:
     out, blocked, good = sys.argv[1:4]
     from kz_stream.rl.trainer import CoderLearner, LearnerConfig
-    from tests.rl.tiny import tiny_model, tiny_tokenizer
+    from kz_stream.testing.tiny import tiny_model, tiny_tokenizer
 
     cfg = LearnerConfig(lora_r=8, lora_alpha=16, output_dir=tempfile.mkdtemp(prefix="kz-"),
                         bf16=False, grpo_overrides={"use_cpu": True})

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_learner_multigpu import NCCL_ENV, ROOT, compare, make_groups, run
+from kz_stream.testing.data_parallel import NCCL_ENV, compare, make_groups, run
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 

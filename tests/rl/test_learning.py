@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kz_stream.rl.trainer import CoderLearner, LearnerConfig, StepResult
-from tests.rl.tiny import make_groups, tiny_model, tiny_tokenizer
+from kz_stream.testing.tiny import make_groups, tiny_model, tiny_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -14,7 +14,7 @@ import pytest
 
 from kz_stream.rl.groups import Group, Sample
 from kz_stream.rl.trainer import CoderLearner, LearnerConfig
-from tests.rl.tiny import sample_ids
+from kz_stream.testing.tiny import sample_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 

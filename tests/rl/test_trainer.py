@@ -22,7 +22,14 @@ from kz_stream.rl.trainer import (
     latest_checkpoint,
     policy_sha256,
 )
-from tests.rl.tiny import EOS, make_groups, prompt_ids, prompt_text, tiny_model, tiny_tokenizer
+from kz_stream.testing.tiny import (
+    EOS,
+    make_groups,
+    prompt_ids,
+    prompt_text,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -13,10 +13,10 @@ from kz_stream.warmstart.teacher import lower
 
 NEW_MEMORY = """
 import torch
-from kz_stream.verify.worker import _uninitialized_is_nan
+from kz_stream.verify._harness import uninitialized_is_nan
 right = torch.randn(32, 128)
 del right  # a freed block of the output's size, holding values
-with _uninitialized_is_nan():
+with uninitialized_is_nan():
     out = torch.empty(32, 128)
     ints = torch.empty(4, dtype=torch.int64)
 assert out.isnan().all(), out

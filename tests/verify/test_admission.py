@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kz_stream.verify.admission import admission_check
-from tests.verify.corpus.degenerate import DEGENERATE
-from tests.verify.corpus.problems import PROBLEMS
+from kz_stream.testing.corpus.degenerate import DEGENERATE
+from kz_stream.testing.corpus.problems import PROBLEMS
+from kz_stream.verify._admission import admission_check
 
 
 @pytest.mark.parametrize("reason", sorted(DEGENERATE))

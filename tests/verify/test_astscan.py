@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kz_stream.verify.astscan import canonical_op, reference_ops, scan
-from tests.verify.corpus.cuda_honest import CUDA_HONEST
-from tests.verify.corpus.problems import PROBLEMS
-from tests.verify.corpus.triton_honest import TRITON_HONEST
+from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST
+from kz_stream.testing.corpus.problems import PROBLEMS
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
+from kz_stream.verify._astscan import canonical_op, reference_ops, scan
 
 HEAD = "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n"
 

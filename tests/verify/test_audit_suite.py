@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.verify.corpus.problems import PROBLEMS
+from kz_stream.testing.corpus.problems import PROBLEMS
 from tests.verify.test_output_kinds import HINGE, PICKY
 
 

@@ -10,15 +10,10 @@ from typing import Any
 
 import pytest
 
-from kz_stream.verify.build import (
-    Builder,
-    InlineCall,
-    _hide_host_code,
-    _wrapper,
-    extract_inline_calls,
-    kernel_names,
-)
-from tests.verify.corpus.cuda_honest import CUDA_HONEST
+from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST
+from kz_stream.verify._build import Builder
+from kz_stream.verify._extract import InlineCall, extract_inline_calls
+from kz_stream.verify._rewrite import hide_host_code, kernel_names, wrapper
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
@@ -37,15 +32,15 @@ def test_extract_gives_up_on_dynamic_sources() -> None:
 
 
 def test_wrapper_widens_scalars() -> None:
-    w = _wrapper("f", "torch::Tensor", "torch::Tensor x, float alpha, int n, bool flag")
+    w = wrapper("f", "torch::Tensor", "torch::Tensor x, float alpha, int n, bool flag")
     assert w is not None
     assert "double a1" in w and "int64_t a2" in w and "static_cast<float>(a1)" in w
-    assert _wrapper("f", "torch::Tensor", "torch::Tensor x, float eps = 1e-5") is None
+    assert wrapper("f", "torch::Tensor", "torch::Tensor x, float eps = 1e-5") is None
 
 
 def test_host_code_hidden_from_device_pass() -> None:
     call = extract_inline_calls(CUDA_HONEST["relu"])[0]  # type: ignore[index]
-    hidden = _hide_host_code(call.cuda_sources[0])
+    hidden = hide_host_code(call.cuda_sources[0])
     assert hidden is not None
     # The kernel stays visible; the host wrapper and torch include do not.
     kernel_at = hidden.index("__global__ void relu_kernel")
@@ -55,7 +50,7 @@ def test_host_code_hidden_from_device_pass() -> None:
 
 def test_template_kernels_instantiated_for_the_device_pass() -> None:
     call = extract_inline_calls(CUDA_HONEST["softmax"])[0]  # type: ignore[index]
-    hidden = _hide_host_code(call.cuda_sources[0])
+    hidden = hide_host_code(call.cuda_sources[0])
     assert hidden is not None
     # AT_DISPATCH_FLOATING_TYPES launches softmax_rows<scalar_t> for float and double; the
     # device pass cannot see that launch, so both instances are referenced where it can.
@@ -77,7 +72,7 @@ def test_template_instances_named_or_given_up(launch: str, expected: list[str] |
     src = ("#include <torch/extension.h>\nconstexpr int BLOCK = 128;\n"
            "template <typename T, int B> __global__ void k(T* x) { x[threadIdx.x] *= B; }\n"
            f"void f(torch::Tensor t) {{ float* x = t.data_ptr<float>(); {launch} }}\n")
-    hidden = _hide_host_code(src)
+    hidden = hide_host_code(src)
     if expected is None:
         assert hidden is None
     else:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kz_stream.verify import compare
-from kz_stream.verify.compare import (
+from kz_stream.verify import _compare as compare
+from kz_stream.verify._compare import (
     calibrate,
     compare_outputs,
     compare_tensor,

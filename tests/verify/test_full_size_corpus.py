@@ -16,13 +16,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from kz_stream.verify import Candidate, Problem, Status, Verdict, Verifier, VerifierConfig
-from tests.verify.corpus.full_size import (
+from kz_stream.testing.corpus.full_size import (
     FULL_SIZE_CHEATS,
     FULL_SIZE_HONEST,
     FULL_SIZE_PROBLEMS,
     input_bytes,
 )
+from kz_stream.verify import Candidate, Problem, Status, Verdict, Verifier, VerifierConfig
 
 
 def _show(v: Verdict) -> str:

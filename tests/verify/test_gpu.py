@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from kz_stream.testing.corpus.cheats import CHEATS, RUNTIME_CHECKS
+from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST
+from kz_stream.testing.corpus.problems import PROBLEMS
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
 from kz_stream.verify import Candidate, Problem, Status, Verifier, VerifierConfig
-from tests.verify.corpus.cheats import CHEATS, RUNTIME_CHECKS
-from tests.verify.corpus.cuda_honest import CUDA_HONEST
-from tests.verify.corpus.problems import PROBLEMS
-from tests.verify.corpus.triton_honest import TRITON_HONEST
 
 pytestmark = pytest.mark.gpu
 
@@ -81,7 +81,7 @@ def test_timed_calls_rotate_output_blocks() -> None:
     without rotation the allocator hands every call the same block."""
     import torch
 
-    from kz_stream.verify.timing import L2Flusher, timed_calls
+    from kz_stream.verify._timing import L2Flusher, timed_calls
 
     sets = [[torch.randn(1 << 16, device="cuda")] for _ in range(4)]
     seen: dict[bool, set[int]] = {True: set(), False: set()}
@@ -100,7 +100,7 @@ def test_timed_calls_hold_at_most_a_gibibyte_of_outputs() -> None:
     """Big outputs are not held to rotate blocks: both sides would need the memory."""
     import torch
 
-    from kz_stream.verify.timing import L2Flusher, timed_calls
+    from kz_stream.verify._timing import L2Flusher, timed_calls
 
     sets = [[torch.randn(1, device="cuda")] for _ in range(4)]
     seen: set[int] = set()

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from kz_stream.testing.corpus.hostile import PROBLEM, HostileHost, acts, run_corpus
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
 from kz_stream.verify import Candidate, Problem, Status, Verifier, VerifierConfig
-from kz_stream.verify.sandbox import isolation
-from tests.verify.corpus.hostile import PROBLEM, HostileHost, acts, run_corpus
-from tests.verify.corpus.triton_honest import TRITON_HONEST
+from kz_stream.verify._sandbox import isolation
 
 pytestmark = pytest.mark.skipif(
     isolation().level != "jail",

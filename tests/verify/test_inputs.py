@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kz_stream.verify.inputs import (
+from kz_stream.verify._inputs import (
     InputSpec,
     at_own_shapes,
     default_plans,

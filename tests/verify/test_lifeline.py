@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.verify import Verifier, VerifierConfig, lifeline
+from kz_stream.verify import Verifier, VerifierConfig
+from kz_stream.verify import _lifeline as lifeline
 
 _ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -25,10 +26,10 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 _VERIFIER = textwrap.dedent("""
     import asyncio, sys, threading
     from kz_stream.verify import Candidate, Problem, Verifier, VerifierConfig
-    from kz_stream.verify.build import Builder
-    from kz_stream.verify.sandbox import run_in_sandbox
-    from tests.verify.corpus.problems import PROBLEMS
-    from tests.verify.corpus.triton_honest import TRITON_HONEST
+    from kz_stream.verify._build import Builder
+    from kz_stream.verify._sandbox import run_in_sandbox
+    from kz_stream.testing.corpus.problems import PROBLEMS
+    from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
 
     work = sys.argv[1]
     threading.Thread(target=run_in_sandbox, args=("tests.verify.sandbox_targets:hang",),
@@ -45,7 +46,7 @@ _VERIFIER = textwrap.dedent("""
 # not), records them as its children, and waits.
 _HOLDER = textwrap.dedent("""
     import subprocess, time
-    from kz_stream.verify import lifeline
+    from kz_stream.verify import _lifeline as lifeline
 
     procs = [subprocess.Popen(["sleep", "3600"], start_new_session=True) for _ in range(2)]
     for p in procs:

@@ -3,7 +3,7 @@ the candidate's own (its process reached its memory cap)."""
 
 from __future__ import annotations
 
-from kz_stream.verify.verifier import device_was_full
+from kz_stream.verify._checks import device_was_full
 
 # As the H200 worded it for a 6.4 GB ReLU while the verifier's other processes held the
 # device (2026-11-30).

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.verify.sandbox import MAX_PROCESSES, isolation, run_in_sandbox, visible_paths
-from tests.verify.corpus.hostile import HostileHost
+from kz_stream.testing.corpus.hostile import HostileHost
+from kz_stream.verify._sandbox import MAX_PROCESSES, isolation, run_in_sandbox, visible_paths
 
 T = "tests.verify.sandbox_targets"
 JAIL = isolation().level == "jail"
@@ -196,7 +196,7 @@ def test_killing_the_parent_harms_only_the_child(how: str) -> None:
 def test_fallback_is_said_not_silent() -> None:
     """Without the jail the outcome and a warning say so."""
     code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
-            "from kz_stream.verify.sandbox import run_in_sandbox\n"
+            "from kz_stream.verify._sandbox import run_in_sandbox\n"
             "out = run_in_sandbox('tests.verify.sandbox_targets:add', (1, 2), timeout_s=30)\n"
             "print('LEVEL', out.isolation, out.value)")
     env = {**os.environ, "KZ_SANDBOX_NO_JAIL": "1"}
@@ -224,7 +224,7 @@ def test_bin_on_path_never_shows_the_whole_host(monkeypatch: pytest.MonkeyPatch)
     # /bin and /sbin are PATH entries whose "toolchain root" would be /; with a service
     # run from / and a system user's HOME of /, nothing else would keep / out.
     # (the package pip-installed into the environment, so no project folder to protect).
-    from kz_stream.verify import sandbox
+    from kz_stream.verify import _sandbox as sandbox
 
     monkeypatch.setattr(sandbox, "_PKG_ROOT", os.path.join(sys.prefix, "lib", "site-packages"))
     monkeypatch.setenv("PATH", "/bin:/sbin:/usr/bin")

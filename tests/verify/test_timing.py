@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kz_stream.verify import Verifier, VerifierConfig
-from kz_stream.verify.timing import _held_bytes, check_flush
+from kz_stream.verify._timing import _held_bytes, check_flush
 
 
 def test_a_held_output_costs_its_whole_storage_once() -> None:

@@ -9,11 +9,11 @@ import shutil
 import pytest
 
 from kz_stream.events import KernelVerified
+from kz_stream.testing.corpus.cheats import CHEATS, RUNTIME_CHECKS
+from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST
+from kz_stream.testing.corpus.problems import PROBLEMS
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
 from kz_stream.verify import Candidate, Problem, Status, Verifier
-from tests.verify.corpus.cheats import CHEATS, RUNTIME_CHECKS
-from tests.verify.corpus.cuda_honest import CUDA_HONEST
-from tests.verify.corpus.problems import PROBLEMS
-from tests.verify.corpus.triton_honest import TRITON_HONEST
 
 # Every cheat the CPU path can catch (statically, or at run time through the interpreter).
 CPU_CHEATS = [n for n, c in CHEATS.items() if c[4] == "cpu"]
@@ -117,7 +117,7 @@ async def test_candidates_share_a_device_up_to_its_slots(slots: int) -> None:
 ])
 def test_profiled_kernel_names_lose_namespace_template_and_arguments(profiled: str,
                                                                      name: str) -> None:
-    from kz_stream.verify.verifier import _base_name
+    from kz_stream.verify._checks import _base_name
 
     assert _base_name(profiled) == name
 

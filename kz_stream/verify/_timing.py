@@ -22,27 +22,26 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import numpy as np
 import torch
 
-from kz_stream.verify.compare import flatten
+from kz_stream.verify._compare import flatten
+from kz_stream.verify._messages import FlushMode
 
 # Captured at import, before any untrusted code runs in the process: a candidate that
 # rebinds torch.cuda.Event or time.perf_counter does not reach these.
 _perf_counter = time.perf_counter
-_Event = torch.cuda.Event
+# (Event and _sleep are untyped in torch: typed Any here rather than ignored at each call.)
+_Event: Any = torch.cuda.Event
 _synchronize = torch.cuda.synchronize
-_sleep = torch.cuda._sleep
+_sleep: Any = torch.cuda._sleep
 
 # Measured on this workplace's H200s (device-to-device copy counting reads and writes;
 # a bf16 8192^3 matrix product on random data).
 H200_BANDWIDTH = 4.3e12  # bytes/s
 H200_PEAK_FLOPS = 790e12  # FLOP/s
-
-
-FlushMode = Literal["read", "zero", "zero_read"]
 
 
 @dataclass(frozen=True)
@@ -94,11 +93,11 @@ class L2Flusher:
 
 def spin_cycles_per_ms() -> float:
     """GPU clock cycles per millisecond of ``torch.cuda._sleep``, measured now."""
-    s = _Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    e = _Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    _sleep(100_000)  # type: ignore[no-untyped-call]  # wakes the clocks up
+    s = _Event(enable_timing=True)
+    e = _Event(enable_timing=True)
+    _sleep(100_000)  # wakes the clocks up
     s.record()
-    _sleep(2_000_000)  # type: ignore[no-untyped-call]
+    _sleep(2_000_000)
     e.record()
     _synchronize()
     return 2_000_000 / max(float(s.elapsed_time(e)), 1e-3)
@@ -173,13 +172,13 @@ def timed_calls(
             refresh(j)
         flush()
         _synchronize()
-        p = _Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        s = _Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        e = _Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        p = _Event(enable_timing=True)
+        s = _Event(enable_timing=True)
+        e = _Event(enable_timing=True)
         t0 = _perf_counter()
         p.record()
         if pad_cycles:
-            _sleep(pad_cycles)  # type: ignore[no-untyped-call]
+            _sleep(pad_cycles)
         s.record()
         out = fn(args)
         t_issued = _perf_counter()

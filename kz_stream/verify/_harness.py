@@ -1,55 +1,63 @@
-"""The candidate worker: a fresh process that loads one untrusted ``ModelNew`` and runs it
-for the verifier. It never receives the reference source, the reference module or the
-expected outputs: only input tensors come in, and output tensors and observations go out.
-
-Run as ``python -m kz_stream.verify.worker <fd> <device>``; "cpu" selects the Triton
-interpreter. Requests are handled one at a time (see ``_HANDLERS``).
-"""
+"""What a candidate worker does with each request (``HANDLERS``): load the candidate and
+build its model, run it with the per-call checks (poisoned outputs, input mutation,
+aliasing, unsynchronized work, threads), profile it, ablate its Triton kernels, time it,
+and say what it changed (``_tampered``). Imported by ``_worker`` once it has chosen the
+Triton interpreter or not."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
-import time
-import traceback
 import warnings
-from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
-_STARTED = time.monotonic()
-if __name__ == "__main__":
-    from kz_stream.verify.lifeline import hold
+import torch
 
-    hold(int(sys.argv[1]))  # from the first moment: torch's import alone takes seconds
-_DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
-if _DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
-
-import torch  # noqa: E402
-
-from kz_stream.verify import _guard  # noqa: E402
-from kz_stream.verify.compare import flatten  # noqa: E402
-from kz_stream.verify.inputs import (  # noqa: E402
+from kz_stream.verify import _guard
+from kz_stream.verify._compare import flatten
+from kz_stream.verify._inputs import (
     InputPlan,
     InputSpec,
     make_inputs,
     redraw_,
     to_device,
 )
-from kz_stream.verify.ipc import recv, send  # noqa: E402
-from kz_stream.verify.oplog import OpLog  # noqa: E402
-from kz_stream.verify.timing import L2Flusher, pad_for, timed_calls  # noqa: E402
+from kz_stream.verify._ipc import error_reply, error_text
+from kz_stream.verify._messages import (
+    AblateReply,
+    AblateRequest,
+    BuildManifest,
+    ErrorReply,
+    FinishReply,
+    FinishRequest,
+    KernelEvent,
+    LoadReply,
+    LoadRequest,
+    ModelReply,
+    ModelRequest,
+    OutSpec,
+    ProfileReply,
+    ProfileRequest,
+    RunReply,
+    RunRequest,
+    TimeReply,
+    TimeRequest,
+    TimeSetupReply,
+    TimeSetupRequest,
+)
+from kz_stream.verify._oplog import OpLog
+from kz_stream.verify._timing import L2Flusher, pad_for, timed_calls
+
+__all__ = ["HANDLERS", "State", "bits_equal", "classify", "overlaps", "poison", "triton",
+           "uninitialized_is_nan"]
 
 try:
     import triton
 except ImportError:  # the CUDA path does not need it
     triton = None
-
-_PROGRAMS = frozenset({"ptxas", "cc", "gcc", "clang", "ldconfig", "cuobjdump", "nvdisasm",
-                       "x86_64-linux-gnu-gcc", "g++"})
 
 
 class State:
@@ -85,7 +93,8 @@ def _watched() -> list[Any]:
 
     mods: list[Any] = [torch, torch.Tensor, F, torch.nn.Module, time, torch.cuda,
                        torch.autograd, torch.utils.cpp_extension, sys.modules[__name__],
-                       sys.modules["kz_stream.verify.timing"], torch.backends.cudnn]
+                       sys.modules["__main__"],
+                       sys.modules["kz_stream.verify._timing"], torch.backends.cudnn]
     if triton is not None:
         mods.append(triton)
     return mods
@@ -137,14 +146,14 @@ class _OpsModule:
         self.__name__ = namespace
 
 
-def _install_prebuilt(builds: list[dict[str, Any]]) -> None:
+def _install_prebuilt(builds: list[BuildManifest]) -> None:
     """Makes ``load_inline`` return the extensions the CPU stage built ahead of time."""
     import importlib.machinery
     import importlib.util
 
     import torch.utils.cpp_extension as cpp_ext
 
-    from kz_stream.verify.build import LOAD_INLINE_PARAMS, InlineCall
+    from kz_stream.verify._extract import LOAD_INLINE_PARAMS, InlineCall
 
     by_key = {b["key"]: b for b in builds}
 
@@ -156,17 +165,19 @@ def _install_prebuilt(builds: list[dict[str, Any]]) -> None:
         if b is None:  # the sources read before running differ from the ones passed now
             raise RuntimeError(f"extension {call.name!r}: load_inline was called with "
                                "arguments that differ from those built ahead of time")
+        path, namespace = b["path"], b["namespace"]
         if b.get("layout") == "load_inline":
-            loader = importlib.machinery.ExtensionFileLoader(b["mod_name"], b["path"])
-            spec = importlib.util.spec_from_file_location(b["mod_name"], b["path"],
-                                                          loader=loader)
+            assert path is not None  # a build that links has its library
+            loader = importlib.machinery.ExtensionFileLoader(b["mod_name"], path)
+            spec = importlib.util.spec_from_file_location(b["mod_name"], path, loader=loader)
             assert spec is not None
             mod = importlib.util.module_from_spec(spec)
             loader.exec_module(mod)
             return mod
-        if b.get("path"):
-            torch.ops.load_library(b["path"])  # type: ignore[no-untyped-call]
-        return _OpsModule(b["namespace"], list(b["functions"]))
+        if path:
+            torch.ops.load_library(path)  # type: ignore[no-untyped-call]
+        assert namespace is not None  # the TORCH_LIBRARY layouts name theirs
+        return _OpsModule(namespace, list(b["functions"]))
 
     cpp_ext.load_inline = load_inline
 
@@ -208,8 +219,8 @@ def _wrap_triton(state: State, module: ModuleType) -> None:
 # ---- request handlers ---------------------------------------------------------------------
 
 
-def _load(state: State, msg: dict[str, Any]) -> dict[str, Any]:
-    from kz_stream.verify.loader import load_source, require
+def _load(state: State, msg: LoadRequest) -> LoadReply:
+    from kz_stream.verify._loader import load_source, require
 
     _install_prebuilt(msg.get("builds", []))
     state.snapshot = _guard.snapshot_attributes(_watched())
@@ -223,7 +234,7 @@ def _load(state: State, msg: dict[str, Any]) -> dict[str, Any]:
             "precision": _precision_flags()}
 
 
-def _model(state: State, msg: dict[str, Any]) -> dict[str, Any]:
+def _model(state: State, msg: ModelRequest) -> ModelReply:
     """Builds ``ModelNew(*init_args)`` under the weight seed and, when its parameters match
     the reference's by name and shape, loads the reference's (perturbed) weights."""
     torch.manual_seed(int(msg["weight_seed"]))
@@ -232,7 +243,7 @@ def _model(state: State, msg: dict[str, Any]) -> dict[str, Any]:
         raise TypeError("ModelNew(...) is not a torch.nn.Module")
     model = model.to(state.device)
     loaded = False
-    ref_sd: dict[str, torch.Tensor] | None = msg.get("state_dict")
+    ref_sd: dict[str, torch.Tensor] | None = msg["state_dict"]
     if ref_sd is not None:
         mine = model.state_dict()
         if set(mine) == set(ref_sd) and all(tuple(mine[k].shape) == tuple(v.shape)
@@ -244,7 +255,7 @@ def _model(state: State, msg: dict[str, Any]) -> dict[str, Any]:
             "param_count": sum(p.numel() for p in model.parameters())}
 
 
-def _poison(specs: list[tuple[list[int], str]], device: str) -> None:
+def poison(specs: list[OutSpec], device: str) -> None:
     """Fills freed allocator blocks of the expected output sizes with NaN (or a pattern), so
     that an output element the candidate never writes shows up.
 
@@ -268,7 +279,7 @@ def _poison(specs: list[tuple[list[int], str]], device: str) -> None:
     del blocks  # back to the caching allocator, poisoned
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
     sa, sb = a.untyped_storage(), b.untyped_storage()
@@ -277,7 +288,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN payloads included) of two tensors of one dtype and shape."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -303,7 +314,7 @@ def _sync(state: State) -> None:
 _HELD_OUTPUT_BYTES = 4 << 30
 
 
-def _run(state: State, msg: dict[str, Any]) -> dict[str, Any]:
+def _run(state: State, msg: RunRequest) -> RunReply:
     """Runs one input set ``reps`` times with the per-call checks; returns CPU outputs."""
     inputs: list[Any] = msg["inputs"]
     reps = int(msg.get("reps", 2))
@@ -314,7 +325,7 @@ def _run(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     for rep in range(reps):
         args = to_device(inputs, state.device)
         clones = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        _poison(msg.get("out_specs", []), state.device)
+        poison(msg.get("out_specs", []), state.device)
         _sync(state)
         key = str(msg.get("model", "own"))
         if log_ops and rep == 0:
@@ -330,17 +341,17 @@ def _run(state: State, msg: dict[str, Any]) -> dict[str, Any]:
         snap = [o.clone() if isinstance(o, torch.Tensor) else o for o in flat]
         _sync(state)
         for o, s in zip(flat, snap, strict=True):
-            if isinstance(o, torch.Tensor) and not _bits_equal(o, s):
+            if isinstance(o, torch.Tensor) and not bits_equal(o, s):
                 flags.append("unsynchronized_output")
         for a, c in zip(args, clones, strict=True):
-            if isinstance(a, torch.Tensor) and not _bits_equal(a, c):
+            if isinstance(a, torch.Tensor) and not bits_equal(a, c):
                 flags.append("input_mutation")
         for o in flat:
             if not isinstance(o, torch.Tensor):
                 continue
-            if any(_overlaps(o, a) for a in args if isinstance(a, torch.Tensor)):
+            if any(overlaps(o, a) for a in args if isinstance(a, torch.Tensor)):
                 flags.append("output_aliases_input")
-            if any(_overlaps(o, h) for h in state.held):
+            if any(overlaps(o, h) for h in state.held):
                 flags.append("output_reuses_earlier_output")
         new_threads = _guard.python_thread_ids() - state.threads
         if new_threads:
@@ -357,7 +368,7 @@ def _run(state: State, msg: dict[str, Any]) -> dict[str, Any]:
             "launches": dict(state.launches)}
 
 
-def _profile(state: State, msg: dict[str, Any]) -> dict[str, Any]:
+def _profile(state: State, msg: ProfileRequest) -> ProfileReply:
     """Kernel names, device times and streams of a few calls, from the profiler's trace."""
     import json
 
@@ -384,7 +395,7 @@ def _profile(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     with open(path) as f:
         trace = json.load(f)
     os.remove(path)
-    kernels = []
+    kernels: list[KernelEvent] = []
     for ev in trace.get("traceEvents", []):
         if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and ev.get("ph") == "X":
             kernels.append({"name": str(ev.get("name", "")), "us": float(ev.get("dur", 0.0)),
@@ -396,7 +407,7 @@ def _profile(state: State, msg: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _uninitialized_is_nan() -> Iterator[None]:
+def uninitialized_is_nan() -> Iterator[None]:
     """Makes ``torch.empty`` fill new memory (NaN for floats, the largest value for ints)
     while it lasts, so an output the ablated kernel would have written cannot inherit right
     values from a freed block. Poisoning freed blocks alone is not enough on the CPU: glibc
@@ -413,7 +424,7 @@ def _uninitialized_is_nan() -> Iterator[None]:
         torch.use_deterministic_algorithms(was, warn_only=was_warn)
 
 
-def _ablate(state: State, msg: dict[str, Any]) -> dict[str, Any]:
+def _ablate(state: State, msg: AblateRequest) -> AblateReply:
     """Outputs with each launched Triton kernel disabled in turn (decoy detection)."""
     results: dict[str, list[Any]] = {}
     other = msg.get("other_inputs")
@@ -423,8 +434,8 @@ def _ablate(state: State, msg: dict[str, Any]) -> dict[str, Any]:
             _sync(state)
         state.disabled = {name}
         try:
-            _poison(msg.get("out_specs", []), state.device)
-            with _uninitialized_is_nan():
+            poison(msg.get("out_specs", []), state.device)
+            with uninitialized_is_nan():
                 out = flatten(_call(state, to_device(msg["inputs"], state.device),
                                     str(msg["model"])))
                 _sync(state)
@@ -437,7 +448,7 @@ def _ablate(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "outputs": results}
 
 
-def _time_setup(state: State, msg: dict[str, Any]) -> dict[str, Any]:
+def _time_setup(state: State, msg: TimeSetupRequest) -> TimeSetupReply:
     specs = [InputSpec(**s) for s in msg["specs"]]
     plan = InputPlan("timing", "normal")
     state.timing_sets = [make_inputs(specs, plan, int(msg["seed"]) + i, device=state.device)
@@ -461,7 +472,7 @@ def _time_setup(state: State, msg: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "pad_cycles": state.pad_cycles, "pad_ms": pad_ms}
 
 
-def _time(state: State, msg: dict[str, Any]) -> dict[str, Any]:
+def _time(state: State, msg: TimeRequest) -> TimeReply:
     assert state.flusher is not None
     keep = set(msg.get("keep", []))
     samples, kept = timed_calls(lambda a: _call(state, list(a), state.timing_key),
@@ -483,7 +494,7 @@ def _refresh(state: State, j: int) -> None:
     redraw_(sets[j % len(sets)], state.timing_specs, (state.timing_seed << 20) ^ (j + 1))
 
 
-def _finish(state: State, msg: dict[str, Any]) -> dict[str, Any]:
+def _finish(state: State, msg: FinishRequest) -> FinishReply:
     changed = _tampered(state.snapshot)
     threads = _guard.python_thread_ids() - state.threads
     return {"ok": True, "changed": changed, "threads": len(threads),
@@ -494,16 +505,16 @@ def _finish(state: State, msg: dict[str, Any]) -> dict[str, Any]:
             "writes": list(state.guard.writes[-20:]) if state.guard else []}
 
 
-_HANDLERS: dict[str, Callable[[State, dict[str, Any]], dict[str, Any]]] = {
+# Each takes its request (``_messages``) and returns its reply.
+HANDLERS: dict[str, Callable[[State, Any], Mapping[str, Any]]] = {
     "load": _load, "model": _model, "run": _run, "profile": _profile, "ablate": _ablate,
     "time_setup": _time_setup, "time": _time, "finish": _finish,
 }
 
 
-def classify(e: BaseException) -> dict[str, Any]:
+def classify(e: BaseException) -> ErrorReply:
     """An error reply: kind is oom, compile_error, cuda_error, forbidden or exception."""
-    text = "".join(traceback.format_exception_only(type(e), e)).strip()
-    low = text.lower()
+    low = error_text(e).lower()
     kind = "exception"
     if isinstance(e, torch.OutOfMemoryError | MemoryError) or "out of memory" in low or (
             "t allocate memory" in low):  # the CPU allocator at the address-space cap
@@ -515,148 +526,4 @@ def classify(e: BaseException) -> dict[str, Any]:
         kind = "compile_error"
     elif "cuda error" in low or "illegal memory access" in low or "device-side assert" in low:
         kind = "cuda_error"
-    return {"ok": False, "error": kind, "message": text[-3000:],
-            "traceback": traceback.format_exc()[-6000:]}
-
-
-_WARM = """
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def kz_warm_copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
-"""
-
-
-def _warm_triton() -> None:
-    """Builds Triton's driver helpers before a candidate arrives (the worker is started
-    ahead of need, so this time is hidden)."""
-    from kz_stream.verify.loader import load_source
-
-    mod = load_source(_WARM, "kz_warm", os.getcwd())
-    x = torch.ones(1000, device="cuda")
-    y = torch.empty_like(x)
-    mod.kz_warm_copy[(1,)](x, y, 1000, BLOCK=1024)
-    torch.cuda.synchronize()
-
-
-def _warm_harness() -> None:
-    """Runs each op the checks use once, as a request would (the guard is installed)."""
-    x = torch.randn(4096, device="cuda")
-    args = to_device([x.to("cpu")], "cuda")
-    clones = [a.clone() for a in args]
-    _poison([([4096], "float32")], "cuda")
-    with OpLog():
-        y = torch.relu(args[0])
-    torch.cuda.synchronize()
-    _bits_equal(y, y.clone())
-    _bits_equal(args[0], clones[0])
-    _overlaps(y, args[0])
-    torch.sum(x.view(torch.int32), dim=0, dtype=torch.int64)
-    torch.cuda._sleep(1000)  # type: ignore[no-untyped-call]
-    y.detach().to("cpu")
-    torch.cuda.synchronize()
-
-
-def _limit_resources() -> None:
-    """No core dumps, files up to 1 GiB, and the address space the verifier allows (a CPU
-    worker's ``KZ_WORKER_MEMORY_MB``), once the harness is loaded and warm."""
-    import resource
-
-    limits = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, 1 << 30)]
-    if os.environ.get("KZ_WORKER_MEMORY_MB"):
-        limits.append((resource.RLIMIT_AS, int(os.environ["KZ_WORKER_MEMORY_MB"]) << 20))
-    for kind, value in limits:
-        try:
-            resource.setrlimit(kind, (value, value))
-        except (ValueError, OSError):
-            pass
-
-
-def main() -> None:
-    conn = Connection(int(sys.argv[1]))
-    phases = {"imports": time.monotonic() - _STARTED}  # where start-up time goes
-    if os.environ.get("KZ_GATED_START") == "1":
-        # Imports done; the device is touched only when the verifier says so (never while
-        # it times another process on this GPU).
-        send(conn, {"imported": True})
-        t = time.monotonic()
-        if recv(conn).get("cmd") != "start":
-            return
-        phases["gate"] = time.monotonic() - t
-    state = State(_DEVICE)
-    info: dict[str, Any] = {"ready": True, "pid": os.getpid(), "device": _DEVICE,
-                            "start_s": phases}
-    try:
-        from kz_stream.verify.reference import strict_precision
-
-        strict_precision()
-        t = time.monotonic()
-        if state.cuda:
-            torch.cuda.set_device(0)
-            torch.empty(1, device=_DEVICE)  # CUDA context now, outside any deadline
-            fraction = float(os.environ.get("KZ_GPU_MEMORY_FRACTION", "0.45"))
-            torch.cuda.set_per_process_memory_fraction(fraction)
-            info["gpu"] = torch.cuda.get_device_name()
-        phases["cuda"] = time.monotonic() - t
-        t = time.monotonic()
-        if triton is not None and state.cuda:
-            _warm_triton()
-        phases["triton"] = time.monotonic() - t
-        info["warming"] = state.cuda
-        torch.set_num_threads(int(os.environ.get("KZ_WORKER_THREADS", "2")))
-        torch.manual_seed(0)  # torch rebinds some functions lazily on first use
-        _limit_resources()
-        private = os.environ.get("KZ_PRIVATE_DIR", os.getcwd())
-        state.guard = _guard.Guard(allowed_programs=_PROGRAMS,
-                                   write_roots=(private, "/dev/shm")).install()
-    except BaseException as e:
-        send(conn, {"ready": False, **classify(e)})
-        return
-    send(conn, info)
-    if state.cuda:
-        # After "ready", so outside the verifier's GPU lock: module loading and first-use
-        # set-up of the harness's own ops (four seconds of a candidate's first call on the
-        # H200 otherwise), with kernels of a few microseconds.
-        t = time.monotonic()
-        try:
-            _warm_harness()
-            if state.guard is not None and state.guard.violations:
-                # Every later reply would carry them, and be judged a hack.
-                raise RuntimeError(f"the warm-up broke the sandbox's rules: "
-                                   f"{state.guard.violations[0]}")
-        except Exception as e:
-            send(conn, {"ok": False, **classify(e)})
-            return
-        send(conn, {"warm": True, "info": {"start_s": {**phases,
-                                                      "harness": time.monotonic() - t}}})
-    while True:
-        try:
-            msg = recv(conn)
-        except (EOFError, OSError):
-            break
-        cmd = msg.get("cmd")
-        if cmd == "exit":
-            break
-        handler = _HANDLERS.get(str(cmd))
-        try:
-            if handler is None:
-                raise ValueError(f"unknown request {cmd!r}")
-            reply = handler(state, msg)
-        except BaseException as e:
-            reply = classify(e)
-        if state.guard is not None and state.guard.violations:
-            reply["violations"] = list(state.guard.violations)
-        try:
-            send(conn, reply)
-        except Exception as e:  # an unpicklable output is the candidate's fault
-            send(conn, {"ok": False, "error": "exception",
-                        "message": f"reply could not be sent: {e}"})
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
+    return error_reply(e, kind)

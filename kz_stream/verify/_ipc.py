@@ -1,13 +1,14 @@
 """Child processes of the verifier (oracle and candidate workers) and their message channel.
 
 A child is started as ``python -m <module> <fd>`` in its own process group, with a private
-working directory and HOME, inside the sandbox's isolation (``sandbox.isolation``: the
+working directory and HOME, inside the sandbox's isolation (``_sandbox.isolation``: the
 filesystem boundary and namespaces where the host allows them, a network namespace or
 nothing where it does not).
-Messages are pickled dicts over a socketpair; replies carry CPU tensors only. A call
+Messages (``_messages``: typed dicts) are pickled over a socketpair; replies carry CPU
+tensors only. A call
 that exceeds its deadline kills the whole process group. The child kills its group when
 the verifier's end of the socket closes, and the group is in the verifier's registry
-(``kz_stream.verify.lifeline``).
+(``kz_stream.verify._lifeline``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
-from kz_stream.verify import lifeline
-from kz_stream.verify.sandbox import Isolation, child_env, isolation, jail_command, kill_group
+from kz_stream.verify import _lifeline as lifeline
+from kz_stream.verify._messages import ErrorReply, ReadyReply, Request, StartRequest
+from kz_stream.verify._sandbox import Isolation, child_env, isolation, jail_command, kill_group
 
 
 class ChildTimeout(TimeoutError):
@@ -39,6 +43,35 @@ class ChildDied(RuntimeError):
         super().__init__(message)
         self.stderr_tail = stderr_tail
         self.returncode = returncode
+
+
+def tail(text: str, n: int) -> str:
+    """The last ``n`` characters of ``text``, marked as cut when cut."""
+    return text if len(text) <= n else "…" + text[-n:]
+
+
+def error_text(e: BaseException) -> str:
+    """The exception's type and message, as a reply says it."""
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+def error_reply(e: BaseException, kind: str = "exception") -> ErrorReply:
+    """The reply of a request that raised ``e`` (call it while handling ``e``)."""
+    return {"ok": False, "error": kind, "message": error_text(e)[-3000:],
+            "traceback": traceback.format_exc()[-6000:]}
+
+
+def requests(conn: Connection) -> Iterator[Any]:
+    """A child's requests, one at a time, until the verifier closes the channel or says
+    "exit"."""
+    while True:
+        try:
+            msg = recv(conn)
+        except (EOFError, OSError):
+            return
+        if msg.get("cmd") == "exit":
+            return
+        yield msg
 
 
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
@@ -97,7 +130,7 @@ class Child:
                  isolate: bool = True, strong: bool = False, gated: bool = False,
                  start_timeout_s: float = 180.0, gpu: bool = False,
                  read_only: tuple[str, ...] = ()) -> None:
-        """``strong`` asks for the jail (``sandbox.isolation``), else a network namespace;
+        """``strong`` asks for the jail (``_sandbox.isolation``), else a network namespace;
         ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths."""
         self.private = tempfile.mkdtemp(prefix="kz-child-")
         work = os.path.join(self.private, "work")
@@ -120,7 +153,7 @@ class Child:
                 pass_fds=(child_sock.fileno(),), start_new_session=True)
         lifeline.track(self.proc.pid)
         child_sock.close()
-        self.ready: dict[str, Any] | None = None
+        self.ready: ReadyReply | None = None
         self.start_timeout_s = start_timeout_s
         self.strong = self.isolation.level == "jail"
         self.gated = gated
@@ -138,14 +171,15 @@ class Child:
                 raise ChildDied(f"child failed to start: {reply!r}", self.stderr_tail())
             self._imported = True
 
-    def wait_ready(self) -> dict[str, Any]:
+    def wait_ready(self) -> ReadyReply:
         """Blocks until the child reports that it has started (imports, CUDA context); a
         gated child is told to go on first."""
         if self.ready is None:
             if self.gated and not self._start_sent:
                 self.wait_imported()
                 try:
-                    send(self.conn, {"cmd": "start"})
+                    start: StartRequest = {"cmd": "start"}
+                    send(self.conn, start)
                 except (BrokenPipeError, ConnectionResetError, OSError) as e:
                     self.kill()
                     raise ChildDied(f"child is gone: {e}", self.stderr_tail(),
@@ -155,7 +189,7 @@ class Child:
             if not isinstance(reply, dict) or not reply.get("ready"):
                 self.kill()
                 raise ChildDied(f"child failed to start: {reply!r}", self.stderr_tail())
-            self.ready = reply
+            self.ready = cast(ReadyReply, reply)
         return self.ready
 
     @property
@@ -172,11 +206,14 @@ class Child:
             if not isinstance(reply, dict) or not reply.get("warm"):
                 self.kill()
                 raise ChildDied(f"child failed to warm up: {reply!r}", self.stderr_tail())
-            ready.update(reply.get("info") or {})
+            info = reply.get("info") or {}
+            if "start_s" in info:
+                ready["start_s"] = info["start_s"]
             self._warm = True
 
-    def call(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Sends one request and returns the reply, or raises ChildTimeout / ChildDied."""
+    def call(self, msg: Request, timeout_s: float) -> Any:
+        """Sends one request and returns the reply (the request's ``...Reply``, or an
+        ``ErrorReply``), or raises ChildTimeout / ChildDied."""
         self.wait_warm()
         try:
             send(self.conn, msg)

@@ -3,7 +3,7 @@ the input sets from the verifier's secret seeds, and computes the float64 expect
 and the honest same-precision outputs the tolerances are calibrated on. (The reference is
 timed in a worker set up like a candidate's, not here.) Candidates never run here.
 
-Run as ``python -m kz_stream.verify.oracle <fd> <device>``.
+Run as ``python -m kz_stream.verify._oracle <fd> <device>``.
 """
 
 from __future__ import annotations
@@ -11,21 +11,20 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
 if __name__ == "__main__":
-    from kz_stream.verify.lifeline import hold
+    from kz_stream.verify._lifeline import hold
 
     hold(int(sys.argv[1]))  # from the first moment: torch's import alone takes seconds
 
 import torch
 
-from kz_stream.verify.compare import all_finite, calibrate, flatten, unstable_limit
-from kz_stream.verify.inputs import (
+from kz_stream.verify._compare import all_finite, calibrate, flatten, unstable_limit
+from kz_stream.verify._inputs import (
     InputPlan,
     InputSpec,
     at_own_shapes,
@@ -36,9 +35,15 @@ from kz_stream.verify.inputs import (
     nbytes,
     small_map,
 )
-from kz_stream.verify.ipc import recv, send
-from kz_stream.verify.oplog import OpLog
-from kz_stream.verify.reference import (
+from kz_stream.verify._ipc import error_reply, requests, send
+from kz_stream.verify._messages import (
+    InputSet,
+    PrepareReply,
+    PrepareRequest,
+    ReadyReply,
+)
+from kz_stream.verify._oplog import OpLog
+from kz_stream.verify._reference import (
     ReferenceModule,
     build_model,
     float64_copy,
@@ -54,7 +59,7 @@ class Oracle:
     def __init__(self, device: str) -> None:
         self.device = device
 
-    def prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def prepare(self, msg: PrepareRequest) -> PrepareReply:
         """Input sets, expected and honest outputs, tolerances and cost figures.
 
         Memory plan: the sets at the module's own shapes together hold at most
@@ -76,7 +81,7 @@ class Oracle:
         own = list(ref.get_inputs())
         specs = [InputSpec.of(v) for v in own]
         model = build_model(ref, init, weight_seed, self.device)
-        sets: list[dict[str, Any]] = []
+        sets: list[InputSet] = []
         notes: list[str] = []
         plan_notes: list[str] = []
         dropped: list[dict[str, str]] = []
@@ -172,7 +177,7 @@ class Oracle:
 
     def _one_set(self, ref: ReferenceModule, init: list[Any], specs: list[InputSpec],
                  plan: InputPlan, seed: int, weight_seed: int,
-                 notes: list[str]) -> dict[str, Any]:
+                 notes: list[str]) -> InputSet:
         init_i = map_init(init, plan.size_map) if plan.scale_init else list(init)
         model = build_model(ref, init_i, weight_seed, self.device)
         # Drawn on the device (fast); shipped to the candidate as CPU tensors.
@@ -230,23 +235,18 @@ def main() -> None:
     Guard(allowed_programs=frozenset({"ptxas", "cc", "gcc", "ldconfig"}),
           write_roots=(os.environ.get("KZ_PRIVATE_DIR", os.getcwd()), "/dev/shm")).install()
     oracle = Oracle(device)
-    handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    # Each takes its request (``_messages``) and returns its reply.
+    handlers: dict[str, Callable[[Any], Mapping[str, Any]]] = {
         "prepare": oracle.prepare,
     }
-    send(conn, {"ready": True, "pid": os.getpid(), "device": device})
-    while True:
-        try:
-            msg = recv(conn)
-        except (EOFError, OSError):
-            break
-        if msg.get("cmd") == "exit":
-            break
+    ready: ReadyReply = {"ready": True, "pid": os.getpid(), "device": device}
+    send(conn, ready)
+    for msg in requests(conn):
+        reply: Mapping[str, Any]
         try:
             reply = handlers[str(msg["cmd"])](msg)
         except BaseException as e:
-            text = "".join(traceback.format_exception_only(type(e), e)).strip()
-            reply = {"ok": False, "error": "exception", "message": text[-3000:],
-                     "traceback": traceback.format_exc()[-6000:]}
+            reply = error_reply(e)
             if _sticky_cuda_error(e):
                 # Seen on the H200: one problem's device-side assert failed every later
                 # problem in 2 ms. Exiting makes the verifier start a fresh oracle.

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kz_stream.verify.sandbox import run_in_sandbox
+from kz_stream.verify._sandbox import run_in_sandbox
 
 __all__ = ["Admission", "admission_check"]
 
@@ -48,7 +48,7 @@ def admission_check(
     """
     memory_mb = 16384 if device == "cpu" else None  # an address-space cap breaks CUDA
     outcome = run_in_sandbox(
-        "kz_stream.verify.admission:_admit",
+        "kz_stream.verify._admission:_admit",
         (reference_source, device),
         timeout_s=timeout_s,
         memory_mb=memory_mb,
@@ -67,8 +67,8 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
     """Sandbox side of ``admission_check``: returns (admitted, reason, detail)."""
     import torch
 
-    from kz_stream.verify.compare import all_finite, calibrate, compare_outputs, unstable_limit
-    from kz_stream.verify.inputs import (
+    from kz_stream.verify._compare import all_finite, calibrate, compare_outputs, unstable_limit
+    from kz_stream.verify._inputs import (
         InputPlan,
         InputSpec,
         fallbacks,
@@ -78,8 +78,8 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
         nbytes,
         small_map,
     )
-    from kz_stream.verify.loader import InterfaceError
-    from kz_stream.verify.reference import (
+    from kz_stream.verify._loader import InterfaceError
+    from kz_stream.verify._reference import (
         build_model,
         float64_copy,
         load_reference,

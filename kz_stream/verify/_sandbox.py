@@ -10,7 +10,7 @@ children; a private scratch that is thrown away; no privileges; a process cap), 
 rlimits (address space, file size, no core dumps) and, as further layers, audit hooks
 that block sockets, starting processes and writing outside the scratch. Children left
 behind in the process group are detected and killed; the group dies with the verifier too
-(``kz_stream.verify.lifeline``).
+(``kz_stream.verify._lifeline``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from kz_stream.verify import lifeline
+from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._jail import LEFTOVER_MARK
 
 __all__ = ["ErrorKind", "Isolation", "SandboxOutcome", "isolation", "jail_command",

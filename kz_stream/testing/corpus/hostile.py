@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.verify.corpus.problems import PROBLEMS
-from tests.verify.corpus.triton_honest import TRITON_HONEST
+from kz_stream.testing.corpus.problems import PROBLEMS
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
 
 ROOT = Path(__file__).resolve().parents[3]
 # The corpus tests the boundary, not the arithmetic: a small ReLU keeps each run short.

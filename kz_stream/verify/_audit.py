@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kz_stream.verify._admission import admission_check
 from kz_stream.verify._types import Problem
-from kz_stream.verify.admission import admission_check
-from kz_stream.verify.verifier import Verifier
+from kz_stream.verify._verifier import Verifier
 
 __all__ = ["ProblemAudit", "audit_suite", "suite_files"]
 

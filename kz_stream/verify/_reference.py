@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kz_stream.verify.compare import flatten
-from kz_stream.verify.inputs import to_device
-from kz_stream.verify.loader import load_source, require
+from kz_stream.verify._compare import flatten
+from kz_stream.verify._inputs import to_device
+from kz_stream.verify._loader import load_source, require
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from string import Template
+from typing import Any
 
 HEADER = "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n"
 
@@ -1417,8 +1418,8 @@ def input_bytes(problem: SizedProblem, full: bool = True) -> int:
     """Bytes of the problem's inputs at a size, from shapes alone (meta tensors)."""
     import torch
 
-    namespace: dict[str, object] = {}
+    namespace: dict[str, Any] = {}
     with torch.device("meta"):
         exec(problem.source(full), namespace)
-        inputs = namespace["get_inputs"]()  # type: ignore[operator]
+        inputs = namespace["get_inputs"]()
     return sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kz_stream.verify.build import strip_cpp_comments
+from kz_stream.verify._rewrite import strip_cpp_comments
 
 __all__ = ["Finding", "canonical_op", "reference_ops", "scan"]
 

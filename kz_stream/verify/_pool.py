@@ -1,0 +1,268 @@
+"""The verifier's processes on one device (``Lane``): the oracle, candidate workers
+started ahead of need (and replaced when they die while starting), the reference workers
+kept for timing, and the locks that say who may use the GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import aiorwlock
+import torch
+
+from kz_stream.verify._config import VerifierConfig
+from kz_stream.verify._ipc import Child, ChildDied, ChildTimeout, tail
+from kz_stream.verify._messages import PrepareRequest, WorkerRequest
+from kz_stream.verify._prepared import Prepared
+from kz_stream.verify._sandbox import isolation
+
+__all__ = ["Lane", "RefTimer"]
+
+log = logging.getLogger(__name__)
+
+
+class RefTimer(NamedTuple):
+    """A reference worker with its timing sets ready, and the GPU spin that pads both
+    sides' timed calls."""
+
+    child: Child
+    pad_cycles: int
+    pad_ms: float
+    input_bytes: int = 0  # its timing sets
+
+
+
+class Lane:
+    """One device: its oracle, pre-started candidate workers, and who may use the GPU.
+
+    ``gpu`` is a write-preferring readers-writer lock. Every request that runs kernels
+    (problem preparation, a check, a worker's CUDA start-up, a comparison) takes it shared
+    for that request alone, so checks of several candidates overlap; timing takes it
+    exclusive, so no other process of this verifier runs kernels on the device while a
+    candidate and its reference are timed, and waits only for the requests in flight.
+    Never wait for a worker to start while holding it: the start-up needs it too.
+    ``slots`` bounds the candidates in their GPU stage at once (memory); the oracle serves
+    one request at a time (``oracle_lock``).
+
+    ``config`` is the verifier's, shared: a jail that does not suit the host is turned off
+    there (``strong_isolation``) for every lane. ``worker_read_only`` are more paths a
+    worker sees (the build cache, whose CUDA extensions it loads).
+    """
+
+    def __init__(self, config: VerifierConfig, index: int | None,
+                 worker_read_only: tuple[str, ...] = ()) -> None:
+        self.config = config
+        self.worker_read_only = worker_read_only
+        self.index = index
+        self.device = "cpu" if index is None else "cuda"
+        self.l2_bytes = (torch.cuda.get_device_properties(index).L2_cache_size
+                         if index is not None else 60 << 20)
+        self.gpu = aiorwlock.RWLock()
+        self.slots = asyncio.Semaphore(config.candidates_per_gpu)
+        self.oracle_lock = asyncio.Lock()
+        self.oracle: Child | None = None
+        self.spares: list[Child] = []
+        self.starting: dict[Child, asyncio.Task[None]] = {}
+        self.busy = 0
+        self.closed = False
+        # A worker running the reference for timing: set up exactly like a candidate's
+        # (same process kind, isolation and warm-up), so the two sides differ only in the
+        # module they run. Kept per problem (a few, least recently used dropped unless a
+        # candidate is about to be timed against it), with the reference's outputs on its
+        # timing sets.
+        self.ref_workers: OrderedDict[tuple[str, int], RefTimer] = OrderedDict()
+        self.ref_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self.ref_pins: dict[tuple[str, int], int] = {}
+
+    def _env(self, fraction: float) -> dict[str, str]:
+        env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),
+               "KZ_ORACLE_MEMORY_FRACTION": str(fraction)}
+        if self.index is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.index)
+        return env
+
+    def _spawn_worker(self) -> Child:
+        if self.closed:
+            raise ChildDied("the verifier is closed")
+        cfg = self.config
+        gpu = self.index is not None
+        env = self._env(cfg.worker_memory_fraction)
+        if not gpu and cfg.cpu_worker_memory_mb:
+            env["KZ_WORKER_MEMORY_MB"] = str(cfg.cpu_worker_memory_mb)
+        child = Child("kz_stream.verify._worker", [self.device], env=env,
+                      isolate=True, strong=cfg.strong_isolation, gated=True, gpu=gpu,
+                      read_only=self.worker_read_only)
+        task = asyncio.get_running_loop().create_task(self._start(child))
+        task.add_done_callback(_retrieve)
+        self.starting[child] = task
+        return child
+
+    async def _start(self, child: Child) -> None:
+        """Lets a worker import (any time), then create its CUDA context and warm Triton up
+        (GPU work: under the shared lock, so never while another process is timed), then
+        warm the harness's ops up (host work and microsecond kernels: no lock; holding it
+        for that made every timing wait seconds on the H200)."""
+        await asyncio.to_thread(child.wait_imported)
+        async with self.gpu.reader_lock:
+            await asyncio.to_thread(child.wait_ready)
+        await asyncio.to_thread(child.wait_warm)
+
+    async def take_worker(self) -> Child:
+        """A started worker (a pre-started spare if there is one); starts the next spares.
+        Call it holding no GPU lock."""
+        fresh = not self.spares
+        child = self.spares.pop(0) if self.spares else self._spawn_worker()
+        self.fill_spares()
+        while True:
+            try:
+                await self.starting.pop(child)
+                return child
+            except (ChildDied, ChildTimeout):
+                await asyncio.to_thread(child.kill)
+                cfg = self.config
+                # Only a worker that never got as far as its imports says the PID/mount
+                # namespace does not suit this host; a later failure (a full GPU, say,
+                # which a candidate can cause) must not turn strong isolation off.
+                if child.strong and not child.imported and cfg.strong_isolation:
+                    cfg.strong_isolation = False
+                    log.warning("verifier: a worker failed to start in the jail, so workers "
+                                "now run without the filesystem boundary (%s): %s",
+                                isolation(False).describe(), tail(child.stderr_tail(), 500))
+                elif fresh:
+                    raise
+                # A spare that died or hung while waiting, or one started before the fallback.
+                child, fresh = self._spawn_worker(), True
+            except BaseException:  # cancelled: the child is in neither spares nor starting
+                await asyncio.shield(asyncio.to_thread(child.kill))
+                raise
+
+    def fill_spares(self) -> None:
+        """Starts workers ahead of need (imports, CUDA start-up and warm-up take seconds)."""
+        cfg = self.config
+        if self.closed:
+            return
+        want = cfg.prewarm if cfg.prewarm is not None else (
+            2 * cfg.candidates_per_gpu if self.index is not None else 1)
+        while len(self.spares) < want:
+            self.spares.append(self._spawn_worker())
+
+    async def oracle_call(self, msg: PrepareRequest, timeout_s: float) -> Any:
+        """The oracle's reply (a ``PrepareReply`` or an ``ErrorReply``); starts an oracle
+        when there is none or it died."""
+        if self.oracle is None or not self.oracle.alive:
+            if self.oracle is not None:
+                self.oracle.kill()
+            if self.closed:
+                raise ChildDied("the verifier is closed")
+            self.oracle = Child("kz_stream.verify._oracle", [self.device],
+                                env=self._env(self.config.oracle_memory_fraction),
+                                isolate=True, strong=False)
+        oracle = self.oracle
+        try:
+            return await asyncio.to_thread(oracle.call, msg, timeout_s)
+        except (ChildDied, ChildTimeout):
+            self.oracle = None
+            raise
+
+    async def reference_timer(self, p: Prepared, n_sets: int, seed: int,
+                              timeout_s: float) -> RefTimer:
+        """The reference worker for ``p``, with its timing sets ready. Pinned (kept
+        loaded) until ``unpin((p.key, n_sets))``. Call it holding no GPU lock: it may start
+        a worker."""
+        key = (p.key, n_sets)
+        async with self.ref_locks.setdefault(key, asyncio.Lock()):
+            held = self.ref_workers.get(key)
+            if held is not None and not held.child.alive:
+                await asyncio.to_thread(held.child.kill)
+                del self.ref_workers[key]
+                held = None
+            if held is None:
+                held = await self._start_reference(p, n_sets, seed, timeout_s)
+                raced = self.ref_workers.get(key)  # started under a lock since dropped
+                if raced is not None and raced.child.alive:
+                    await asyncio.to_thread(held.child.kill)
+                    held = raced
+                self.ref_workers[key] = held
+            self.ref_workers.move_to_end(key)
+            self.ref_pins[key] = self.ref_pins.get(key, 0) + 1
+        try:
+            await self.drop_references()
+        except BaseException:
+            self.unpin(key)
+            raise
+        return held
+
+    def unpin(self, key: tuple[str, int]) -> None:
+        self.ref_pins[key] -= 1
+        if not self.ref_pins[key]:
+            del self.ref_pins[key]
+
+    async def drop_references(self, *, all_idle: bool = False) -> None:
+        """Stops the least recently used reference workers beyond the cap (every idle one
+        with ``all_idle``), unless pinned."""
+        # Chosen and removed with no await in between, so none is pinned meanwhile.
+        cfg = self.config
+        idle = [k for k in self.ref_workers if k not in self.ref_pins]
+        held = sum(r.input_bytes for r in self.ref_workers.values())
+        gone: list[tuple[str, int]] = []
+        for k in idle:  # least recently used first
+            if not all_idle and (len(self.ref_workers) - len(gone) <= cfg.reference_workers
+                                 and held <= cfg.reference_worker_bytes):
+                break
+            gone.append(k)
+            held -= self.ref_workers[k].input_bytes
+        dropped = [self.ref_workers.pop(k) for k in gone]
+        for key in [k for k, lock in self.ref_locks.items()
+                    if k not in self.ref_workers and not lock.locked()]:
+            del self.ref_locks[key]
+        for old in dropped:
+            await asyncio.to_thread(old.child.kill)
+
+    async def _start_reference(self, p: Prepared, n_sets: int, seed: int,
+                               timeout_s: float) -> RefTimer:
+        child = await self.take_worker()
+        steps: list[WorkerRequest] = [
+            {"cmd": "load", "source": p.source + "\n\nModelNew = Model\n", "builds": []},
+            p.model_request(p.own_model_key, p.init_args),
+            p.time_setup(self.config, seed, n_sets, measure_pad=True),
+        ]
+        r: Any = {}
+        try:
+            for msg in steps:
+                async with self.gpu.reader_lock:
+                    r = await asyncio.to_thread(child.call, msg, timeout_s)
+                if not r.get("ok"):
+                    raise RuntimeError(f"reference timing worker: {r.get('message')}")
+        except BaseException:
+            await asyncio.to_thread(child.kill)
+            raise
+        return RefTimer(child, int(r["pad_cycles"]), float(r["pad_ms"]),
+                        n_sets * p.input_bytes)
+
+    async def shutdown(self) -> None:
+        """Stops the workers' start-ups and kills every child (``close``)."""
+        self.closed = True
+        for task in self.starting.values():
+            task.cancel()
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Kills every child, without a word: a spare may be mid-start with a start-up
+        thread reading its channel, and a reference worker may be in a timing round of a
+        verification still running. No worker starts after this."""
+        self.closed = True
+        for c in (self.oracle, *self.spares, *(t.child for t in self.ref_workers.values())):
+            if c is not None:
+                c.kill()
+        self.oracle = None
+        self.spares = []
+        self.starting.clear()
+        self.ref_workers.clear()
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Marks a start-up task's failure as seen: the worker is replaced when it is taken."""
+    if not task.cancelled():
+        task.exception()

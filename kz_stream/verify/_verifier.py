@@ -1,0 +1,371 @@
+"""The verifier: turns (problem, candidate) into a verdict.
+
+Stages: static scan → CUDA build (parallel CPU compilers, cached) → problem preparation in
+the device's oracle (cached per problem) → the GPU stage, one candidate per device at a
+time, in a fresh pre-started worker process (``_checks.Stage``): load, correctness on every
+input set (each run twice), launch evidence (op log, profiler, Triton ablation),
+interleaved timing against the reference, final integrity checks. Without a GPU the same
+pipeline runs on the CPU with the Triton interpreter, CUDA sources are compile-checked,
+and the verdict lists what it could not check. The processes of each device are its
+``_pool.Lane``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Coroutine
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import torch
+
+from kz_stream.verify import _astscan as astscan
+from kz_stream.verify import _lifeline as lifeline
+from kz_stream.verify._build import Builder, BuildResult
+from kz_stream.verify._checks import Reject, Ruling, Stage
+from kz_stream.verify._config import VerifierConfig
+from kz_stream.verify._extract import InlineCall, extract_inline_calls
+from kz_stream.verify._hardware import manifest
+from kz_stream.verify._inputs import at_own_shapes
+from kz_stream.verify._ipc import ChildDied, ChildTimeout, tail
+from kz_stream.verify._messages import PrepareRequest
+from kz_stream.verify._pool import Lane
+from kz_stream.verify._prepared import Prepared
+from kz_stream.verify._rewrite import kernel_names
+from kz_stream.verify._sandbox import isolation, run_in_sandbox
+from kz_stream.verify._timing import check_flush
+from kz_stream.verify._types import VERIFIER_VERSION, Candidate, Problem, Status, Verdict
+
+__all__ = ["Verifier", "VerifierConfig"]
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class Verifier:
+    """Verifies candidates against problems; one GPU stage at a time per device.
+
+    Use as ``async with Verifier() as v: verdict = await v.verify(problem, candidate)``,
+    or ``Verifier().verify_sync(problem, candidate)`` from synchronous code. Workers that
+    crash or hang are discarded and replaced; the verifier itself keeps running.
+    """
+
+    def __init__(self, config: VerifierConfig | None = None) -> None:
+        self.config = config or VerifierConfig()
+        check_flush(self.config.l2_flush, self.config.l2_flush_factor)
+        self._secret = self.config.secret or secrets.token_bytes(32)
+        devices = self.config.devices
+        if devices is None:
+            # The service process compares outputs on the GPU, so it needs a CUDA torch too.
+            devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        self.gpu = bool(devices)
+        self._device_ids: list[int | None] = list(devices) if devices else [None]
+        self._lanes: list[Lane] = []
+        self._builder: Builder | None = None
+        self._prepared: OrderedDict[str, Prepared] = OrderedDict()
+        self._prepare_locks: dict[str, asyncio.Lock] = {}
+        self._loop_thread: _LoopThread | None = None
+
+    # -- lifecycle
+
+    def _ensure(self) -> None:
+        if not self._lanes:
+            reaped = lifeline.reap()
+            if reaped:
+                log.warning("verifier: killed %d process groups left by a verifier that "
+                            "is gone: %s", len(reaped), reaped)
+            # A GPU worker sees the build cache: the CUDA extensions it loads are built
+            # there ahead of time.
+            self._lanes = [Lane(self.config, i, (str(self.builder.cache_dir),)
+                                if i is not None else ()) for i in self._device_ids]
+            for lane in self._lanes:
+                lane.fill_spares()
+
+    @property
+    def builder(self) -> Builder:
+        if self._builder is None:
+            self._builder = Builder(self.config.cache_dir, jobs=self.config.build_jobs,
+                                    link=self.gpu)
+        return self._builder
+
+    async def __aenter__(self) -> Verifier:
+        self._ensure()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stops every child process."""
+        for lane in self._lanes:
+            await lane.shutdown()
+        self._lanes = []
+
+    async def aclose(self) -> None:
+        """Same as ``close``."""
+        await self.close()
+
+    def manifest(self) -> dict[str, Any]:
+        """Hardware and software of this verifier, as stamped on its verdicts."""
+        hw = dict(manifest())
+        hw["mode"] = "gpu" if self.gpu else "cpu"
+        hw["verifier_version"] = VERIFIER_VERSION
+        hw["l2_flush"] = f"{self.config.l2_flush}x{self.config.l2_flush_factor}"
+        hw["devices"] = [i for i in self._device_ids if i is not None]
+        hw["isolation"] = isolation(self.config.strong_isolation).level  # of the workers
+        return hw
+
+    def verify_sync(self, problem: Problem, candidate: Candidate) -> Verdict:
+        """Blocking ``verify`` for synchronous callers (runs on a private event loop)."""
+        if self._loop_thread is None:
+            self._loop_thread = _LoopThread()
+        return self._loop_thread.run(self.verify(problem, candidate))
+
+    def close_sync(self) -> None:
+        if self._loop_thread is not None:
+            self._loop_thread.run(self.close())
+            self._loop_thread.stop()
+            self._loop_thread = None
+
+    # -- the pipeline
+
+    def _seed(self, key: str) -> int:
+        digest = hmac.new(self._secret, key.encode(), hashlib.sha256).digest()
+        return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+    def _verdict(self, status: Status, reason: str | None = None, **kw: Any) -> Verdict:
+        return Verdict(status, reason, verifier_version=VERIFIER_VERSION,
+                       hardware=self.manifest(), **kw)
+
+    def _stamp(self, ruling: Ruling) -> Verdict:
+        """The verdict of a check's ruling, with this verifier's version and hardware."""
+        return self._verdict(ruling.status, ruling.reason, **ruling.fields)
+
+    async def verify(self, problem: Problem, candidate: Candidate) -> Verdict:
+        """Checks ``candidate`` against ``problem`` and returns the verdict."""
+        self._ensure()
+        started = time.monotonic()
+        details: dict[str, Any] = {"backend": candidate.backend}
+        try:
+            verdict = await self._verify(problem, candidate, details)
+        except Reject as r:
+            verdict = self._stamp(r.ruling)
+        except Exception as e:  # every path ends in a verdict: this one is ours, not theirs
+            log.exception("verifier: infrastructure failure")
+            details["traceback"] = tail(traceback.format_exc(), 3000)
+            verdict = self._verdict(Status.INFRA_ERROR, f"verifier: {type(e).__name__}: "
+                                    f"{tail(str(e), 1000)}", check="infrastructure")
+        details["seconds"] = round(time.monotonic() - started, 3)
+        return replace(verdict, details={**details, **verdict.details})
+
+    async def _verify(self, problem: Problem, candidate: Candidate,
+                      details: dict[str, Any]) -> Verdict:
+        # 1. Static scan.
+        static_ops = astscan.reference_ops(problem.source)
+        findings = astscan.scan(candidate.source, static_ops)
+        if findings and not self.config.static_scan:
+            details["findings_ignored"] = [f"{f.rule}: {f.message}" for f in findings]
+            findings = [f for f in findings if f.rule == "syntax"]
+        if findings:
+            details["findings"] = [f"{f.rule}: {f.message} (line {f.line})" for f in findings]
+            f = findings[0]
+            if f.rule == "syntax":
+                return self._verdict(Status.COMPILE_ERROR, f.message, check="python_syntax")
+            return self._verdict(Status.HACK, f.message, check=f.rule)
+        # 2. CUDA builds, ahead of the GPU stage.
+        builds: list[BuildResult] = []
+        own_names: list[str] = []
+        if candidate.backend == "cuda":
+            builds = await self._build(candidate, details)
+            for b in builds:
+                own_names += kernel_names(b.call.cuda_sources)
+            own_names += kernel_names(_raw_strings(candidate.source))
+            if not self.gpu:
+                return self._verdict(
+                    Status.UNCHECKED, "no GPU here: the CUDA source compiles (nvcc, "
+                    f"sm_{self.builder.toolchain.arch}); correctness and speed are unchecked",
+                    check="no_gpu", unchecked=("correctness", "anti_cheat_runtime", "timing"))
+        # 3. Problem preparation (cached) and the GPU stage.
+        lane = min(self._lanes, key=lambda ln: ln.busy)
+        lane.busy += 1
+        try:
+            t0 = time.monotonic()
+            prepared = await self._prepare(lane, problem)
+            details["prepare_s"] = round(time.monotonic() - t0, 3)
+            if isinstance(prepared, Verdict):
+                return prepared
+            details["problem_notes"] = prepared.notes
+            details["input_sets"] = prepared.set_summary()
+            details["input_sets_dropped"] = prepared.dropped
+            if prepared.plan_notes:
+                details["memory_plan"] = prepared.plan_notes
+            short = self._too_few_sets(prepared)
+            if short:
+                return self._verdict(Status.UNCHECKED, short, check="input_sets")
+            t0 = time.monotonic()
+            async with lane.slots:
+                details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
+                verdict = await self._gpu_stage(lane, prepared, candidate, builds,
+                                                own_names, details)
+                if verdict.status is Status.INFRA_ERROR and verdict.check == "device_memory":
+                    # The device was full of others' memory, not the candidate's: once
+                    # more with the idle reference workers gone (the smaller plan).
+                    details["retried"] = verdict.reason
+                    await lane.drop_references(all_idle=True)
+                    verdict = await self._gpu_stage(lane, prepared, candidate, builds,
+                                                    list(own_names), details)
+                return verdict
+        finally:
+            lane.busy -= 1
+
+    async def inspect_problem(self, problem: Problem) -> dict[str, Any]:
+        """Prepares ``problem`` as a verification of it would, and says how: the input
+        sets used (label, shapes), those dropped and why, the memory plan, the oracle's
+        peak device memory and the time; or, under "error", why it cannot be a problem
+        here. Every failure is an answer, not an exception."""
+        self._ensure()
+        lane = min(self._lanes, key=lambda ln: ln.busy)
+        t0 = time.monotonic()
+        try:
+            prepared = await self._prepare(lane, problem)
+        except Exception as e:  # the audit reports it: one bad problem must not stop it
+            return {"error": f"{type(e).__name__}: {tail(str(e), 500)}",
+                    "seconds": round(time.monotonic() - t0, 3)}
+        seconds = round(time.monotonic() - t0, 3)
+        if isinstance(prepared, Verdict):
+            return {"error": prepared.reason, "seconds": seconds}
+        return {"input_sets": prepared.set_summary(), "dropped": prepared.dropped,
+                "memory_plan": prepared.plan_notes, "notes": prepared.notes,
+                "too_few_sets": self._too_few_sets(prepared),
+                "oracle_peak_bytes": prepared.device_peak_bytes,
+                "host_bytes": prepared.host_bytes, "input_bytes": prepared.input_bytes,
+                "seconds": seconds}
+
+    def _too_few_sets(self, p: Prepared) -> str:
+        """Why the verdict cannot rest on ``p``'s input sets ("" when it can)."""
+        labels = [s["label"] for s in p.sets]
+        dropped = ", ".join(f"{d['label']} ({d['reason'][:120]})" for d in p.dropped)
+        if len(labels) < self.config.min_input_sets:
+            return (f"problem: only {len(labels)} input set(s) could be evaluated "
+                    f"({', '.join(labels)}; at least {self.config.min_input_sets} needed); "
+                    f"dropped: {dropped or 'none'}")
+        if self.gpu and not any(at_own_shapes(lb) for lb in labels):
+            return (f"problem: no input set at the module's own shapes could be evaluated "
+                    f"({', '.join(labels)}); dropped: {dropped or 'none'}")
+        return ""
+
+    async def _build(self, candidate: Candidate, details: dict[str, Any]) -> list[BuildResult]:
+        calls = extract_inline_calls(candidate.source)
+        if calls is None:
+            out = await asyncio.to_thread(
+                run_in_sandbox, "kz_stream.verify._extract:record_inline_calls",
+                (candidate.source,), timeout_s=120)
+            if not out.ok:
+                raise Reject(Ruling(
+                    Status.RUNTIME_ERROR if out.error_kind != "timeout" else Status.TIMEOUT,
+                    f"the module's top level failed while recording load_inline: "
+                    f"{out.error_message}", {"check": "load"}))
+            calls = [InlineCall.from_kwargs(kw) for kw in out.value]
+        results = list(await asyncio.gather(*(self.builder.build(c) for c in calls)))
+        details["builds"] = [{"name": r.call.name, "layout": r.layout, "seconds":
+                              round(r.seconds, 2), "cache_hit": r.cache_hit,
+                              "attempts": r.attempts} for r in results]
+        for r in results:
+            if not r.ok:
+                raise Reject(Ruling(Status.COMPILE_ERROR, tail(r.log, 3000),
+                                    {"check": "nvcc"}))
+        return results
+
+    async def _prepare(self, lane: Lane, problem: Problem) -> Prepared | Verdict:
+        key = problem.key
+        lock = self._prepare_locks.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                return await self._prepare_locked(lane, problem)
+        finally:
+            if not lock.locked():  # a problem seen once must not hold a lock forever
+                self._prepare_locks.pop(key, None)
+
+    async def _prepare_locked(self, lane: Lane, problem: Problem) -> Prepared | Verdict:
+        key = problem.key
+        cached = self._prepared.get(key)
+        if cached is not None:  # CPU tensors and figures: good for any device's lane
+            self._prepared.move_to_end(key)
+            return cached
+        seed = self._seed(key)
+        msg: PrepareRequest = {"cmd": "prepare", "source": problem.source, "key": key,
+                               "seed": seed, "small_only": not self.gpu,
+                               "full_set_budget": self.config.full_set_budget_bytes}
+        try:
+            async with lane.oracle_lock, lane.gpu.reader_lock:
+                r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
+        except (ChildDied, ChildTimeout) as e:
+            return self._verdict(Status.UNCHECKED, f"problem: the reference could not be "
+                                 f"evaluated ({e})", check="problem")
+        if not r.get("ok"):
+            return self._verdict(Status.UNCHECKED, f"problem: {r.get('message')}",
+                                 check="problem")
+        prepared = Prepared.from_reply(key, problem.source, seed,
+                                       astscan.reference_ops(problem.source), r)
+        self._prepared[key] = prepared
+        while len(self._prepared) > 1 and (
+                len(self._prepared) > self.config.problem_cache
+                or sum(p.host_bytes for p in self._prepared.values())
+                > self.config.problem_cache_bytes):
+            self._prepared.popitem(last=False)
+        return prepared
+
+    async def _gpu_stage(self, lane: Lane, p: Prepared, candidate: Candidate,
+                         builds: list[BuildResult], own_names: list[str],
+                         details: dict[str, Any]) -> Verdict:
+        t0 = time.monotonic()
+        try:
+            worker = await lane.take_worker()
+        except (ChildDied, ChildTimeout) as e:
+            return self._verdict(Status.UNCHECKED, f"verifier: no worker could start ({e})",
+                                 check="infrastructure")
+        details["worker_wait_s"] = round(time.monotonic() - t0, 3)
+        details["worker_start_s"] = {k: round(float(v), 3) for k, v in
+                                     (worker.wait_ready().get("start_s") or {}).items()}
+        try:
+            ruling = await Stage(self.config, lane, worker, p, candidate, builds, own_names,
+                                 details).run()
+        except Reject as r:
+            ruling = r.ruling
+        finally:
+            await asyncio.to_thread(worker.kill)
+        return self._stamp(ruling)
+
+
+def _raw_strings(source: str) -> list[str]:
+    """The string literals of a candidate that define CUDA kernels."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    return [t for t in astscan.string_constants(tree) if "__global__" in t]
+
+
+class _LoopThread:
+    """An event loop on a daemon thread, for the synchronous wrapper."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
