@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from kz_stream.app import redact_url
+from kz_stream.database_url import redact as redact_url
 from kz_stream.events import is_evaluation
 from kz_stream.frontier import CapabilityMap, KernelRecord, RunState
 from kz_stream.projections import current_payload

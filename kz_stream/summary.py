@@ -266,7 +266,7 @@ async def load_run_summary(
     checkpoint_dir: str | Path = "",
 ) -> RunSummary:
     """Reads run ``run_id``'s events from ``store`` and summarizes them."""
-    from kz_stream.app import redact_url
+    from kz_stream.database_url import redact as redact_url
     from kz_stream.warmstart import packaged_adapter
 
     records: list[RecordedEvent] = []
