@@ -27,9 +27,10 @@ from kz_stream.verify._types import (
 )
 
 if TYPE_CHECKING:
+    from kz_stream.verify._config import VerifierConfig
     from kz_stream.verify.admission import Admission, admission_check
     from kz_stream.verify.sandbox import SandboxOutcome, run_in_sandbox
-    from kz_stream.verify.verifier import Verifier, VerifierConfig
+    from kz_stream.verify.verifier import Verifier
 
 __all__ = [
     "VERIFIER_VERSION",
@@ -48,7 +49,7 @@ __all__ = [
 
 _LAZY = {
     "Verifier": "kz_stream.verify.verifier",
-    "VerifierConfig": "kz_stream.verify.verifier",
+    "VerifierConfig": "kz_stream.verify._config",
     "Admission": "kz_stream.verify.admission",
     "admission_check": "kz_stream.verify.admission",
     "SandboxOutcome": "kz_stream.verify.sandbox",

@@ -22,11 +22,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import numpy as np
 import torch
 
+from kz_stream.verify._config import FlushMode
 from kz_stream.verify.compare import flatten
 
 # Captured at import, before any untrusted code runs in the process: a candidate that
@@ -40,9 +41,6 @@ _sleep = torch.cuda._sleep
 # a bf16 8192^3 matrix product on random data).
 H200_BANDWIDTH = 4.3e12  # bytes/s
 H200_PEAK_FLOPS = 790e12  # FLOP/s
-
-
-FlushMode = Literal["read", "zero", "zero_read"]
 
 
 @dataclass(frozen=True)
