@@ -27,6 +27,7 @@ from kz_stream.config import (
     load_settings,
     validated_copy,
 )
+from kz_stream.database_url import ensure_sqlite_dir, redact
 
 if TYPE_CHECKING:
     from kz_stream.app import RunOptions
@@ -118,8 +119,13 @@ def _bad_option(e: ValidationError) -> ConfigError:
     )
 
 
-def _settings(config: Path | None) -> Settings:
-    return load_settings(config)
+def _settings(config: Path | None, *, quiet: bool = False) -> Settings:
+    """The settings (``--config`` over the defaults, under the environment). ``quiet``: a
+    command that draws progress bars logs warnings only, unless the user set log_level."""
+    settings = load_settings(config)
+    if quiet and "log_level" not in settings.model_fields_set:
+        settings = settings.model_copy(update={"log_level": "WARNING"})
+    return settings
 
 
 def _run(coro: Awaitable[R]) -> R:
@@ -207,19 +213,12 @@ def infra_status() -> None:
 @_one_line_errors
 def db_upgrade(config: ConfigOption = None, revision: str = "head") -> None:
     """Migrates the event store schema (Alembic) to ``revision``."""
-    from kz_stream.app import ensure_sqlite_dir
-    from kz_stream.store._migrate import upgrade
+    from kz_stream.store import upgrade
 
     settings = _settings(config)
     ensure_sqlite_dir(settings.database_url)
     upgrade(settings.database_url, revision)
-    console.print(f"database at {revision}: {_redact(settings.database_url)}", highlight=False)
-
-
-def _redact(url: str) -> str:
-    from kz_stream.app import redact_url
-
-    return redact_url(url)
+    console.print(f"database at {revision}: {redact(settings.database_url)}", highlight=False)
 
 
 # ----------------------------------------------------------------------------------- dlq
@@ -402,7 +401,7 @@ def audit(
 
     records = _run(go())
     if not records:
-        raise LookupError(f"no stream {stream_id!r} in {_redact(settings.database_url)}")
+        raise LookupError(f"no stream {stream_id!r} in {redact(settings.database_url)}")
     if as_json:
         for r in records:
             sys.stdout.write(encode_event(r.event).decode() + "\n")
@@ -615,9 +614,7 @@ def run_loop(
     SQLite, SmolLM2 on the CPU, Triton through its interpreter)."""
     from kz_stream.app import RunOptions, RunReport, run_coevolution
 
-    settings = _settings(config)
-    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
-        settings = settings.model_copy(update={"log_level": "WARNING"})
+    settings = _settings(config, quiet=True)
     options = RunOptions(
         rounds=rounds,
         steps_per_turn=steps_per_turn,
@@ -860,9 +857,7 @@ def eval_run(
 
     if backend not in ("triton", "cuda"):
         raise typer.BadParameter(f"--backend: {backend!r} is not triton or cuda")
-    settings = _settings(config)
-    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
-        settings = settings.model_copy(update={"log_level": "WARNING"})
+    settings = _settings(config, quiet=True)
     loaded = load_suite(suite, level=level, match=match, limit=limit)
     for path, why in loaded.skipped:
         err_console.print(f"skipped {path.name}: {why}", highlight=False)
@@ -932,7 +927,7 @@ def eval_report(
 
         record = _run(go())
         if record is None:
-            raise LookupError(f"no evaluation {run_id!r} in {_redact(settings.database_url)}")
+            raise LookupError(f"no evaluation {run_id!r} in {redact(settings.database_url)}")
         bars.update(task, description="metrics and plots", total=1)
         report = build_report(record)
         paths = write_report(report, out)
@@ -1034,9 +1029,7 @@ def rescore_cmd(
     from kz_stream.rescore import Drift, plan_rescore, rescore
     from kz_stream.verify import VERIFIER_VERSION
 
-    settings = _settings(config)
-    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
-        settings = settings.model_copy(update={"log_level": "WARNING"})
+    settings = _settings(config, quiet=True)
     flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
                        include_evaluation=include_eval, since=_utc(since), until=_utc(until))
 
@@ -1100,9 +1093,7 @@ def warmstart_data(
     from kz_stream.store import open_store
     from kz_stream.warmstart.data import synthesize_suite, teacher_run_id, write_sft_sets
 
-    settings = _settings(config)
-    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
-        settings = settings.model_copy(update={"log_level": "WARNING"})
+    settings = _settings(config, quiet=True)
     started = time.monotonic()
     with _progress_bars(counts=True) as bars:
         task = bars.add_task("modules validated", total=count, detail="")
