@@ -31,6 +31,7 @@ from kz_stream.database_url import ensure_sqlite_dir, redact
 
 if TYPE_CHECKING:
     from kz_stream.app import RunOptions
+    from kz_stream.export import KernelFilter
     from kz_stream.summary import Outcome, RunSummary
 
 app = typer.Typer(
@@ -946,6 +947,17 @@ def eval_report(
 # ------------------------------------------------------------------------------- dataset
 
 
+def _kernel_filter(runs: list[str] | None, statuses: list[str] | None, include_eval: bool,
+                   since: datetime | None, until: datetime | None,
+                   verifier_versions: list[str] | None = None) -> KernelFilter:
+    """The stored kernels the filter options choose (kz dataset export, kz rescore)."""
+    from kz_stream.export import KernelFilter
+
+    return KernelFilter(runs=set(runs or ()), statuses=set(statuses or ()),
+                        verifier_versions=set(verifier_versions or ()),
+                        include_evaluation=include_eval, since=_utc(since), until=_utc(until))
+
+
 def _utc(moment: datetime | None) -> datetime | None:
     """A command-line time, read as UTC when it names no zone."""
     return moment.replace(tzinfo=UTC) if moment and moment.tzinfo is None else moment
@@ -973,7 +985,7 @@ def dataset_export(
     """Writes the SFT set (best correct kernel per module and backend), the verdict set
     (every verdict with its kernel) and the RL set (modules with their per-API frontier
     statistics) as parquet with a dataset card, replaying the store."""
-    from kz_stream.export import DATASETS, DatasetName, KernelFilter, collect_rows, write_export
+    from kz_stream.export import DATASETS, DatasetName, collect_rows, write_export
     from kz_stream.store import open_store
 
     names: list[DatasetName] = []
@@ -981,9 +993,7 @@ def dataset_export(
         if name not in DATASETS:
             raise typer.BadParameter(f"--set: {name!r} is not one of {', '.join(DATASETS)}")
         names.append(name)
-    flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
-                       verifier_versions=set(verifier_version or ()),
-                       include_evaluation=include_eval, since=_utc(since), until=_utc(until))
+    flt = _kernel_filter(run, status, include_eval, since, until, verifier_version)
     settings = _settings(config)
     with _progress_bars(counts=True) as bars:
         task = bars.add_task("replaying the store", total=None, detail="")
@@ -1025,13 +1035,11 @@ def rescore_cmd(
     the old; already judged ones are skipped) and reports which verdicts flipped, by check,
     and the training steps that used them."""
     from kz_stream.app import make_verifier, open_context
-    from kz_stream.export import KernelFilter
     from kz_stream.rescore import Drift, plan_rescore, rescore
     from kz_stream.verify import VERIFIER_VERSION
 
     settings = _settings(config, quiet=True)
-    flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
-                       include_evaluation=include_eval, since=_utc(since), until=_utc(until))
+    flt = _kernel_filter(run, status, include_eval, since, until)
 
     async def go() -> Drift:
         async with open_context(settings) as ctx:
