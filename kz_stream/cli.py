@@ -7,12 +7,12 @@ import json
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeGuard, TypeVar, get_args
 
 import typer
 from pydantic import ValidationError
@@ -28,6 +28,7 @@ from kz_stream.config import (
     validated_copy,
 )
 from kz_stream.database_url import ensure_sqlite_dir, redact
+from kz_stream.verify import Backend
 
 if TYPE_CHECKING:
     from kz_stream.app import RunOptions
@@ -129,8 +130,12 @@ def _settings(config: Path | None, *, quiet: bool = False) -> Settings:
     return settings
 
 
-def _run(coro: Awaitable[R]) -> R:
-    return asyncio.run(coro)  # type: ignore[arg-type]
+def _run(coro: Coroutine[Any, Any, R]) -> R:
+    return asyncio.run(coro)
+
+
+def _is_backend(name: str) -> TypeGuard[Backend]:
+    return name in get_args(Backend)
 
 
 # ---------------------------------------------------------------------------------- infra
@@ -856,7 +861,7 @@ def eval_run(
     from kz_stream.evaluation.suite import load_suite
     from kz_stream.llm.base import SamplingParams
 
-    if backend not in ("triton", "cuda"):
+    if not _is_backend(backend):
         raise typer.BadParameter(f"--backend: {backend!r} is not triton or cuda")
     settings = _settings(config, quiet=True)
     loaded = load_suite(suite, level=level, match=match, limit=limit)
@@ -866,7 +871,7 @@ def eval_run(
     options = EvalOptions(
         run_id=run_id or new_run_id(),
         policy=policy,
-        backend=backend,  # type: ignore[arg-type]
+        backend=backend,
         samples=samples,
         sampling=SamplingParams(
             max_tokens=max_new_tokens or llm.max_tokens,
