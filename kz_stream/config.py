@@ -107,10 +107,14 @@ class LLMConfig(_Section):
 
 
 class ProposerSettings(_Section):
+    """``[proposer]``: what ``producers.proposer.ProposerService`` takes as it is."""
+
     llm: LLMConfig = Field(default_factory=LLMConfig)
     proposals_per_prompt: int = Field(default=4, ge=1)
     concurrency: int = Field(default=2, ge=1)
-    max_modules: int | None = None
+    max_modules: int | None = Field(
+        default=None, ge=0, description="Stop after publishing this many; None: run forever."
+    )
     seed_modules: bool = True
     synthesized_seeds: int = Field(
         default=4, ge=0,
@@ -134,6 +138,8 @@ class ProposerSettings(_Section):
 
 
 class CoderSettings(_Section):
+    """``[coder]``: what ``producers.coder.CoderService`` takes as it is."""
+
     llm: LLMConfig = Field(default_factory=LLMConfig)
     group_size: int = Field(default=4, ge=1)
     backends: tuple[Literal["cuda", "triton"], ...] = ("triton",)
@@ -158,6 +164,9 @@ _TRAINER_OPTIONS = {"learning_rate", "lora_r", "full_finetune", "max_staleness",
 
 
 class LearnerSettings(_Section):
+    """``[learner]``: what ``consumers.learner.LearnerService`` takes as it is, and the
+    knobs its trainers get (``trainer_options``)."""
+
     model: str | None = Field(default=None, description="Base model dir; None: SmolLM2.")
     checkpoint_dir: Path = Path(".kz/policies")
     roles: tuple[Literal["proposer", "coder"], ...] = ("proposer", "coder")
