@@ -33,6 +33,7 @@ from kz_stream.verify import Backend
 if TYPE_CHECKING:
     from kz_stream.app import RunOptions
     from kz_stream.export import KernelFilter
+    from kz_stream.store import EventStore
     from kz_stream.summary import Outcome, RunSummary
 
 app = typer.Typer(
@@ -132,6 +133,18 @@ def _settings(config: Path | None, *, quiet: bool = False) -> Settings:
 
 def _run(coro: Coroutine[Any, Any, R]) -> R:
     return asyncio.run(coro)
+
+
+def _read_store(settings: Settings, read: Callable[[EventStore], Coroutine[Any, Any, R]]) -> R:
+    """``read``'s result on the event store, opened as it is (a command that only reads
+    migrates nothing)."""
+    from kz_stream.store import open_store
+
+    async def go() -> R:
+        async with open_store(settings.database_url, create_schema=False) as store:
+            return await read(store)
+
+    return _run(go())
 
 
 def _is_backend(name: str) -> TypeGuard[Backend]:
@@ -397,15 +410,9 @@ def audit(
 ) -> None:
     """Prints a stream's full history, oldest first."""
     from kz_stream.events import encode_event
-    from kz_stream.store import open_store
 
     settings = _settings(config)
-
-    async def go() -> list[Any]:
-        async with open_store(settings.database_url, create_schema=False) as store:
-            return await store.read_stream(stream_id)
-
-    records = _run(go())
+    records = _read_store(settings, lambda store: store.read_stream(stream_id))
     if not records:
         raise LookupError(f"no stream {stream_id!r} in {redact(settings.database_url)}")
     if as_json:
@@ -711,15 +718,11 @@ def _print_summary_after(settings: Settings, options: RunOptions, config: Path |
     """Prints the summary of a run that ``run_coevolution`` did not return from, when the
     store can be read and holds any of it; otherwise nothing (the error says enough)."""
     from kz_stream.app import load_summary
-    from kz_stream.store import open_store
-
-    async def go() -> RunSummary:
-        async with open_store(settings.database_url, create_schema=False) as store:
-            return await load_summary(store, options.apply(settings), outcome=outcome,
-                                      session_seconds=seconds, session_started=started)
 
     try:
-        summary = _run(go())
+        summary = _read_store(settings, lambda store: load_summary(
+            store, options.apply(settings), outcome=outcome, session_seconds=seconds,
+            session_started=started))
     except Exception:  # a store that cannot be read: the run's own error is the news
         return
     if summary.position:
@@ -920,18 +923,12 @@ def eval_report(
     report.md and plots (pass@k against k, speedups, the per-problem grid)."""
     from kz_stream.evaluation.report import build_report, table_rows, write_report
     from kz_stream.evaluation.run import load_evaluation
-    from kz_stream.store import open_store
 
     settings = _settings(config)
     out = out or Path(".kz/eval") / run_id
     with _progress_bars() as bars:
         task = bars.add_task("reading the store", total=None, detail="")
-
-        async def go() -> Any:
-            async with open_store(settings.database_url, create_schema=False) as store:
-                return await load_evaluation(store, run_id)
-
-        record = _run(go())
+        record = _read_store(settings, lambda store: load_evaluation(store, run_id))
         if record is None:
             raise LookupError(f"no evaluation {run_id!r} in {redact(settings.database_url)}")
         bars.update(task, description="metrics and plots", total=1)
@@ -991,7 +988,6 @@ def dataset_export(
     (every verdict with its kernel) and the RL set (modules with their per-API frontier
     statistics) as parquet with a dataset card, replaying the store."""
     from kz_stream.export import DATASETS, DatasetName, collect_rows, write_export
-    from kz_stream.store import open_store
 
     names: list[DatasetName] = []
     for name in dict.fromkeys(sets or DATASETS):
@@ -1003,13 +999,9 @@ def dataset_export(
     with _progress_bars(counts=True) as bars:
         task = bars.add_task("replaying the store", total=None, detail="")
 
-        async def go() -> Any:
-            async with open_store(settings.database_url, create_schema=False) as store:
-                return await collect_rows(
-                    store, flt, sets=names,
-                    on_batch=lambda pos, end: bars.update(task, completed=pos, total=end))
-
-        rows, position = _run(go())
+        rows, position = _read_store(settings, lambda store: collect_rows(
+            store, flt, sets=names,
+            on_batch=lambda pos, end: bars.update(task, completed=pos, total=end)))
         counts = write_export(rows, out, names, flt=flt,
                               store_url=settings.database_url, position=position)
     console.print(
@@ -1103,7 +1095,6 @@ def warmstart_data(
     from kz_stream.evaluation.run import EvalOptions, EvalProgress, run_evaluation
     from kz_stream.evaluation.suite import load_suite
     from kz_stream.llm.base import SamplingParams
-    from kz_stream.store import open_store
     from kz_stream.warmstart.data import synthesize_suite, teacher_run_id, write_sft_sets
 
     settings = _settings(config, quiet=True)
@@ -1133,11 +1124,7 @@ def warmstart_data(
 
         _run(run_evaluation(settings, load_suite(out / "train"), options, on_progress=show))
 
-    async def export() -> dict[str, int]:
-        async with open_store(settings.database_url, create_schema=False) as store:
-            return await write_sft_sets(out, store)
-
-    counts = _run(export())
+    counts = _read_store(settings, lambda store: write_sft_sets(out, store))
     console.print(
         f"teacher run {run_id}: {counts['coder']} Coder examples, {counts['proposer']} Proposer "
         f"examples in {out} ({time.monotonic() - started:.0f} s); next: "
