@@ -242,14 +242,13 @@ class RunOptions:
     def log_changes(self, settings: Settings, applied: Settings) -> None:
         """Logs each value ``apply`` changed: a warning where the user had set it."""
         log = get_logger("kz.run")
+        own = {f"learner.{k}" for k in self.learner_defaults()}
         for key, old, new, user_set in _changes(settings, applied):
             if user_set:
                 log.warning("run_settings", key=key, setting=old, run=new,
                             reason="kz run option replaces the setting")
             else:
-                reason = ("the run's default where none is set"
-                          if key.startswith("learner.") and key[8:] in self.learner_defaults()
-                          else "kz run option")
+                reason = "the run's default where none is set" if key in own else "kz run option"
                 log.info("run_settings", key=key, default=old, run=new, reason=reason)
 
 
