@@ -37,7 +37,6 @@ __all__ = [
     "ResilienceSettings",
     "Settings",
     "TopicsConfig",
-    "VerifierConfig",
     "describe_validation_error",
     "load_settings",
     "validated_copy",

@@ -15,12 +15,13 @@ import pytest
 from typer.testing import CliRunner
 
 from kz_stream.cli import app
-from kz_stream.config import Settings, TopicsConfig, VerifierConfig
+from kz_stream.config import Settings, TopicsConfig
 from kz_stream.evaluation.run import EvalOptions, EvalProgress, kernel_id_of, run_evaluation
 from kz_stream.evaluation.suite import load_suite
 from kz_stream.frontier import RunState
 from kz_stream.llm.base import SamplingParams
 from kz_stream.store import open_store
+from kz_stream.verify import VerifierConfig
 
 pytestmark = pytest.mark.slow
 
