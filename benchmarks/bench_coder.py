@@ -162,9 +162,9 @@ async def run_service(
     published; counts completion tokens in the ``KernelGenerated`` events."""
     from kz_stream.app import open_context
     from kz_stream.bus import BusMessage
-    from kz_stream.config import Settings
+    from kz_stream.config import CoderSettings, LLMConfig, Settings
     from kz_stream.events import KernelGenerated, ModuleProposed, ModuleValidation, new_event
-    from producers.coder import CoderConfig, CoderService
+    from producers.coder import CoderService
 
     expected = len(modules) * group_size
     tokens = samples = 0
@@ -209,11 +209,12 @@ async def run_service(
             coder = CoderService(
                 ctx,
                 backend,
-                CoderConfig(
+                CoderSettings(
                     group_size=group_size,
                     backends=("triton",),
                     max_batch=concurrency,
-                    sampling=sampling,
+                    llm=LLMConfig(max_tokens=sampling.max_tokens,
+                                  temperature=sampling.temperature, seed=sampling.seed),
                 ),
             )
             task = asyncio.create_task(coder.run())

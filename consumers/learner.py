@@ -19,10 +19,10 @@ import asyncio
 import shutil
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kz_stream.config import LearnerSettings
 from kz_stream.events import (
     Event,
     FrontierUpdated,
@@ -31,29 +31,20 @@ from kz_stream.events import (
     new_event,
 )
 from kz_stream.faults import is_transient
-from kz_stream.rl import AlternationConfig, AlternationSchedule, Group, Role, Sample
-from kz_stream.run_state import FrontierConfig, RunState, compute_frontier
+from kz_stream.rl import AlternationSchedule, Group, Role, Sample
+from kz_stream.run_state import RunState, compute_frontier
 from kz_stream.runtime import Service, ServiceContext
 
 if TYPE_CHECKING:
     from kz_stream.rl.trainer import GRPOLearner, LearnerConfig, StepResult
 
-__all__ = ["LearnerService", "LearnerServiceConfig"]
-
-
-@dataclass(frozen=True)
-class LearnerServiceConfig:
-    checkpoint_dir: Path = Path(".kz/policies")
-    groups_per_step: int = 4
-    group_timeout_s: float = 600.0
-    frontier_every_s: float = 5.0
-    alternation: AlternationConfig = field(default_factory=AlternationConfig)
-    roles: tuple[Role, ...] = ("proposer", "coder")
-    frontier: FrontierConfig = field(default_factory=FrontierConfig)
-    poll_interval: float = 0.2
+__all__ = ["LearnerService"]
 
 
 class LearnerService(Service):
+    """The learner, as ``config`` (the ``[learner]`` settings) describes it; ``make_learner``
+    builds a role's trainer, whose checkpoints go to the folder it is given."""
+
     name = "learner"
     tracking_name = "kz-learner"
 
@@ -61,12 +52,12 @@ class LearnerService(Service):
         self,
         ctx: ServiceContext,
         make_learner: Callable[[Role, Path], GRPOLearner],
-        config: LearnerServiceConfig,
+        config: LearnerSettings,
     ) -> None:
         super().__init__(ctx)
         self.make_learner, self.config = make_learner, config
         self.state = RunState()
-        self.schedule = AlternationSchedule(config.alternation)
+        self.schedule = AlternationSchedule(config.alternation())
         self.learners: dict[Role, GRPOLearner] = {}
         self.steps_done = 0
         self.finished = asyncio.Event()  # the alternation schedule is over
@@ -217,7 +208,7 @@ class LearnerService(Service):
             basis == self._frontier_basis or now - self._frontier_at < self.config.frontier_every_s
         ):
             return None
-        frontier = compute_frontier(self.state, self.config.frontier)
+        frontier = compute_frontier(self.state)
         event = new_event(
             frontier,
             stream_id="frontier",

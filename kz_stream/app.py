@@ -6,19 +6,25 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel
 
 from kz_stream.config import Settings, validated_copy
-from kz_stream.logging import configure_logging
+from kz_stream.database_url import ensure_sqlite_dir
+from kz_stream.logging import configure_logging, get_logger
 from kz_stream.runtime import Service, ServiceContext, run_services
 from kz_stream.warmstart import warm_adapter
 
 if TYPE_CHECKING:
+    from kz_stream.llm.base import LLMBackend
+    from kz_stream.rl import Role
+    from kz_stream.rl.trainer import GRPOLearner
     from kz_stream.store import EventStore
     from kz_stream.summary import Outcome, RunSummary
     from kz_stream.verify import Verifier
@@ -26,13 +32,11 @@ if TYPE_CHECKING:
 __all__ = [
     "RunOptions",
     "RunReport",
-    "ensure_sqlite_dir",
     "evaluation_hashes",
     "load_summary",
     "make_verifier",
     "open_context",
     "projection_by_name",
-    "redact_url",
     "run_coevolution",
     "run_named_services",
     "service_by_name",
@@ -66,22 +70,6 @@ async def open_context(
                 await bus.close()
 
 
-def ensure_sqlite_dir(url: str) -> None:
-    """Creates the directory of a SQLite database file, so a fresh checkout just runs."""
-    from sqlalchemy.engine import make_url
-
-    u = make_url(url)
-    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
-        os.makedirs(os.path.dirname(os.path.abspath(u.database)), exist_ok=True)
-
-
-def redact_url(url: str) -> str:
-    """A database URL with its password hidden, for messages."""
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
-
-
 def service_by_name(name: str, ctx: ServiceContext) -> Service:
     """Builds one service from ``ctx.settings``. Imports lazily: each service pulls in its
     own heavy dependencies (torch, transformers, TRL) only when it is built."""
@@ -95,58 +83,22 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
 
         return VerifierService(ctx, make_verifier(settings))
     if name == "proposer":
-        from producers.proposer import ProposerConfig, ProposerService
+        from producers.proposer import ProposerService
         from producers.seeds import SEED_MODULES, synthesized_seeds
 
         p = settings.proposer
-        return ProposerService(
-            ctx,
-            _backend(p.llm, warm_adapter(settings, "proposer")),
-            ProposerConfig(
-                proposals_per_prompt=p.proposals_per_prompt,
-                concurrency=p.concurrency,
-                max_modules=p.max_modules,
-                sampling=_sampling(p.llm),
-                seed_modules=(*SEED_MODULES, *synthesized_seeds(p.synthesized_seeds))
-                if p.seed_modules else (),
-                synthesized_fallback=p.synthesized_fallback,
-                evaluation_hashes=evaluation_hashes(p.decontaminate),
-            ),
-        )
+        seeds = (*SEED_MODULES, *synthesized_seeds(p.synthesized_seeds)) if p.seed_modules else ()
+        return ProposerService(ctx, _backend(settings, "proposer"), p, seed_modules=seeds,
+                               evaluation_hashes=evaluation_hashes(p.decontaminate))
     if name == "coder":
-        from producers.coder import CoderConfig, CoderService
+        from producers.coder import CoderService
 
-        c = settings.coder
-        return CoderService(
-            ctx,
-            _backend(c.llm, warm_adapter(settings, "coder")),
-            CoderConfig(
-                group_size=c.group_size,
-                backends=c.backends,
-                max_staleness=c.max_staleness,
-                sampling=_sampling(c.llm),
-            ),
-        )
+        return CoderService(ctx, _backend(settings, "coder"), settings.coder)
     if name == "learner":
-        from consumers.learner import LearnerService, LearnerServiceConfig
-        from kz_stream.rl import AlternationConfig
+        from consumers.learner import LearnerService
 
-        lc = settings.learner
         return LearnerService(
-            ctx,
-            lambda role, d: _make_learner(settings, role, d),
-            LearnerServiceConfig(
-                checkpoint_dir=lc.checkpoint_dir,
-                groups_per_step=lc.groups_per_step,
-                group_timeout_s=lc.group_timeout_s,
-                roles=lc.roles,
-                alternation=AlternationConfig(
-                    proposer_steps=lc.proposer_steps,
-                    coder_steps=lc.coder_steps,
-                    rounds=lc.rounds,
-                    order=lc.order,
-                ),
-            ),
+            ctx, lambda role, d: _make_learner(settings, role, d), settings.learner
         )
     raise ValueError(f"unknown service {name!r}")
 
@@ -164,27 +116,25 @@ def evaluation_hashes(suites: Sequence[Path]) -> dict[str, str]:
 
 
 def make_verifier(settings: Settings) -> Verifier:
-    """The verifier the settings describe (its GPUs; ``[]``: the CPU path)."""
-    from kz_stream.verify import Verifier, VerifierConfig
+    """The verifier the settings describe (``[verifier]`` is its config)."""
+    from kz_stream.verify import Verifier
 
-    chosen = settings.verifier.model_dump(exclude_none=True)  # every field is a config knob
-    return Verifier(VerifierConfig(**chosen))
+    return Verifier(settings.verifier)
 
 
-def _backend(llm: Any, adapter: Path | None = None) -> Any:
+def _backend(settings: Settings, role: Literal["coder", "proposer"]) -> LLMBackend:
+    """The engine a role's generator samples from, with its warm-start adapter if any."""
     from kz_stream.llm.factory import create_backend
 
+    llm = settings.coder.llm if role == "coder" else settings.proposer.llm
+    adapter = warm_adapter(settings, role)
     extra = {"adapter": str(adapter)} if adapter is not None else {}
     return create_backend(llm.kind, model=llm.model, base_url=llm.base_url, **extra)
 
 
-def _sampling(llm: Any) -> Any:
-    from kz_stream.llm.base import SamplingParams
-
-    return SamplingParams(max_tokens=llm.max_tokens, temperature=llm.temperature)
-
-
-def _make_learner(settings: Settings, role: str, directory: Any) -> Any:
+def _make_learner(settings: Settings, role: Role, directory: Path) -> GRPOLearner:
+    """A role's trainer: the ``[learner]`` settings, the role's sampling temperature (the
+    importance ratios need it) and its warm-start adapter."""
     from kz_stream.rl.trainer import CoderLearner, LearnerConfig, ProposerLearner
 
     lc = settings.learner
@@ -195,20 +145,9 @@ def _make_learner(settings: Settings, role: str, directory: Any) -> Any:
 
         model_dir = str(smollm2_dir())
     llm = settings.coder.llm if role == "coder" else settings.proposer.llm
-    cfg = LearnerConfig(
-        model=model_dir,
-        output_dir=str(directory),
-        temperature=llm.temperature,
-        learning_rate=lc.learning_rate,
-        lora_r=lc.lora_r,
-        full_finetune=lc.full_finetune,
-        max_staleness=lc.max_staleness,
-        micro_batches=lc.micro_batches,
-        gradient_checkpointing=lc.gradient_checkpointing,
-        init_adapter=str(adapter)
-        if (adapter := warm_adapter(settings, "coder" if role == "coder" else "proposer"))
-        else None,
-    )
+    adapter = warm_adapter(settings, role)
+    cfg = LearnerConfig(model=model_dir, output_dir=str(directory), temperature=llm.temperature,
+                        init_adapter=str(adapter) if adapter else None, **lc.trainer_options())
     cls = CoderLearner if role == "coder" else ProposerLearner
     return cls(cfg, checkpoint_dir=directory)
 
@@ -231,7 +170,21 @@ def projection_by_name(name: str) -> Any:
 
 @dataclass(frozen=True)
 class RunOptions:
-    """The co-evolution loop's size. Defaults fit the embedded CPU run."""
+    """The co-evolution loop's size. Defaults fit the embedded CPU run.
+
+    ``apply`` makes the settings of the run, in two kinds of change, each logged by
+    ``run_coevolution`` (``run_settings``; a warning where it replaces a value the user
+    set):
+
+    - The size below (``kz run``'s own options) replaces the settings' values: proposals
+      per prompt, group size, groups per step, steps per turn, rounds, order, and both
+      generators' ``max_tokens`` (and ``temperature`` when given).
+    - The learner needs values of its own for a short CPU run (``learner_defaults``:
+      learning rate 1e-4 and LoRA rank 8, so one step moves the policy; one completion per
+      micro-batch with gradient checkpointing, so a step fits in memory). Each is used
+      only where the user left that ``[learner]`` key unset (file, environment or
+      arguments): an explicit setting wins.
+    """
 
     rounds: int = 1
     steps_per_turn: int = 1
@@ -241,55 +194,75 @@ class RunOptions:
     max_new_tokens: int = 640  # most warm-Coder kernels fit (p50 504 tokens); CPU time
     # Both generators' (and so the learner's) sampling temperature; None: the settings'.
     temperature: float | None = None
-    backends: tuple[str, ...] = ("triton",)
-    seed_modules: bool = True
-    order: tuple[str, ...] = ("coder", "proposer")
+    order: tuple[Literal["coder", "proposer"], ...] = ("coder", "proposer")
     time_limit_s: float = 3600.0
-    checkpoint_dir: str = ".kz/policies"
+
+    def learner_defaults(self) -> dict[str, Any]:
+        """The learner values this run needs where the user set none."""
+        return {
+            "learning_rate": 1e-4,
+            "lora_r": 8,
+            # One completion per micro-batch, activations recomputed: a step peaked at
+            # 15.6 GB on the CPU in one batch (two learners' steps then exceeded a 23 GB
+            # machine), 4.2 GB this way, and ran faster.
+            "micro_batches": self.group_size * self.groups_per_step,
+            "gradient_checkpointing": True,
+        }
 
     def apply(self, settings: Settings) -> Settings:
         """The settings of a one-process run of this size (the verifier on the CPU path
-        unless a GPU is visible)."""
-
-        def llm(cfg: Any) -> Any:
-            changes: dict[str, Any] = {"max_tokens": self.max_new_tokens}
-            if self.temperature is not None:
-                changes["temperature"] = self.temperature
-            return validated_copy(cfg, **changes)
-
+        unless a GPU is visible); see the class docstring for what changes."""
         s = settings
+        llm: dict[str, Any] = {"max_tokens": self.max_new_tokens}
+        if self.temperature is not None:
+            llm["temperature"] = self.temperature
+        unset = {k: v for k, v in self.learner_defaults().items()
+                 if k not in s.learner.model_fields_set}
         return s.model_copy(
             update={
                 "proposer": validated_copy(
-                    s.proposer,
-                    proposals_per_prompt=self.proposals_per_prompt,
-                    seed_modules=self.seed_modules,
-                    llm=llm(s.proposer.llm),
+                    s.proposer, proposals_per_prompt=self.proposals_per_prompt,
+                    llm=validated_copy(s.proposer.llm, **llm),
                 ),
                 "coder": validated_copy(
-                    s.coder,
-                    group_size=self.group_size,
-                    backends=self.backends,
-                    llm=llm(s.coder.llm),
+                    s.coder, group_size=self.group_size, llm=validated_copy(s.coder.llm, **llm)
                 ),
                 "learner": validated_copy(
                     s.learner,
-                    checkpoint_dir=Path(self.checkpoint_dir),
                     groups_per_step=self.groups_per_step,
                     proposer_steps=self.steps_per_turn,
                     coder_steps=self.steps_per_turn,
                     rounds=self.rounds,
                     order=self.order,
-                    learning_rate=1e-4,
-                    lora_r=8,
-                    # One completion per micro-batch, activations recomputed: a step
-                    # peaked at 15.6 GB on the CPU in one batch (two learners' steps
-                    # then exceeded a 23 GB machine), 4.2 GB this way, and ran faster.
-                    micro_batches=self.group_size * self.groups_per_step,
-                    gradient_checkpointing=True,
+                    **unset,
                 ),
             }
         )
+
+    def log_changes(self, settings: Settings, applied: Settings) -> None:
+        """Logs each value ``apply`` changed: a warning where the user had set it."""
+        log = get_logger("kz.run")
+        own = {f"learner.{k}" for k in self.learner_defaults()}
+        for key, old, new, user_set in _changes(settings, applied):
+            if user_set:
+                log.warning("run_settings", key=key, setting=old, run=new,
+                            reason="kz run option replaces the setting")
+            else:
+                reason = "the run's default where none is set" if key in own else "kz run option"
+                log.info("run_settings", key=key, default=old, run=new, reason=reason)
+
+
+def _changes(
+    before: BaseModel, after: BaseModel, prefix: str = ""
+) -> Iterator[tuple[str, Any, Any, bool]]:
+    """The values that differ between two settings: dotted key, old and new value, and
+    whether the old one was set by the user (not a default)."""
+    for name in type(before).model_fields:
+        old, new = getattr(before, name), getattr(after, name)
+        if isinstance(old, BaseModel) and isinstance(new, BaseModel):
+            yield from _changes(old, new, f"{prefix}{name}.")
+        elif old != new:
+            yield f"{prefix}{name}", old, new, name in before.model_fields_set
 
 
 @dataclass
@@ -318,16 +291,14 @@ async def load_summary(
 ) -> RunSummary:
     """The summary of run ``settings.run_id`` in ``store``; ``settings`` as the run used
     them (``RunOptions.apply``-ed), for the planned schedule and where things are."""
-    from kz_stream.rl import AlternationConfig
     from kz_stream.summary import load_run_summary
 
     lc = settings.learner
-    schedule = AlternationConfig(proposer_steps=lc.proposer_steps, coder_steps=lc.coder_steps,
-                                 rounds=lc.rounds, order=lc.order)
     return await load_run_summary(
         store, settings.run_id, outcome=outcome, detail=detail,
-        session_seconds=session_seconds, session_started=session_started, schedule=schedule,
-        store_url=settings.database_url, checkpoint_dir=lc.checkpoint_dir,
+        session_seconds=session_seconds, session_started=session_started,
+        schedule=lc.alternation(), store_url=settings.database_url,
+        checkpoint_dir=lc.checkpoint_dir,
     )
 
 
@@ -342,8 +313,10 @@ async def run_coevolution(
     ends with the run's summary, replayed from the store."""
     import time as _time
 
-    settings = options.apply(settings)
-    configure_logging(settings.log_level, json=settings.log_json)
+    applied = options.apply(settings)
+    configure_logging(applied.log_level, json=applied.log_json)
+    options.log_changes(settings, applied)
+    settings = applied
     report = RunReport()
     started = datetime.now(UTC)
     t0 = _time.monotonic()

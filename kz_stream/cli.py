@@ -7,12 +7,12 @@ import json
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeGuard, TypeVar, get_args
 
 import typer
 from pydantic import ValidationError
@@ -27,9 +27,13 @@ from kz_stream.config import (
     load_settings,
     validated_copy,
 )
+from kz_stream.database_url import ensure_sqlite_dir, redact
+from kz_stream.verify import Backend
 
 if TYPE_CHECKING:
     from kz_stream.app import RunOptions
+    from kz_stream.export import KernelFilter
+    from kz_stream.store import EventStore
     from kz_stream.summary import Outcome, RunSummary
 
 app = typer.Typer(
@@ -118,12 +122,33 @@ def _bad_option(e: ValidationError) -> ConfigError:
     )
 
 
-def _settings(config: Path | None) -> Settings:
-    return load_settings(config)
+def _settings(config: Path | None, *, quiet: bool = False) -> Settings:
+    """The settings (``--config`` over the defaults, under the environment). ``quiet``: a
+    command that draws progress bars logs warnings only, unless the user set log_level."""
+    settings = load_settings(config)
+    if quiet and "log_level" not in settings.model_fields_set:
+        settings = settings.model_copy(update={"log_level": "WARNING"})
+    return settings
 
 
-def _run(coro: Awaitable[R]) -> R:
-    return asyncio.run(coro)  # type: ignore[arg-type]
+def _run(coro: Coroutine[Any, Any, R]) -> R:
+    return asyncio.run(coro)
+
+
+def _read_store(settings: Settings, read: Callable[[EventStore], Coroutine[Any, Any, R]]) -> R:
+    """``read``'s result on the event store, opened as it is (a command that only reads
+    migrates nothing)."""
+    from kz_stream.store import open_store
+
+    async def go() -> R:
+        async with open_store(settings.database_url, create_schema=False) as store:
+            return await read(store)
+
+    return _run(go())
+
+
+def _is_backend(name: str) -> TypeGuard[Backend]:
+    return name in get_args(Backend)
 
 
 # ---------------------------------------------------------------------------------- infra
@@ -207,19 +232,12 @@ def infra_status() -> None:
 @_one_line_errors
 def db_upgrade(config: ConfigOption = None, revision: str = "head") -> None:
     """Migrates the event store schema (Alembic) to ``revision``."""
-    from kz_stream.app import ensure_sqlite_dir
-    from kz_stream.store._migrate import upgrade
+    from kz_stream.store import upgrade
 
     settings = _settings(config)
     ensure_sqlite_dir(settings.database_url)
     upgrade(settings.database_url, revision)
-    console.print(f"database at {revision}: {_redact(settings.database_url)}", highlight=False)
-
-
-def _redact(url: str) -> str:
-    from kz_stream.app import redact_url
-
-    return redact_url(url)
+    console.print(f"database at {revision}: {redact(settings.database_url)}", highlight=False)
 
 
 # ----------------------------------------------------------------------------------- dlq
@@ -392,17 +410,11 @@ def audit(
 ) -> None:
     """Prints a stream's full history, oldest first."""
     from kz_stream.events import encode_event
-    from kz_stream.store import open_store
 
     settings = _settings(config)
-
-    async def go() -> list[Any]:
-        async with open_store(settings.database_url, create_schema=False) as store:
-            return await store.read_stream(stream_id)
-
-    records = _run(go())
+    records = _read_store(settings, lambda store: store.read_stream(stream_id))
     if not records:
-        raise LookupError(f"no stream {stream_id!r} in {_redact(settings.database_url)}")
+        raise LookupError(f"no stream {stream_id!r} in {redact(settings.database_url)}")
     if as_json:
         for r in records:
             sys.stdout.write(encode_event(r.event).decode() + "\n")
@@ -615,9 +627,7 @@ def run_loop(
     SQLite, SmolLM2 on the CPU, Triton through its interpreter)."""
     from kz_stream.app import RunOptions, RunReport, run_coevolution
 
-    settings = _settings(config)
-    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
-        settings = settings.model_copy(update={"log_level": "WARNING"})
+    settings = _settings(config, quiet=True)
     options = RunOptions(
         rounds=rounds,
         steps_per_turn=steps_per_turn,
@@ -708,15 +718,11 @@ def _print_summary_after(settings: Settings, options: RunOptions, config: Path |
     """Prints the summary of a run that ``run_coevolution`` did not return from, when the
     store can be read and holds any of it; otherwise nothing (the error says enough)."""
     from kz_stream.app import load_summary
-    from kz_stream.store import open_store
-
-    async def go() -> RunSummary:
-        async with open_store(settings.database_url, create_schema=False) as store:
-            return await load_summary(store, options.apply(settings), outcome=outcome,
-                                      session_seconds=seconds, session_started=started)
 
     try:
-        summary = _run(go())
+        summary = _read_store(settings, lambda store: load_summary(
+            store, options.apply(settings), outcome=outcome, session_seconds=seconds,
+            session_started=started))
     except Exception:  # a store that cannot be read: the run's own error is the news
         return
     if summary.position:
@@ -857,11 +863,9 @@ def eval_run(
     from kz_stream.evaluation.suite import load_suite
     from kz_stream.llm.base import SamplingParams
 
-    if backend not in ("triton", "cuda"):
+    if not _is_backend(backend):
         raise typer.BadParameter(f"--backend: {backend!r} is not triton or cuda")
-    settings = _settings(config)
-    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
-        settings = settings.model_copy(update={"log_level": "WARNING"})
+    settings = _settings(config, quiet=True)
     loaded = load_suite(suite, level=level, match=match, limit=limit)
     for path, why in loaded.skipped:
         err_console.print(f"skipped {path.name}: {why}", highlight=False)
@@ -869,7 +873,7 @@ def eval_run(
     options = EvalOptions(
         run_id=run_id or new_run_id(),
         policy=policy,
-        backend=backend,  # type: ignore[arg-type]
+        backend=backend,
         samples=samples,
         sampling=SamplingParams(
             max_tokens=max_new_tokens or llm.max_tokens,
@@ -918,20 +922,14 @@ def eval_report(
     report.md and plots (pass@k against k, speedups, the per-problem grid)."""
     from kz_stream.evaluation.report import build_report, table_rows, write_report
     from kz_stream.evaluation.run import load_evaluation
-    from kz_stream.store import open_store
 
     settings = _settings(config)
     out = out or Path(".kz/eval") / run_id
     with _progress_bars() as bars:
         task = bars.add_task("reading the store", total=None, detail="")
-
-        async def go() -> Any:
-            async with open_store(settings.database_url, create_schema=False) as store:
-                return await load_evaluation(store, run_id)
-
-        record = _run(go())
+        record = _read_store(settings, lambda store: load_evaluation(store, run_id))
         if record is None:
-            raise LookupError(f"no evaluation {run_id!r} in {_redact(settings.database_url)}")
+            raise LookupError(f"no evaluation {run_id!r} in {redact(settings.database_url)}")
         bars.update(task, description="metrics and plots", total=1)
         report = build_report(record)
         paths = write_report(report, out)
@@ -948,6 +946,17 @@ def eval_report(
 
 
 # ------------------------------------------------------------------------------- dataset
+
+
+def _kernel_filter(runs: list[str] | None, statuses: list[str] | None, include_eval: bool,
+                   since: datetime | None, until: datetime | None,
+                   verifier_versions: list[str] | None = None) -> KernelFilter:
+    """The stored kernels the filter options choose (kz dataset export, kz rescore)."""
+    from kz_stream.export import KernelFilter
+
+    return KernelFilter(runs=set(runs or ()), statuses=set(statuses or ()),
+                        verifier_versions=set(verifier_versions or ()),
+                        include_evaluation=include_eval, since=_utc(since), until=_utc(until))
 
 
 def _utc(moment: datetime | None) -> datetime | None:
@@ -977,28 +986,21 @@ def dataset_export(
     """Writes the SFT set (best correct kernel per module and backend), the verdict set
     (every verdict with its kernel) and the RL set (modules with their per-API frontier
     statistics) as parquet with a dataset card, replaying the store."""
-    from kz_stream.export import DATASETS, DatasetName, KernelFilter, collect_rows, write_export
-    from kz_stream.store import open_store
+    from kz_stream.export import DATASETS, DatasetName, collect_rows, write_export
 
     names: list[DatasetName] = []
     for name in dict.fromkeys(sets or DATASETS):
         if name not in DATASETS:
             raise typer.BadParameter(f"--set: {name!r} is not one of {', '.join(DATASETS)}")
         names.append(name)
-    flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
-                       verifier_versions=set(verifier_version or ()),
-                       include_evaluation=include_eval, since=_utc(since), until=_utc(until))
+    flt = _kernel_filter(run, status, include_eval, since, until, verifier_version)
     settings = _settings(config)
     with _progress_bars(counts=True) as bars:
         task = bars.add_task("replaying the store", total=None, detail="")
 
-        async def go() -> Any:
-            async with open_store(settings.database_url, create_schema=False) as store:
-                return await collect_rows(
-                    store, flt, sets=names,
-                    on_batch=lambda pos, end: bars.update(task, completed=pos, total=end))
-
-        rows, position = _run(go())
+        rows, position = _read_store(settings, lambda store: collect_rows(
+            store, flt, sets=names,
+            on_batch=lambda pos, end: bars.update(task, completed=pos, total=end)))
         counts = write_export(rows, out, names, flt=flt,
                               store_url=settings.database_url, position=position)
     console.print(
@@ -1029,15 +1031,11 @@ def rescore_cmd(
     the old; already judged ones are skipped) and reports which verdicts flipped, by check,
     and the training steps that used them."""
     from kz_stream.app import make_verifier, open_context
-    from kz_stream.export import KernelFilter
     from kz_stream.rescore import Drift, plan_rescore, rescore
     from kz_stream.verify import VERIFIER_VERSION
 
-    settings = _settings(config)
-    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
-        settings = settings.model_copy(update={"log_level": "WARNING"})
-    flt = KernelFilter(runs=set(run or ()), statuses=set(status or ()),
-                       include_evaluation=include_eval, since=_utc(since), until=_utc(until))
+    settings = _settings(config, quiet=True)
+    flt = _kernel_filter(run, status, include_eval, since, until)
 
     async def go() -> Drift:
         async with open_context(settings) as ctx:
@@ -1092,12 +1090,9 @@ def warmstart_data(
     from kz_stream.evaluation.run import EvalOptions, EvalProgress, run_evaluation
     from kz_stream.evaluation.suite import load_suite
     from kz_stream.llm.base import SamplingParams
-    from kz_stream.store import open_store
     from kz_stream.warmstart.data import synthesize_suite, teacher_run_id, write_sft_sets
 
-    settings = _settings(config)
-    if settings.log_level.upper() == "INFO" and "KZ_LOG_LEVEL" not in os.environ:
-        settings = settings.model_copy(update={"log_level": "WARNING"})
+    settings = _settings(config, quiet=True)
     started = time.monotonic()
     with _progress_bars(counts=True) as bars:
         task = bars.add_task("modules validated", total=count, detail="")
@@ -1124,11 +1119,7 @@ def warmstart_data(
 
         _run(run_evaluation(settings, load_suite(out / "train"), options, on_progress=show))
 
-    async def export() -> dict[str, int]:
-        async with open_store(settings.database_url, create_schema=False) as store:
-            return await write_sft_sets(out, store)
-
-    counts = _run(export())
+    counts = _read_store(settings, lambda store: write_sft_sets(out, store))
     console.print(
         f"teacher run {run_id}: {counts['coder']} Coder examples, {counts['proposer']} Proposer "
         f"examples in {out} ({time.monotonic() - started:.0f} s); next: "

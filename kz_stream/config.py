@@ -6,9 +6,11 @@ from __future__ import annotations
 import difflib
 import os
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import (
@@ -20,6 +22,11 @@ from pydantic_settings import (
 from pydantic_settings.exceptions import SettingsError
 
 from kz_stream.bus import TopicSpec
+from kz_stream.rl.schedule import AlternationConfig
+from kz_stream.verify import VerifierConfig
+
+if TYPE_CHECKING:
+    from kz_stream.llm.base import SamplingParams
 
 __all__ = [
     "CoderSettings",
@@ -30,14 +37,18 @@ __all__ = [
     "ResilienceSettings",
     "Settings",
     "TopicsConfig",
-    "VerifierSettings",
     "describe_validation_error",
     "load_settings",
+    "validated_copy",
 ]
 
 ENV_PREFIX = "KZ_"
 ENV_NESTED = "__"
+# Names the TOML file when no --config does (read here, never written).
 CONFIG_FILE_ENV = "KZ_CONFIG_FILE"
+# The TOML file of the Settings being built: load_settings hands it to the sources this way
+# (pydantic-settings builds sources in a classmethod), for that one call only.
+_config_file: ContextVar[Path | None] = ContextVar("kz_config_file", default=None)
 
 
 class ConfigError(ValueError):
@@ -80,13 +91,27 @@ class LLMConfig(_Section):
     base_url: str | None = Field(default=None, description="vLLM server URL (vllm-server).")
     max_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=1.0, ge=0)
+    seed: int | None = Field(
+        default=None, description="Sampling seed, for reproducible requests; None: random."
+    )
+
+    def sampling(self) -> SamplingParams:
+        """How the generator samples: these settings as the backends' parameters."""
+        from kz_stream.llm.base import SamplingParams
+
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+                              seed=self.seed)
 
 
 class ProposerSettings(_Section):
+    """``[proposer]``: what ``producers.proposer.ProposerService`` takes as it is."""
+
     llm: LLMConfig = Field(default_factory=LLMConfig)
     proposals_per_prompt: int = Field(default=4, ge=1)
     concurrency: int = Field(default=2, ge=1)
-    max_modules: int | None = None
+    max_modules: int | None = Field(
+        default=None, ge=0, description="Stop after publishing this many; None: run forever."
+    )
     seed_modules: bool = True
     synthesized_seeds: int = Field(
         default=4, ge=0,
@@ -103,35 +128,20 @@ class ProposerSettings(_Section):
         description="Evaluation suites whose problems proposals must not copy (besides "
         "every problem a kz eval run stored).",
     )
+    validation_timeout_s: float = Field(
+        default=60.0, gt=0, description="Sandbox time to validate one proposed module."
+    )
+    seed: int = Field(default=0, description="Seed of the API-set sampler and synthesizer.")
 
 
 class CoderSettings(_Section):
+    """``[coder]``: what ``producers.coder.CoderService`` takes as it is."""
+
     llm: LLMConfig = Field(default_factory=LLMConfig)
     group_size: int = Field(default=4, ge=1)
     backends: tuple[Literal["cuda", "triton"], ...] = ("triton",)
     max_staleness: int = Field(default=1, ge=0)
-
-
-class VerifierSettings(_Section):
-    devices: list[int] | None = Field(
-        default=None, description="GPU indices; None: all visible; []: the CPU path."
-    )
-    prewarm: int | None = Field(
-        default=None,
-        ge=0,
-        description="Workers started ahead of need per device; None: the verifier's default.",
-    )
-    candidates_per_gpu: int | None = Field(
-        default=None,
-        ge=1,
-        description="Candidates verified at once per GPU (or on the CPU path); None: the "
-        "verifier's default (3).",
-    )
-    timing: bool | None = Field(
-        default=None,
-        description="Time candidates against the reference; false: correctness only (None: "
-        "the verifier's default, true).",
-    )
+    max_batch: int = Field(default=4, ge=1, description="Modules taken from the bus at once.")
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -139,11 +149,21 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 
 def validated_copy(model: ModelT, **changes: Any) -> ModelT:
     """``model`` with ``changes`` applied and validated (``model_copy(update=...)`` takes
-    them as given, so ``lora_r=0`` would pass)."""
-    return type(model).model_validate({**model.model_dump(), **changes})
+    them as given, so ``lora_r=0`` would pass). What the user set stays marked as set
+    (``model_fields_set``), and so do the changes."""
+    return type(model).model_validate({**model.model_dump(exclude_unset=True), **changes})
+
+
+# The alternation schedule's defaults live with the schedule (the paper's).
+_SCHEDULE = AlternationConfig()
+_TRAINER_OPTIONS = {"learning_rate", "lora_r", "full_finetune", "max_staleness",
+                    "micro_batches", "gradient_checkpointing"}
 
 
 class LearnerSettings(_Section):
+    """``[learner]``: what ``consumers.learner.LearnerService`` takes as it is, and the
+    knobs its trainers get (``trainer_options``)."""
+
     model: str | None = Field(default=None, description="Base model dir; None: SmolLM2.")
     checkpoint_dir: Path = Path(".kz/policies")
     roles: tuple[Literal["proposer", "coder"], ...] = ("proposer", "coder")
@@ -156,11 +176,26 @@ class LearnerSettings(_Section):
     # activations recomputed in the backward pass (both trade a little time for memory).
     micro_batches: int = Field(default=1, ge=1)
     gradient_checkpointing: bool = False
-    proposer_steps: int = Field(default=20, ge=0)
-    coder_steps: int = Field(default=20, ge=0)
-    rounds: int = Field(default=4, ge=1)
-    order: tuple[Literal["proposer", "coder"], ...] = ("proposer", "coder")
+    proposer_steps: int = Field(default=_SCHEDULE.proposer_steps, ge=0)
+    coder_steps: int = Field(default=_SCHEDULE.coder_steps, ge=0)
+    rounds: int = Field(default=_SCHEDULE.rounds, ge=1)
+    order: tuple[Literal["proposer", "coder"], ...] = _SCHEDULE.order
     group_timeout_s: float = Field(default=600.0, gt=0)
+    frontier_every_s: float = Field(
+        default=5.0, gt=0, description="Least time between two published frontiers."
+    )
+    poll_interval: float = Field(default=0.2, gt=0, description="Store tail poll, seconds.")
+
+    def trainer_options(self) -> dict[str, Any]:
+        """The settings the trainer (``kz_stream.rl.trainer.LearnerConfig``) takes as they
+        are; the model, the temperature and the warm-start adapter are resolved per role."""
+        return self.model_dump(include=_TRAINER_OPTIONS)
+
+    def alternation(self) -> AlternationConfig:
+        """The alternation schedule these settings describe."""
+        return AlternationConfig(proposer_steps=self.proposer_steps,
+                                 coder_steps=self.coder_steps, rounds=self.rounds,
+                                 order=self.order)
 
 
 class ResilienceSettings(_Section):
@@ -199,7 +234,7 @@ class Settings(BaseSettings):
     log_json: bool = True
     proposer: ProposerSettings = Field(default_factory=ProposerSettings)
     coder: CoderSettings = Field(default_factory=CoderSettings)
-    verifier: VerifierSettings = Field(default_factory=VerifierSettings)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
     warm_start: bool = Field(
@@ -218,9 +253,9 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        config_file = os.environ.get(CONFIG_FILE_ENV)
-        if config_file:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
+        config_file = _config_file.get()
+        if config_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
         return tuple(sources)
 
     @property
@@ -231,27 +266,37 @@ class Settings(BaseSettings):
 Loc = tuple[int | str, ...]
 
 
+@contextmanager
+def _reading(config_file: Path | None) -> Iterator[None]:
+    """Settings built inside read ``config_file`` as their TOML source."""
+    token = _config_file.set(config_file)
+    try:
+        yield
+    finally:
+        _config_file.reset(token)
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Reads settings; ``config_file`` (TOML) sits under environment variables.
+    """Reads settings: ``overrides`` over environment variables over the TOML file
+    (``config_file``, else the one ``KZ_CONFIG_FILE`` names) over defaults. Every service,
+    the CLI and Alembic's ``migrations/env.py`` load them here.
 
     Raises ConfigError naming the key, value, expectation and source of a bad setting.
     """
-    if config_file is not None:
-        if not config_file.exists():
-            raise ConfigError(f"config file {config_file} does not exist (--config)")
-        os.environ[CONFIG_FILE_ENV] = str(config_file)
-    path_text = os.environ.get(CONFIG_FILE_ENV)
-    path = Path(path_text) if path_text else None
+    path, named_by = config_file, "--config"
+    if path is None and os.environ.get(CONFIG_FILE_ENV):
+        path, named_by = Path(os.environ[CONFIG_FILE_ENV]), CONFIG_FILE_ENV
     toml: dict[str, Any] = {}
     if path is not None:
         if not path.exists():
-            raise ConfigError(f"config file {path} does not exist ({CONFIG_FILE_ENV})")
+            raise ConfigError(f"config file {path} does not exist ({named_by})")
         try:
             toml = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
     try:
-        return Settings(**overrides)
+        with _reading(path):
+            return Settings(**overrides)
     except ValidationError as e:
         raise ConfigError(
             describe_validation_error(e, lambda loc: _origin(loc, overrides, path, toml))

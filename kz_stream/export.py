@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from kz_stream.app import redact_url
+from kz_stream.database_url import redact as redact_url
 from kz_stream.events import current_payload, is_evaluation
 from kz_stream.run_state import CapabilityMap, KernelRecord, RunState
 from kz_stream.store import EventStore

@@ -265,7 +265,7 @@ async def load_run_summary(
     store: EventStore, run_id: str, *, store_url: str = "", **session: Unpack[SessionInfo]
 ) -> RunSummary:
     """Reads run ``run_id``'s events from ``store`` and summarizes them."""
-    from kz_stream.app import redact_url
+    from kz_stream.database_url import redact as redact_url
     from kz_stream.warmstart import packaged_adapter
 
     records: list[RecordedEvent] = []

@@ -1,22 +1,26 @@
 """Alembic environment of the event store: sync or async URLs, or a caller's connection.
 
-The URL comes from, in order: a connection handed over in ``config.attributes["connection"]``
-(how ``kz_stream.store._migrate`` and ``SqlEventStore(create_schema=True)`` run it),
-``sqlalchemy.url`` set on the config, or the ``KZ_DATABASE_URL`` environment variable.
-Async driver URLs (``sqlite+aiosqlite``) run through an async engine.
+The database comes from, in order: a connection handed over in
+``config.attributes["connection"]`` (how ``kz_stream.store.upgrade`` and
+``SqlEventStore(create_schema=True)`` run it), ``sqlalchemy.url`` set on the config, or the
+settings, loaded as the services load them (``kz_stream.config.load_settings``: the
+``KZ_*`` environment over the TOML file of ``alembic -x config=FILE`` or
+``KZ_CONFIG_FILE``). Async driver URLs (``sqlite+aiosqlite``) run through an async engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from logging.config import fileConfig
+from pathlib import Path
 
 from alembic import context
 from sqlalchemy import create_engine, pool
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from kz_stream.config import load_settings
+from kz_stream.database_url import ensure_sqlite_dir, is_async
 from kz_stream.store._schema import metadata
 
 config = context.config
@@ -27,10 +31,11 @@ if config.cmd_opts is not None and config.config_file_name is not None:
 
 
 def _url() -> str:
-    url = config.get_main_option("sqlalchemy.url") or os.environ.get("KZ_DATABASE_URL")
-    if not url:
-        raise RuntimeError("no database URL: set KZ_DATABASE_URL or pass one to upgrade()")
-    return url
+    url = config.get_main_option("sqlalchemy.url")
+    if url:
+        return url
+    config_file = context.get_x_argument(as_dictionary=True).get("config")
+    return load_settings(Path(config_file) if config_file else None).database_url
 
 
 def _configure(connection: Connection) -> None:
@@ -59,7 +64,8 @@ def run_online() -> None:
         _configure(connection)
         return
     url = _url()
-    if make_url(url).get_dialect().is_async:
+    ensure_sqlite_dir(url)
+    if is_async(url):
         asyncio.run(_run_async(url))
         return
     engine = create_engine(url, poolclass=pool.NullPool)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kz_stream.bus import BusMessage, Subscription
+from kz_stream.config import CoderSettings
 from kz_stream.events import (
     Event,
     KernelGenerated,
@@ -32,7 +32,7 @@ from kz_stream.modules.extraction import extract_code
 from kz_stream.modules.prompts import Backend, coder_messages, prompt_text
 from kz_stream.runtime import Service, ServiceContext
 
-__all__ = ["CoderConfig", "CoderService", "PolicyFollower", "kernel_event"]
+__all__ = ["CoderService", "PolicyFollower", "kernel_event"]
 
 
 def kernel_event(
@@ -76,16 +76,6 @@ def kernel_event(
         causation_id=causation_id,
         event_id=event_id,
     )
-
-
-@dataclass(frozen=True)
-class CoderConfig:
-    group_size: int = 4
-    backends: tuple[str, ...] = ("triton",)
-    max_staleness: int = 1
-    max_batch: int = 4
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=768))
-    replica: str = field(default_factory=lambda: f"coder-{uuid.uuid4().hex[:8]}")
 
 
 class PolicyFollower:
@@ -156,13 +146,25 @@ class PolicyFollower:
 
 
 class CoderService(Service):
+    """The Coder, as ``config`` (the ``[coder]`` settings) describes it; ``replica`` names
+    this process (a fresh name by default)."""
+
     name = "coder"
     group = "kz-coder"
 
-    def __init__(self, ctx: ServiceContext, backend: LLMBackend, config: CoderConfig) -> None:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        backend: LLMBackend,
+        config: CoderSettings,
+        *,
+        replica: str | None = None,
+    ) -> None:
         super().__init__(ctx)
         self.backend, self.config = backend, config
-        self.policy = PolicyFollower(self, backend, "coder", config.replica)
+        self.sampling = config.llm.sampling()
+        self.replica = replica or f"coder-{uuid.uuid4().hex[:8]}"
+        self.policy = PolicyFollower(self, backend, "coder", self.replica)
         self.groups_started = 0
 
     async def run(self) -> None:
@@ -176,7 +178,7 @@ class CoderService(Service):
             max_in_flight=2,
             dead_letter_topic=topics.dead_letter,
         )
-        self.log.info("coder_started", replica=self.config.replica, backends=self.config.backends)
+        self.log.info("coder_started", replica=self.replica, backends=self.config.backends)
         await self.stopping.wait()
         await sub.stop()  # finishes the groups in flight and commits
         await policy_sub.stop()
@@ -201,7 +203,7 @@ class CoderService(Service):
         self.metrics.in_flight.inc()
         try:
             [samples] = await self.backend.generate(
-                [prompt], n=self.config.group_size, sampling=self.config.sampling
+                [prompt], n=self.config.group_size, sampling=self.sampling
             )
         finally:
             self.metrics.in_flight.dec()
@@ -221,7 +223,7 @@ class CoderService(Service):
                     group_size=self.config.group_size,
                     backend=backend,
                     prompt=text,
-                    sampling=self.config.sampling,
+                    sampling=self.sampling,
                     producer=self.ctx.producer_id,
                     correlation_id=self.ctx.settings.run_id,
                     causation_id=cause.event_id,

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from kz_stream.bus import BusMessage, Subscription
+from kz_stream.config import ProposerSettings
 from kz_stream.events import (
     FrontierUpdated,
     ModuleProposed,
@@ -26,7 +27,7 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
-from kz_stream.llm.base import LLMBackend, Sample, SamplingParams
+from kz_stream.llm.base import LLMBackend, Sample
 from kz_stream.modules.extraction import extract_code, normalized_hash
 from kz_stream.modules.prompts import prompt_text, proposer_messages
 from kz_stream.modules.sampling import ApiSetSampler, Frontier
@@ -35,7 +36,7 @@ from kz_stream.runtime import Service, ServiceContext
 from kz_stream.warmstart.synth import Synthesizer, feasible, synthesize
 from producers.coder import PolicyFollower
 
-__all__ = ["ProposerConfig", "ProposerService", "SeedModule"]
+__all__ = ["ProposerService", "SeedModule"]
 
 
 @dataclass(frozen=True)
@@ -46,35 +47,36 @@ class SeedModule:
     source: str
 
 
-@dataclass(frozen=True)
-class ProposerConfig:
-    proposals_per_prompt: int = 4
-    concurrency: int = 2
-    max_modules: int | None = None  # stop after publishing this many (None: run forever)
-    validation_timeout_s: float = 60.0
-    seed: int = 0
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=512))
-    seed_modules: tuple[SeedModule, ...] = ()
-    # After a prompt whose proposals were all invalid, publish one synthesized module
-    # (kz_stream.warmstart.synth) for the same API set, or another set when it cannot be
-    # built: the Coder keeps getting problems while the Proposer is weak.
-    synthesized_fallback: bool = False
-    # Normalized hashes of evaluation problems -> their names (besides those in the store).
-    evaluation_hashes: dict[str, str] = field(default_factory=dict)
-    replica: str = field(default_factory=lambda: f"proposer-{uuid.uuid4().hex[:8]}")
-
-
 class ProposerService(Service):
+    """The Proposer, as ``config`` (the ``[proposer]`` settings) describes it.
+
+    ``seed_modules`` are published before the Proposer's own; ``evaluation_hashes`` maps
+    normalized hashes of evaluation problems to their names (besides those in the store);
+    ``replica`` names this process (a fresh name by default).
+    """
+
     name = "proposer"
 
-    def __init__(self, ctx: ServiceContext, backend: LLMBackend, config: ProposerConfig) -> None:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        backend: LLMBackend,
+        config: ProposerSettings,
+        *,
+        seed_modules: Sequence[SeedModule] = (),
+        evaluation_hashes: Mapping[str, str] | None = None,
+        replica: str | None = None,
+    ) -> None:
         super().__init__(ctx)
         self.backend, self.config = backend, config
+        self.sampling = config.llm.sampling()
+        self.seed_modules = tuple(seed_modules)
+        self.replica = replica or f"proposer-{uuid.uuid4().hex[:8]}"
         self.sampler = ApiSetSampler(seed=config.seed)
         self.frontier: FrontierUpdated | None = None
-        self.policy = PolicyFollower(self, backend, "proposer", config.replica)
+        self.policy = PolicyFollower(self, backend, "proposer", self.replica)
         self.seen_hashes: set[str] = set()
-        self.evaluation_hashes: dict[str, str] = dict(config.evaluation_hashes)
+        self.evaluation_hashes: dict[str, str] = dict(evaluation_hashes or {})
         self.published = 0
         self.valid = 0
         self.done = asyncio.Event()
@@ -84,14 +86,14 @@ class ProposerService(Service):
         topics = self.ctx.settings.topics
         await self.wait_out(self._load_seen_hashes)
         frontier_sub = await self.subscribe(
-            f"kz-{self.config.replica}-frontier-{uuid.uuid4().hex[:8]}",
+            f"kz-{self.replica}-frontier-{uuid.uuid4().hex[:8]}",
             [topics.frontier],
             self.handle_frontier,
             from_beginning=True,
             dead_letter_topic=topics.dead_letter,
         )
         policy_sub = await self.policy.subscribe()
-        self.log.info("proposer_started", replica=self.config.replica)
+        self.log.info("proposer_started", replica=self.replica)
         try:
             await self._publish_seeds()
             workers = [asyncio.create_task(self._worker()) for _ in range(self.config.concurrency)]
@@ -151,7 +153,7 @@ class ProposerService(Service):
         self.done.set()
 
     async def _publish_seeds(self) -> None:
-        for seed in self.config.seed_modules:
+        for seed in self.seed_modules:
             if not self._budget_left():
                 return
             await self._publish(
@@ -167,7 +169,7 @@ class ProposerService(Service):
         api_set = self.sampler.sample()
         prompt = proposer_messages(api_set)
         [samples] = await self.backend.generate(
-            [prompt], n=self.config.proposals_per_prompt, sampling=self.config.sampling
+            [prompt], n=self.config.proposals_per_prompt, sampling=self.sampling
         )
         self.metrics.llm_request(sum(len(s.token_ids) for s in samples))
         group_id = uuid.uuid4().hex

@@ -7,12 +7,11 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, pool
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection
 
-__all__ = ["alembic_config", "sync_url", "upgrade", "upgrade_connection"]
+from kz_stream.database_url import sync_url
 
-# Async drivers and the sync driver of the same database, for the blocking upgrade().
-_SYNC_DRIVERS = {"aiosqlite": "pysqlite", "asyncpg": "psycopg", "psycopg_async": "psycopg"}
+__all__ = ["alembic_config", "upgrade", "upgrade_connection"]
 
 
 def alembic_config(url: str | None = None) -> Config:
@@ -24,15 +23,6 @@ def alembic_config(url: str | None = None) -> Config:
         # ConfigParser interpolates '%': a password may hold one.
         cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
-
-
-def sync_url(url: str) -> str:
-    """The same database through a blocking driver (``sqlite+aiosqlite`` -> ``sqlite``)."""
-    u = make_url(url)
-    driver = _SYNC_DRIVERS.get(u.get_driver_name())
-    if driver is not None:
-        u = u.set(drivername=f"{u.get_backend_name()}+{driver}")
-    return u.render_as_string(hide_password=False)
 
 
 def upgrade_connection(connection: Connection, revision: str = "head") -> None:

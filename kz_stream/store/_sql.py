@@ -47,10 +47,11 @@ from psycopg import errors as pg_errors
 from sqlalchemy import Connection, event, func, insert, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from kz_stream.database_url import async_url
 from kz_stream.events import EVENT_TYPES, Event
 from kz_stream.faults import DependencyUnavailable
 from kz_stream.store._migrate import upgrade_connection
@@ -95,22 +96,6 @@ _READ_COLUMNS = (events.c.global_position, events.c.recorded_at,
 
 # A health probe that waits longer than this calls the database unreachable.
 _PING_TIMEOUT_S = 5.0
-
-
-def _async_url(url: str | URL) -> URL:
-    """Picks the async driver for plain ``sqlite://`` and ``postgresql://`` URLs."""
-    u = make_url(url)
-    backend, driver = u.get_backend_name(), u.get_driver_name()
-    if backend == "sqlite" and driver != "aiosqlite":
-        return u.set(drivername="sqlite+aiosqlite")
-    if backend == "postgresql" and driver not in ("psycopg", "psycopg_async"):
-        return u.set(drivername="postgresql+psycopg")
-    if backend not in ("sqlite", "postgresql"):
-        raise ValueError(f"unsupported event store URL {u!r}: use sqlite or postgresql")
-    if backend == "sqlite" and u.database in (None, "", ":memory:"):
-        # Each pooled connection would see its own empty database, or all share one.
-        raise ValueError("the SQLite event store needs a file path, not an in-memory database")
-    return u
 
 
 def _row(event: Event) -> tuple[Any, ...]:
@@ -249,7 +234,7 @@ class SqlEventStore:
     """
 
     def __init__(self, url: str, *, create_schema: bool = False, pool_size: int = 8) -> None:
-        self._url = _async_url(url)
+        self._url = async_url(url)
         self.url = self._url.render_as_string(hide_password=False)
         self.dialect = self._url.get_backend_name()
         self._create_schema = create_schema

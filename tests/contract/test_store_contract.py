@@ -17,6 +17,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, select
 
+from kz_stream.database_url import sync_url
 from kz_stream.events import (
     Event,
     KernelGenerated,
@@ -35,7 +36,6 @@ from kz_stream.projections import (
     tracking_name,
 )
 from kz_stream.store import ConcurrencyError, EventStore, RecordedEvent, SqlEventStore, upgrade
-from kz_stream.store._migrate import sync_url
 from kz_stream.store._schema import metadata
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -11,11 +11,11 @@ import pytest
 
 from consumers.recorder import Recorder
 from kz_stream.app import evaluation_hashes, open_context
-from kz_stream.config import Settings, TopicsConfig
+from kz_stream.config import ProposerSettings, Settings, TopicsConfig
 from kz_stream.events import ModuleProposed, ModuleValidation, new_event, payload_as
 from kz_stream.llm.factory import create_backend
 from kz_stream.modules.extraction import normalized_hash
-from producers.proposer import ProposerConfig, ProposerService
+from producers.proposer import ProposerService
 from producers.seeds import SEED_MODULES
 
 pytestmark = pytest.mark.slow
@@ -38,9 +38,10 @@ async def test_proposals_copying_evaluation_problems_are_contaminated(tmp_path: 
                            validation=ModuleValidation(
                                valid=True, detail="evaluation problem level2/7_Evaluated")),
             stream_id="module-kb-1", stream_version=0, correlation_id="eval-earlier")])
-        proposer = ProposerService(ctx, create_backend("transformers"), ProposerConfig(
-            max_modules=3, concurrency=1, seed_modules=(given, evaluated, new),
-            evaluation_hashes=evaluation_hashes([suite])))
+        proposer = ProposerService(
+            ctx, create_backend("transformers"),
+            ProposerSettings(max_modules=3, concurrency=1, synthesized_fallback=False),
+            seed_modules=(given, evaluated, new), evaluation_hashes=evaluation_hashes([suite]))
         recorder = Recorder(ctx)
         tasks = [asyncio.create_task(s.run()) for s in (recorder, proposer)]
         try:

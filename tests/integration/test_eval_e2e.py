@@ -15,12 +15,13 @@ import pytest
 from typer.testing import CliRunner
 
 from kz_stream.cli import app
-from kz_stream.config import Settings, TopicsConfig, VerifierSettings
+from kz_stream.config import Settings, TopicsConfig
 from kz_stream.evaluation.run import EvalOptions, EvalProgress, kernel_id_of, run_evaluation
 from kz_stream.evaluation.suite import load_suite
 from kz_stream.llm.base import SamplingParams
 from kz_stream.run_state import RunState
 from kz_stream.store import open_store
+from kz_stream.verify import VerifierConfig
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +81,7 @@ def test_eval_run_resume_and_report(tmp_path: Path) -> None:
     # a worker is needed, and starting one costs tens of seconds on two busy cores.
     settings = Settings(database_url=url, bus_url=f"memory://{uuid.uuid4().hex}",
                         topics=TopicsConfig(partitions=2), log_level="WARNING",
-                        verifier=VerifierSettings(prewarm=0))
+                        verifier=VerifierConfig(prewarm=0))
     options = EvalOptions(run_id=RUN, samples=SAMPLES, concurrency=2,
                           sampling=SamplingParams(max_tokens=TOKENS, seed=0))
 

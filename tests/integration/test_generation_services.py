@@ -14,7 +14,7 @@ import pytest
 
 from consumers.recorder import Recorder
 from kz_stream.app import open_context
-from kz_stream.config import Settings, TopicsConfig
+from kz_stream.config import CoderSettings, LLMConfig, ProposerSettings, Settings, TopicsConfig
 from kz_stream.events import (
     KernelGenerated,
     ModuleProposed,
@@ -22,18 +22,18 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
-from kz_stream.llm.base import LLMBackend, SamplingParams
+from kz_stream.llm.base import LLMBackend
 from kz_stream.llm.factory import create_backend
 from kz_stream.llm.models import smollm2_dir
 from kz_stream.llm.transformers_backend import TransformersBackend
 from kz_stream.runtime import ServiceContext
-from producers.coder import CoderConfig, CoderService
-from producers.proposer import ProposerConfig, ProposerService
+from producers.coder import CoderService
+from producers.proposer import ProposerService
 from producers.seeds import SEED_MODULES
 
 pytestmark = pytest.mark.slow
 
-SAMPLING = SamplingParams(max_tokens=40, temperature=1.0, seed=0)
+LLM = LLMConfig(max_tokens=40, temperature=1.0, seed=0)
 
 
 async def events_of(ctx: ServiceContext, type_: str) -> list[Any]:
@@ -115,24 +115,17 @@ async def test_proposer_to_coder_on_smollm2_with_logprobs_admission_and_hot_swap
     proposer = ProposerService(
         ctx,
         proposer_llm,
-        ProposerConfig(
+        ProposerSettings(
             proposals_per_prompt=2,
             concurrency=1,
             max_modules=3,
-            sampling=SAMPLING,
-            seed_modules=SEED_MODULES[:1],
+            llm=LLM,
+            synthesized_fallback=False,
             validation_timeout_s=60,
         ),
+        seed_modules=SEED_MODULES[:1],
     )
-    coder = CoderService(
-        ctx,
-        coder_llm,
-        CoderConfig(
-            group_size=2,
-            sampling=SAMPLING,
-            max_staleness=0,
-        ),
-    )
+    coder = CoderService(ctx, coder_llm, CoderSettings(group_size=2, llm=LLM, max_staleness=0))
     services = [recorder, proposer, coder]
     tasks = [asyncio.create_task(s.run()) for s in services]
     try:
@@ -207,9 +200,9 @@ async def test_an_all_invalid_prompt_is_followed_by_a_synthesized_module(
 ) -> None:
     # Eight tokens of the bare model are never a valid module.
     backend = TransformersBackend.from_pretrained(smollm2_dir())
-    proposer = ProposerService(ctx, backend, ProposerConfig(
+    proposer = ProposerService(ctx, backend, ProposerSettings(
         proposals_per_prompt=1, concurrency=1, max_modules=2, synthesized_fallback=True,
-        sampling=SamplingParams(max_tokens=8, temperature=1.0, seed=0)))
+        llm=LLMConfig(max_tokens=8, temperature=1.0, seed=0)))
     services = [Recorder(ctx), proposer]
     tasks = [asyncio.create_task(s.run()) for s in services]
     try:

@@ -16,11 +16,10 @@ from kz_stream.config import ConfigError, Settings, load_settings
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No KZ_* variable from the caller's shell; load_settings' KZ_CONFIG_FILE is undone."""
+    """No KZ_* variable from the caller's shell."""
     for name in list(os.environ):
         if name.upper().startswith("KZ_"):
             monkeypatch.delenv(name)
-    monkeypatch.setenv("KZ_CONFIG_FILE", "")
 
 
 def toml(tmp_path: Path, text: str) -> Path:
@@ -127,3 +126,71 @@ def test_verifier_settings_reach_the_verifier(monkeypatch: pytest.MonkeyPatch) -
 def test_candidates_per_gpu_below_one_is_refused(tmp_path: Path) -> None:
     path = toml(tmp_path, "[verifier]\ncandidates_per_gpu = 0\n")
     assert "verifier.candidates_per_gpu = 0" in error_of(path)
+
+
+def test_the_config_file_is_read_for_that_load_only_never_through_the_environment(
+    tmp_path: Path,
+) -> None:
+    path = toml(tmp_path, "[learner]\nlora_r = 4\n")
+    before = dict(os.environ)
+    assert load_settings(path).learner.lora_r == 4
+    assert dict(os.environ) == before
+    assert load_settings().learner.lora_r == Settings().learner.lora_r  # no file now
+    assert Settings().learner.lora_r == 16  # a bare Settings() reads no file either
+
+
+def test_kz_config_file_names_the_file_when_no_argument_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KZ_CONFIG_FILE", str(toml(tmp_path, "[coder]\ngroup_size = 5\n")))
+    assert load_settings().coder.group_size == 5
+    other = tmp_path / "other"
+    other.mkdir()
+    assert load_settings(toml(other, "[coder]\ngroup_size = 6\n")).coder.group_size == 6
+    monkeypatch.setenv("KZ_CONFIG_FILE", str(tmp_path / "missing.toml"))
+    assert error_of() == f"config file {tmp_path / 'missing.toml'} does not exist (KZ_CONFIG_FILE)"
+
+
+def test_every_verifier_knob_is_a_setting_the_verifier_gets(tmp_path: Path) -> None:
+    from kz_stream.app import make_verifier
+
+    path = toml(tmp_path, "[verifier]\ncall_timeout_s = 7.5\nl2_flush = \"read\"\n"
+                          "l2_flush_factor = 4\nmin_input_sets = 3\nstrong_isolation = false\n")
+    config = make_verifier(load_settings(path)).config
+    assert (config.call_timeout_s, config.l2_flush, config.l2_flush_factor) == (7.5, "read", 4)
+    assert (config.min_input_sets, config.strong_isolation) == (3, False)
+    assert config == load_settings(path).verifier  # the settings section is the config
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ('l2_flush = "flush"', "verifier.l2_flush = 'flush'"),
+    ("worker_memory_fraction = 1.5", "verifier.worker_memory_fraction = 1.5"),
+    ("devices = [-1]", "verifier.devices.0 = -1"),
+    ("call_timeout_s = 0", "verifier.call_timeout_s = 0"),
+    ("prewarm = 0\nprewarmed = 1", "verifier.prewarmed = 1"),
+])
+def test_a_bad_verifier_knob_is_named(tmp_path: Path, text: str, named: str) -> None:
+    assert named in error_of(toml(tmp_path, f"[verifier]\n{text}\n"))
+
+
+def test_max_rounds_below_min_rounds_is_refused(tmp_path: Path) -> None:
+    msg = error_of(toml(tmp_path, "[verifier]\nmin_rounds = 8\nmax_rounds = 4\n"))
+    assert "max_rounds 4 is below min_rounds 8" in msg
+
+
+def test_a_validated_copy_keeps_what_the_user_set_marked_as_set() -> None:
+    from kz_stream.config import LearnerSettings, validated_copy
+
+    copy = validated_copy(LearnerSettings(lora_r=4), rounds=2)
+    assert copy.model_fields_set == {"lora_r", "rounds"}
+    with pytest.raises(ValueError, match="lora_r"):
+        validated_copy(copy, lora_r=0)
+
+
+def test_quiet_commands_log_warnings_unless_the_user_chose_a_level(tmp_path: Path) -> None:
+    from kz_stream.cli import _settings
+
+    assert _settings(None, quiet=True).log_level == "WARNING"
+    assert _settings(None).log_level == "INFO"
+    path = toml(tmp_path, 'log_level = "INFO"\n')
+    assert _settings(path, quiet=True).log_level == "INFO"

@@ -1,0 +1,136 @@
+"""The composition root: services take their settings sections as they are, and a
+``kz run``'s own values are explicit, logged, and never replace what the user set."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from consumers.learner import LearnerService
+from kz_stream.app import RunOptions, open_context, service_by_name
+from kz_stream.config import (
+    CoderSettings,
+    LearnerSettings,
+    LLMConfig,
+    ProposerSettings,
+    Settings,
+    load_settings,
+    validated_copy,
+)
+from producers.coder import CoderService
+from producers.proposer import ProposerService
+from producers.seeds import SEED_MODULES
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in list(os.environ):
+        if name.upper().startswith("KZ_"):
+            monkeypatch.delenv(name)
+    yield
+
+
+def remote(**changes: object) -> LLMConfig:
+    """An engine behind a URL: building its backend connects to nothing."""
+    return validated_copy(LLMConfig(kind="vllm-server", base_url="http://127.0.0.1:9"), **changes)
+
+
+async def test_each_service_is_built_from_its_settings_section(tmp_path: Path) -> None:
+    settings = Settings(
+        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
+        bus_url=f"memory://{uuid.uuid4().hex}",
+        proposer=ProposerSettings(llm=remote(max_tokens=33, seed=7), max_modules=3,
+                                  synthesized_seeds=2),
+        coder=CoderSettings(llm=remote(temperature=0.5), group_size=3, max_batch=2),
+        learner=LearnerSettings(groups_per_step=2, rounds=3, coder_steps=5),
+        log_level="WARNING",
+    )
+    async with open_context(settings) as ctx:
+        proposer = service_by_name("proposer", ctx)
+        coder = service_by_name("coder", ctx)
+        learner = service_by_name("learner", ctx)
+        assert isinstance(proposer, ProposerService) and isinstance(coder, CoderService)
+        assert isinstance(learner, LearnerService)
+        try:
+            # The section itself, not a copy of some of its fields.
+            assert proposer.config is settings.proposer
+            assert coder.config is settings.coder
+            assert learner.config is settings.learner
+            # What is not a setting is resolved from one: seeds, sampling, the schedule.
+            assert len(proposer.seed_modules) == len(SEED_MODULES) + 2
+            assert (proposer.sampling.max_tokens, proposer.sampling.seed) == (33, 7)
+            assert coder.sampling.temperature == 0.5
+            schedule = learner.schedule.config
+            assert (schedule.rounds, schedule.coder_steps, schedule.proposer_steps) == (3, 5, 20)
+        finally:
+            await proposer.backend.close()
+            await coder.backend.close()
+
+
+async def test_no_seed_modules_when_they_are_switched_off(tmp_path: Path) -> None:
+    settings = Settings(
+        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
+        bus_url=f"memory://{uuid.uuid4().hex}",
+        proposer=ProposerSettings(llm=remote(), seed_modules=False),
+    )
+    async with open_context(settings) as ctx:
+        proposer = service_by_name("proposer", ctx)
+        assert isinstance(proposer, ProposerService)
+        await proposer.backend.close()
+    assert proposer.seed_modules == ()
+
+
+def test_the_trainer_takes_the_learner_settings_and_agrees_on_defaults() -> None:
+    """``LearnerConfig`` (the trainer's, used without settings by tests and warm-start
+    tools) must keep the defaults the settings document."""
+    from dataclasses import fields
+
+    from kz_stream.rl.trainer import LearnerConfig
+
+    options = LearnerSettings().trainer_options()
+    defaults = {f.name: f.default for f in fields(LearnerConfig)}
+    assert options == {k: defaults[k] for k in options}
+
+
+def test_a_run_fills_only_the_learner_values_the_user_left_unset() -> None:
+    run = RunOptions(group_size=2, groups_per_step=3)
+    learner = run.apply(Settings()).learner
+    assert (learner.learning_rate, learner.lora_r) == (1e-4, 8)
+    assert (learner.micro_batches, learner.gradient_checkpointing) == (6, True)
+
+    mine = Settings(learner=LearnerSettings(learning_rate=3e-5, micro_batches=1))
+    learner = run.apply(mine).learner
+    assert (learner.learning_rate, learner.lora_r, learner.micro_batches) == (3e-5, 8, 1)
+
+
+def test_a_learning_rate_and_rank_from_the_environment_or_file_win(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "kz.toml"
+    config.write_text("[learner]\nlora_r = 32\n")
+    monkeypatch.setenv("KZ_LEARNER__LEARNING_RATE", "2e-6")
+    learner = RunOptions().apply(load_settings(config)).learner
+    assert (learner.learning_rate, learner.lora_r) == (2e-6, 32)
+    # ... and still count as the user's after a second apply (kz run applies twice).
+    again = RunOptions().apply(RunOptions().apply(load_settings(config))).learner
+    assert (again.learning_rate, again.lora_r) == (2e-6, 32)
+
+
+def test_every_value_a_run_changes_is_logged_and_a_replaced_setting_warned() -> None:
+    settings = Settings(coder=CoderSettings(group_size=8),
+                        learner=LearnerSettings(lora_r=4))
+    options = RunOptions(group_size=2)
+    with capture_logs() as logs:
+        options.log_changes(settings, options.apply(settings))
+    by_key = {e["key"]: e for e in logs if e["event"] == "run_settings"}
+    assert by_key["coder.group_size"]["log_level"] == "warning"
+    assert (by_key["coder.group_size"]["setting"], by_key["coder.group_size"]["run"]) == (8, 2)
+    assert by_key["learner.learning_rate"]["log_level"] == "info"
+    assert by_key["learner.learning_rate"]["run"] == 1e-4
+    assert "default where none is set" in by_key["learner.learning_rate"]["reason"]
+    assert "learner.lora_r" not in by_key  # the user's 4 stands: nothing changed
