@@ -102,17 +102,11 @@ class VerifierService(Service):
             dead_letter_topic=topics.dead_letter,
         )
         self.log.info("verifier_started", manifest=self.verifier.manifest())
-        stop = asyncio.create_task(self.stopping.wait())
-        failed = asyncio.create_task(sub.wait())
         try:
-            await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
+            await self.run_until_stopped(sub.wait())
         finally:
-            stop.cancel()
             await sub.stop()
             await self.verifier.aclose()
-            if failed.done() and not failed.cancelled() and failed.exception():
-                raise failed.exception()  # type: ignore[misc]
-            failed.cancel()
 
     async def _module_source(self, module_id: str) -> str:
         """The reference module's source, from the store (the recorder may lag a little)."""

@@ -2,8 +2,9 @@
 endpoint with Prometheus metrics, and graceful shutdown on SIGTERM/SIGINT.
 
 Health means something: ``/healthz`` answers 503 while the store or the broker does not
-answer a probe, a topic is missing, a consumer waits out an outage or has been on one
-batch for ``resilience.stuck_after_s``, or a service is unhealthy or shutting down."""
+answer a probe, a topic is missing, a service or one of its consumers waits out an outage,
+a consumer has been on one batch for ``resilience.stuck_after_s`` or has failed, or a
+service is shutting down; each condition clears by itself when what caused it does."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -157,6 +158,10 @@ class _ConsumerCollector(Collector):
             "kz_consumer_outage", "1 while the consumer waits out an outage",
             labels=["service", "group"],
         )
+        failed = GaugeMetricFamily(
+            "kz_consumer_failed", "1 once the consumer has stopped on a fatal error",
+            labels=["service", "group"],
+        )
         busy = GaugeMetricFamily(
             "kz_consumer_busy_seconds", "How long the running batch has been running",
             labels=["service", "group"],
@@ -172,12 +177,14 @@ class _ConsumerCollector(Collector):
                 for name, family in counters.items():
                     family.add_metric(labels, getattr(sub.stats, name))
                 outage.add_metric(labels, 0.0 if sub.outage is None else 1.0)
+                failed.add_metric(labels, 0.0 if sub.failure is None else 1.0)
                 busy.add_metric(labels, 0.0 if sub.busy_since is None else now - sub.busy_since)
                 behind = sub.lag()
                 if behind is not None:
                     lag.add_metric(labels, behind)
         yield from counters.values()
         yield outage
+        yield failed
         yield busy
         yield lag
 
@@ -319,7 +326,6 @@ class ServiceContext:
     store: EventStore
     bus: Bus
     producer_id: str = "kz"
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Service(ABC):
@@ -334,8 +340,6 @@ class Service(ABC):
         self.stopping = asyncio.Event()
         self.started_at = time.time()
         self.log = get_logger(f"kz.{self.name}").bind(service=self.name)
-        self._healthy = True
-        self._health_detail = ""
         self.subscriptions: list[Subscription] = []
         # The outage this service's own store or broker calls wait out (see wait_out).
         self.outage: str | None = None
@@ -348,13 +352,25 @@ class Service(ABC):
     def request_stop(self) -> None:
         self.stopping.set()
 
-    def set_health(self, healthy: bool, detail: str = "") -> None:
-        self._healthy, self._health_detail = healthy, detail
+    async def run_until_stopped(self, work: Awaitable[None]) -> None:
+        """Runs ``work`` (a subscription's ``wait()``, a service's main loop) until it ends
+        or a stop is requested; work still running then is cancelled. An error it ended
+        with raises here, so the service fails with it (one process, one fate)."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.create_task(self.stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            task.cancel()
+            await asyncio.gather(task, stop, return_exceptions=True)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            raise error
 
     def health(self) -> dict[str, Any]:
-        """Unhealthy when set so, stopping, waiting out an outage, or a consumer is waiting
-        one out or stuck on a batch; ``detail`` says which."""
-        problems = [self._health_detail] if not self._healthy else []
+        """Unhealthy while stopping or waiting out an outage, or while a consumer waits one
+        out, is stuck on a batch or has failed; ``detail`` says which."""
+        problems: list[str] = []
         if self.stopping.is_set():
             problems.append("shutting down")
         if self.outage is not None:
@@ -366,11 +382,14 @@ class Service(ABC):
             busy = 0.0 if sub.busy_since is None else now - sub.busy_since
             consumers[sub.group] = {
                 "outage": sub.outage,
+                "failed": sub.failure,
                 "busy_s": round(busy, 1),
                 "lag": sub.lag(),
                 "dead_lettered": sub.stats.dead_lettered,
             }
-            if sub.outage is not None:
+            if sub.failure is not None:
+                problems.append(f"consumer {sub.group}: failed: {sub.failure}")
+            elif sub.outage is not None:
                 problems.append(f"consumer {sub.group}: {sub.outage}")
             elif busy > stuck_after:
                 problems.append(f"consumer {sub.group}: stuck on one batch for {busy:.0f}s")

@@ -209,6 +209,7 @@ class ConsumerCore(ABC):
         self._stop_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._error: BaseException | None = None
+        self.failure: str | None = None
         # The outage being waited out ("store unreachable: ..."), None when there is none.
         self.outage: str | None = None
         self._in_outage = asyncio.Event()
@@ -521,6 +522,7 @@ class ConsumerCore(ABC):
         """Records a fatal error and stops the subscription (wait() raises it)."""
         if self._error is None:
             self._error = error
+            self.failure = describe_error(error)
         log.error("group %s: subscription failed: %s", self.group, describe_error(error))
         if self._stop_task is None:
             self._stop_task = asyncio.create_task(self._shutdown(0), name="kz-bus-stop")

@@ -92,6 +92,9 @@ class Subscription(Protocol):
     outage: str | None
     # time.monotonic() when the running batch started, None while idle.
     busy_since: float | None
+    # The fatal error that ended the subscription by itself, None while it runs or after a
+    # stop that was asked for.
+    failure: str | None
 
     def assignment(self) -> frozenset[tuple[str, int]]:
         """The (topic, partition) pairs this subscription currently owns."""
