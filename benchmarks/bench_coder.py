@@ -49,8 +49,6 @@ from benchmarks._results import metric, write_result
 from kz_stream.llm.base import Prompt, Sample, SamplingParams
 from kz_stream.llm.vllm_server import VLLMServerBackend
 
-SEED = 0
-
 
 class BenchBackend(VLLMServerBackend):
     """``VLLMServerBackend`` plus vLLM's ``ignore_eos`` (fixed-length samples) and a record

@@ -44,7 +44,6 @@ __all__ = [
     "mine_catalog",
     "mine_files",
     "package_files",
-    "pair_key",
 ]
 
 CATALOG_FORMAT = 1
@@ -55,12 +54,6 @@ DEFAULT_SOURCES: dict[str, str] = {
     "timm": "models/**/*.py",
 }
 _DATA_FILE = "api_catalog.json"
-
-
-def pair_key(apis: Iterable[str]) -> str:
-    """The string key of an API set, ``+``-joined and sorted (``FrontierUpdated.weak_pairs``
-    uses ``+``; readers split on ``+`` and ignore the order)."""
-    return "+".join(sorted(apis))
 
 
 @dataclass(frozen=True)

@@ -33,20 +33,7 @@ from typing import Any
 from kz_stream.events import ModuleValidation
 from kz_stream.modules.apis import canonical_api, find_api_calls, is_neutral
 
-__all__ = ["REASONS", "static_apis", "validate_module"]
-
-REASONS = (
-    "syntax_error",
-    "missing_interface",
-    "wrong_apis",
-    "crash",
-    "timeout",
-    "forbidden",
-    "non_finite",
-    "degenerate",
-    "nondeterministic",
-    "unstable",
-)
+__all__ = ["static_apis", "validate_module"]
 
 _INTERFACE_FUNCS = ("get_inputs", "get_init_inputs")
 _DEGENERATE = frozenset(
