@@ -18,14 +18,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kz_stream.bus import Bus, BusMessage, Handler, Subscription
+from kz_stream.bus import Bus, BusMessage, Handler, SubscribeOptions, Subscription
 from kz_stream.config import Settings
 from kz_stream.faults import Backoff, dependency_of, describe_outage, wait_out
 from kz_stream.logging import get_logger
@@ -401,17 +401,17 @@ class Service(ABC):
         }
 
     async def subscribe(self, group: str, topics: Sequence[str], handler: Handler,
-                        **options: Any) -> Subscription:
+                        **options: Unpack[SubscribeOptions]) -> Subscription:
         """``bus.subscribe`` with the run's dead-letter topic and outage backoff; the
         subscription counts in this service's health and metrics."""
         r = self.ctx.settings.resilience
-        options = {
+        merged: SubscribeOptions = {
             "dead_letter_topic": self.ctx.settings.topics.dead_letter,
             "retry_backoff": r.backoff_initial_s,
             "max_backoff": r.backoff_max_s,
             **options,
         }
-        sub = await self.ctx.bus.subscribe(group, topics, handler, **options)
+        sub = await self.ctx.bus.subscribe(group, topics, handler, **merged)
         self.subscriptions.append(sub)
         return sub
 

@@ -20,17 +20,18 @@ import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Unpack
 
 from aiokafka.partitioner import murmur2
 
-from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore, event_headers
+from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore
 from kz_stream.bus._port import (
-    DEFAULT_DEAD_LETTER_TOPIC,
     BusMessage,
     Handler,
-    OffsetStore,
+    SubscribeOptions,
     Subscription,
     TopicSpec,
+    event_headers,
 )
 from kz_stream.events import Event, encode_event
 
@@ -123,7 +124,7 @@ class _Group:
 
 class _MemorySubscription(ConsumerCore):
     def __init__(self, bus: InMemoryBus, group: _Group, config: ConsumerConfig) -> None:
-        super().__init__(config, bus._publish_raw)
+        super().__init__(config, bus.publish_raw)
         self.bus = bus
         self._group_state = group
         self._positions: dict[TP, int] = {}
@@ -323,26 +324,9 @@ class InMemoryBus:
         t.notify()
         await asyncio.sleep(0)
 
-    async def _publish_raw(
-        self, topic: str, value: bytes, key: bytes | None, headers: Mapping[str, bytes]
-    ) -> None:
-        await self.publish_raw(topic, value, key=key, headers=headers)
-
     async def subscribe(
-        self,
-        group: str,
-        topics: Sequence[str],
-        handler: Handler,
-        *,
-        offsets: OffsetStore | None = None,
-        max_batch: int = 500,
-        max_in_flight: int = 2,
-        max_retries: int = 3,
-        retry_backoff: float = 0.2,
-        max_backoff: float = 30.0,
-        dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC,
-        from_beginning: bool = True,
-        decode: bool = True,
+        self, group: str, topics: Sequence[str], handler: Handler,
+        **options: Unpack[SubscribeOptions],
     ) -> Subscription:
         """Joins ``group`` (see the port); returns once this member has its share."""
         for t in topics:
@@ -350,26 +334,8 @@ class InMemoryBus:
         g = self._groups.get(group)
         if g is None:
             g = self._groups[group] = _Group(group)
-        config = ConsumerConfig(
-            group=group,
-            topics=tuple(topics),
-            handler=handler,
-            offsets=offsets,
-            max_batch=max_batch,
-            max_in_flight=max_in_flight,
-            max_retries=max_retries,
-            retry_backoff=retry_backoff,
-            max_backoff=max_backoff,
-            dead_letter_topic=dead_letter_topic,
-            from_beginning=from_beginning,
-            decode=decode,
-            revoke_timeout=self.revoke_timeout,
-        )
+        config = ConsumerConfig.of(group, topics, handler, self.revoke_timeout, options)
         sub = _MemorySubscription(self, g, config)
         self._subscriptions.add(sub)
         await sub._start()
         return sub
-
-    def end_offsets(self, topic: str) -> dict[int, int]:
-        """The next offset to be written per partition (for tests and lag metrics)."""
-        return {p: len(log_) for p, log_ in enumerate(self._topic(topic).logs)}
