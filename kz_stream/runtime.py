@@ -108,6 +108,19 @@ _CONSUMER_COUNTERS = {
     "assignments": "Partition assignments received",
 }
 
+# Subscription states exported as kz_consumer_<name>{service,group}: (help, reading at a
+# scrape's monotonic time; None leaves the series out).
+_CONSUMER_GAUGES: dict[str, tuple[str, Callable[[Subscription, float], float | None]]] = {
+    "outage": ("1 while the consumer waits out an outage",
+               lambda sub, now: float(sub.outage is not None)),
+    "failed": ("1 once the consumer has stopped on a fatal error",
+               lambda sub, now: float(sub.failure is not None)),
+    "busy_seconds": ("How long the running batch has been running",
+                     lambda sub, now: 0.0 if sub.busy_since is None else now - sub.busy_since),
+    "lag": ("Records behind the ends of the consumer's partitions",
+            lambda sub, now: sub.lag()),
+}
+
 
 class ServiceMetrics:
     """The standard metrics of one service (labelled with its name)."""
@@ -150,43 +163,27 @@ class _ConsumerCollector(Collector):
         self._services = services
 
     def collect(self) -> Iterator[Metric]:
+        labels = ["service", "group"]
         counters = {
-            name: CounterMetricFamily(f"kz_consumer_{name}", doc, labels=["service", "group"])
+            name: CounterMetricFamily(f"kz_consumer_{name}", doc, labels=labels)
             for name, doc in _CONSUMER_COUNTERS.items()
         }
-        outage = GaugeMetricFamily(
-            "kz_consumer_outage", "1 while the consumer waits out an outage",
-            labels=["service", "group"],
-        )
-        failed = GaugeMetricFamily(
-            "kz_consumer_failed", "1 once the consumer has stopped on a fatal error",
-            labels=["service", "group"],
-        )
-        busy = GaugeMetricFamily(
-            "kz_consumer_busy_seconds", "How long the running batch has been running",
-            labels=["service", "group"],
-        )
-        lag = GaugeMetricFamily(
-            "kz_consumer_lag", "Records behind the ends of the consumer's partitions",
-            labels=["service", "group"],
-        )
+        gauges = {
+            name: (GaugeMetricFamily(f"kz_consumer_{name}", doc, labels=labels), value)
+            for name, (doc, value) in _CONSUMER_GAUGES.items()
+        }
         now = time.monotonic()
         for service in self._services:
             for sub in service.subscriptions:
-                labels = [service.name, sub.group]
+                values = [service.name, sub.group]
                 for name, family in counters.items():
-                    family.add_metric(labels, getattr(sub.stats, name))
-                outage.add_metric(labels, 0.0 if sub.outage is None else 1.0)
-                failed.add_metric(labels, 0.0 if sub.failure is None else 1.0)
-                busy.add_metric(labels, 0.0 if sub.busy_since is None else now - sub.busy_since)
-                behind = sub.lag()
-                if behind is not None:
-                    lag.add_metric(labels, behind)
+                    family.add_metric(values, getattr(sub.stats, name))
+                for gauge, value in gauges.values():
+                    reading = value(sub, now)
+                    if reading is not None:
+                        gauge.add_metric(values, reading)
         yield from counters.values()
-        yield outage
-        yield failed
-        yield busy
-        yield lag
+        yield from (gauge for gauge, _ in gauges.values())
 
 
 class _QuietHandler(WSGIRequestHandler):
