@@ -52,6 +52,7 @@ from kz_stream.bus._port import (
     BusMessage,
     Handler,
     InfrastructureError,
+    RawPublisher,
     SubscribeOptions,
     Subscription,
     TopicSpec,
@@ -328,7 +329,7 @@ class _KafkaSubscription(ConsumerCore):
             await self._consumer._client.close()
 
 
-class KafkaBus:
+class KafkaBus(RawPublisher):
     """The bus on a Kafka-protocol cluster (see module doc).
 
     ``producer_options`` and ``consumer_options`` are passed to aiokafka as they are and win
@@ -505,23 +506,6 @@ class KafkaBus:
         if not parts:
             parts = await producer.partitions_for(topic)
         return sorted(parts)
-
-    async def publish(
-        self,
-        topic: str,
-        event: Event,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, bytes] | None = None,
-    ) -> None:
-        producer = self._require_producer()
-        fut = await producer.send(
-            topic,
-            encode_event(event),
-            key=(key or event.stream_id).encode(),
-            headers=list(event_headers(event, headers).items()),
-        )
-        await fut
 
     async def publish_many(self, topic: str, events: Sequence[Event]) -> None:
         if not events:

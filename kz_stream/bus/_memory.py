@@ -28,6 +28,7 @@ from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore
 from kz_stream.bus._port import (
     BusMessage,
     Handler,
+    RawPublisher,
     SubscribeOptions,
     Subscription,
     TopicSpec,
@@ -248,7 +249,7 @@ class _MemorySubscription(ConsumerCore):
         await self._group_state.leave(self)
 
 
-class InMemoryBus:
+class InMemoryBus(RawPublisher):
     """The embedded bus (see module doc). Topics that do not exist when published to or
     subscribed to are created with ``default_partitions``. On a rebalance a member's
     running batch gets ``revoke_timeout`` seconds to finish before it is cancelled."""
@@ -289,21 +290,6 @@ class InMemoryBus:
             if spec.name not in self._topics:
                 self._topics[spec.name] = _Topic(spec.name, spec.partitions, spec.compacted)
 
-    async def publish(
-        self,
-        topic: str,
-        event: Event,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, bytes] | None = None,
-    ) -> None:
-        t = self._topic(topic)
-        key_bytes = (key or event.stream_id).encode()
-        t.append(key_bytes, encode_event(event), event_headers(event, headers))
-        t.notify()
-        # A publisher in a tight loop must not starve the consumers on the same loop.
-        await asyncio.sleep(0)
-
     async def publish_many(self, topic: str, events: Sequence[Event]) -> None:
         t = self._topic(topic)
         for event in events:
@@ -322,6 +308,7 @@ class InMemoryBus:
         t = self._topic(topic)
         t.append(key, value, dict(headers or {}))
         t.notify()
+        # A publisher in a tight loop must not starve the consumers on the same loop.
         await asyncio.sleep(0)
 
     async def subscribe(

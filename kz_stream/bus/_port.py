@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict, Unpack
 
-from kz_stream.events import Event
+from kz_stream.events import Event, encode_event
 
 # Headers on every published event (values are UTF-8 bytes).
 HEADER_TYPE = "type"
@@ -216,6 +217,34 @@ class Bus(Protocol):
         passes, while fetching pauses and ``outage`` names it. With
         ``decode=False`` handlers get every record raw (``event`` None).
         """
+
+
+class RawPublisher(ABC):
+    """What both adapters share: an event is published as its encoded bytes with the
+    event headers, through ``publish_raw``."""
+
+    @abstractmethod
+    async def publish_raw(
+        self,
+        topic: str,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+    ) -> None: ...
+
+    async def publish(
+        self,
+        topic: str,
+        event: Event,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, bytes] | None = None,
+    ) -> None:
+        await self.publish_raw(
+            topic, encode_event(event), key=(key or event.stream_id).encode(),
+            headers=event_headers(event, headers),
+        )
 
 
 def offsets_after(batch: Sequence[BusMessage]) -> dict[str, int]:
