@@ -153,8 +153,8 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
 
 def evaluation_hashes(suites: Sequence[Path]) -> dict[str, str]:
     """Normalized hashes of the problems of evaluation suites -> "evaluation problem <id>"."""
-    from kz_stream.evaluation.suite import load_suite
-    from kz_stream.modules.extraction import normalized_hash
+    from kz_stream.evaluation import load_suite
+    from kz_stream.modules import normalized_hash
 
     return {
         normalized_hash(p.source): f"evaluation problem {p.problem_id}"
@@ -172,14 +172,14 @@ def make_verifier(settings: Settings) -> Verifier:
 
 
 def _backend(llm: Any, adapter: Path | None = None) -> Any:
-    from kz_stream.llm.factory import create_backend
+    from kz_stream.llm import create_backend
 
     extra = {"adapter": str(adapter)} if adapter is not None else {}
     return create_backend(llm.kind, model=llm.model, base_url=llm.base_url, **extra)
 
 
 def _sampling(llm: Any) -> Any:
-    from kz_stream.llm.base import SamplingParams
+    from kz_stream.llm import SamplingParams
 
     return SamplingParams(max_tokens=llm.max_tokens, temperature=llm.temperature)
 
@@ -191,7 +191,7 @@ def _make_learner(settings: Settings, role: str, directory: Any) -> Any:
     if lc.model:
         model_dir = lc.model
     else:
-        from kz_stream.llm.models import smollm2_dir
+        from kz_stream.llm import smollm2_dir
 
         model_dir = str(smollm2_dir())
     llm = settings.coder.llm if role == "coder" else settings.proposer.llm

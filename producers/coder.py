@@ -26,10 +26,10 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
-from kz_stream.llm.base import LLMBackend, Sample, SamplingParams
-from kz_stream.modules.extraction import extract_code
-from kz_stream.modules.prompts import Backend, coder_messages, prompt_text
+from kz_stream.llm import LLMBackend, Sample, SamplingParams
+from kz_stream.modules import coder_messages, extract_code, prompt_text
 from kz_stream.runtime import Service, ServiceContext
+from kz_stream.verify import Backend
 
 __all__ = ["CoderConfig", "CoderService", "PolicyFollower", "kernel_event"]
 

@@ -16,10 +16,9 @@ from typer.testing import CliRunner
 
 from kz_stream.cli import app
 from kz_stream.config import Settings, TopicsConfig, VerifierSettings
-from kz_stream.evaluation.run import EvalOptions, EvalProgress, kernel_id_of, run_evaluation
-from kz_stream.evaluation.suite import load_suite
+from kz_stream.evaluation import EvalOptions, EvalProgress, kernel_id_of, load_suite, run_evaluation
 from kz_stream.frontier import RunState
-from kz_stream.llm.base import SamplingParams
+from kz_stream.llm import SamplingParams
 from kz_stream.store import open_store
 
 pytestmark = pytest.mark.slow

