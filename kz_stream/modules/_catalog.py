@@ -9,8 +9,8 @@ removed and the model's name blanked out; otherwise copy-paste would dominate th
 
 Files are parsed, never imported. Rebuild the shipped catalog with::
 
-    python -m kz_stream.modules._catalog build            # writes kz_stream/data/api_catalog.json
-    python -m kz_stream.modules._catalog build --out X.json --package transformers
+    python -m kz_stream.modules build            # writes kz_stream/data/api_catalog.json
+    python -m kz_stream.modules build --out X.json --package transformers
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import importlib.util
 import itertools
 import json
 import re
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -254,8 +253,8 @@ def default_catalog_path() -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kz_stream.modules._catalog build [--out PATH] [--package NAME ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m kz_stream.modules._catalog")
+    """``python -m kz_stream.modules build [--out PATH] [--package NAME ...]``."""
+    parser = argparse.ArgumentParser(prog="python -m kz_stream.modules")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="mine the catalog from installed model code")
     build.add_argument("--out", type=Path, default=None)
@@ -279,6 +278,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
