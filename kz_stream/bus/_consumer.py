@@ -40,6 +40,7 @@ from kz_stream.bus._port import (
     BusMessage,
     Handler,
     OffsetStore,
+    PublishRaw,
     SubscribeOptions,
     SubscriptionStats,
     dead_letter_headers,
@@ -53,15 +54,6 @@ log = logging.getLogger("kz_stream.bus")
 TP = tuple[str, int]
 T = TypeVar("T")
 _MAX_BACKOFF_S = 30.0
-
-
-class PublishRaw(Protocol):
-    """``Bus.publish_raw``: how a consumer sends dead letters."""
-
-    async def __call__(
-        self, topic: str, value: bytes, *, key: bytes | None = None,
-        headers: Mapping[str, bytes] | None = None,
-    ) -> None: ...
 
 
 @dataclass(slots=True)

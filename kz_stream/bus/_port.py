@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict, Unpack
@@ -219,19 +218,20 @@ class Bus(Protocol):
         """
 
 
-class RawPublisher(ABC):
-    """What both adapters share: an event is published as its encoded bytes with the
-    event headers, through ``publish_raw``."""
+class PublishRaw(Protocol):
+    """``Bus.publish_raw``, as a value (the consumer core sends dead letters through it)."""
 
-    @abstractmethod
-    async def publish_raw(
-        self,
-        topic: str,
-        value: bytes,
-        *,
-        key: bytes | None = None,
+    async def __call__(
+        self, topic: str, value: bytes, *, key: bytes | None = None,
         headers: Mapping[str, bytes] | None = None,
     ) -> None: ...
+
+
+class RawPublisher:
+    """What both adapters share: an event is published as its encoded bytes with the
+    event headers, through the adapter's ``publish_raw``."""
+
+    publish_raw: PublishRaw
 
     async def publish(
         self,
