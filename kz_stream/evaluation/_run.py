@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from consumers.verifier import verdict_event
 from kz_stream.config import Settings
@@ -50,6 +50,7 @@ from kz_stream.llm import LLMBackend, SamplingParams
 from kz_stream.modules import coder_messages, normalized_hash, prompt_text
 from kz_stream.runtime import first_error
 from kz_stream.store import EventStore
+from kz_stream.verify import Backend
 from producers.coder import kernel_event
 
 __all__ = [
@@ -84,7 +85,7 @@ def _module_id(source: str) -> str:
 class EvalOptions:
     run_id: str
     policy: str = "base"
-    backend: Literal["cuda", "triton"] = "triton"
+    backend: Backend = "triton"
     samples: int = 10
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=2048))
     model: str | None = None  # served model name (endpoint) or base model dir (adapter)
