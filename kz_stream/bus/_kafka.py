@@ -49,10 +49,10 @@ from aiokafka.partitioner import murmur2
 
 from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore
 from kz_stream.bus._port import (
+    Bus,
     BusMessage,
     Handler,
     InfrastructureError,
-    RawPublisher,
     SubscribeOptions,
     Subscription,
     TopicSpec,
@@ -329,7 +329,7 @@ class _KafkaSubscription(ConsumerCore):
             await self._consumer._client.close()
 
 
-class KafkaBus(RawPublisher):
+class KafkaBus(Bus):
     """The bus on a Kafka-protocol cluster (see module doc).
 
     ``producer_options`` and ``consumer_options`` are passed to aiokafka as they are and win

@@ -26,9 +26,9 @@ from aiokafka.partitioner import murmur2
 
 from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore
 from kz_stream.bus._port import (
+    Bus,
     BusMessage,
     Handler,
-    RawPublisher,
     SubscribeOptions,
     Subscription,
     TopicSpec,
@@ -249,7 +249,7 @@ class _MemorySubscription(ConsumerCore):
         await self._group_state.leave(self)
 
 
-class InMemoryBus(RawPublisher):
+class InMemoryBus(Bus):
     """The embedded bus (see module doc). Topics that do not exist when published to or
     subscribed to are created with ``default_partitions``. On a rebalance a member's
     running batch gets ``revoke_timeout`` seconds to finish before it is cancelled."""

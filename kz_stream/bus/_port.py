@@ -184,7 +184,14 @@ class Bus(Protocol):
         key: str | None = None,
         headers: Mapping[str, bytes] | None = None,
     ) -> None:
-        """Publishes one event; key defaults to its stream_id. Returns once acknowledged."""
+        """Publishes one event; key defaults to its stream_id. Returns once acknowledged.
+
+        Adapters that subclass the port inherit this: the event's encoded bytes with the
+        event headers, through ``publish_raw``."""
+        await self.publish_raw(
+            topic, encode_event(event), key=(key or event.stream_id).encode(),
+            headers=event_headers(event, headers),
+        )
 
     async def publish_many(self, topic: str, events: Sequence[Event]) -> None:
         """Publishes events keyed by stream_id, in order per key; returns once all are
@@ -225,26 +232,6 @@ class PublishRaw(Protocol):
         self, topic: str, value: bytes, *, key: bytes | None = None,
         headers: Mapping[str, bytes] | None = None,
     ) -> None: ...
-
-
-class RawPublisher:
-    """What both adapters share: an event is published as its encoded bytes with the
-    event headers, through the adapter's ``publish_raw``."""
-
-    publish_raw: PublishRaw
-
-    async def publish(
-        self,
-        topic: str,
-        event: Event,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, bytes] | None = None,
-    ) -> None:
-        await self.publish_raw(
-            topic, encode_event(event), key=(key or event.stream_id).encode(),
-            headers=event_headers(event, headers),
-        )
 
 
 def offsets_after(batch: Sequence[BusMessage]) -> dict[str, int]:
