@@ -29,8 +29,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.partitioner import murmur2
 
 from benchmarks._results import metric, write_result
-from kz_stream.bus import BusMessage, InMemoryBus, KafkaBus, TopicSpec
-from kz_stream.bus._consumer import event_headers
+from kz_stream.bus import BusMessage, InMemoryBus, KafkaBus, TopicSpec, event_headers
 from kz_stream.events import Event, KernelVerified, encode_event, new_event
 from kz_stream.infra import LocalBroker
 

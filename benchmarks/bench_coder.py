@@ -46,10 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._results import metric, write_result
-from kz_stream.llm.base import Prompt, Sample, SamplingParams
-from kz_stream.llm.vllm_server import VLLMServerBackend
-
-SEED = 0
+from kz_stream.llm import Prompt, Sample, SamplingParams, VLLMServerBackend
 
 
 class BenchBackend(VLLMServerBackend):
@@ -239,9 +236,8 @@ async def run_service(
 
 
 async def bench(args: argparse.Namespace) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    from kz_stream.llm.models import smollm2_dir
-    from kz_stream.llm.vllm_server import VLLMServer
-    from kz_stream.modules.prompts import coder_messages
+    from kz_stream.llm import VLLMServer, smollm2_dir
+    from kz_stream.modules import coder_messages
 
     c, g, ignore_eos = args.concurrency, args.group_size, not args.natural_eos
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=None)

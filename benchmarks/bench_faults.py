@@ -146,7 +146,7 @@ class Feeder:
         # aiokafka logs each reconnect try while the broker is down; failures are counted.
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
         from kz_stream.events import ModuleProposed, ModuleValidation, new_event
-        from kz_stream.modules.extraction import normalized_hash
+        from kz_stream.modules import normalized_hash
         from producers.seeds import SEED_MODULES
 
         bus = KafkaBus(self.bootstrap, client_id="kz-faults-feeder")

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks._results import metric, write_result
-from kz_stream.llm.base import LLMBackend, Prompt, SamplingParams
-from kz_stream.modules.catalog import DEFAULT_SOURCES, mine_catalog, package_files
+from kz_stream.llm import LLMBackend, Prompt, SamplingParams
+from kz_stream.modules import DEFAULT_SOURCES, mine_catalog, package_files
 
 PROMPTS: list[Prompt] = [
     [{"role": "user", "content": "Write a PyTorch module that applies LayerNorm then GELU."}],
@@ -91,8 +91,7 @@ def bench_catalog() -> dict[str, dict[str, Any]]:
 async def bench_vllm(
     concurrency: int, requests: int, max_tokens: int, dtype: str = "float32"
 ) -> dict[str, dict[str, Any]]:
-    from kz_stream.llm.models import smollm2_dir
-    from kz_stream.llm.vllm_server import VLLMServer, VLLMServerBackend
+    from kz_stream.llm import VLLMServer, VLLMServerBackend, smollm2_dir
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0)
     t0 = time.perf_counter()
@@ -123,7 +122,7 @@ async def bench_vllm(
 async def bench_transformers(
     concurrency: int, requests: int, max_tokens: int
 ) -> dict[str, dict[str, Any]]:
-    from kz_stream.llm.transformers_backend import TransformersBackend
+    from kz_stream.llm import TransformersBackend
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0)
     backend = TransformersBackend.smollm2(max_batch_size=concurrency)

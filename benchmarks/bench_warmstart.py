@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._results import metric, write_result
-from kz_stream.evaluation.run import kernel_id_of, load_evaluation
+from kz_stream.evaluation import kernel_id_of, load_evaluation
 from kz_stream.store import open_store
 
 

@@ -79,16 +79,7 @@ class LearnerService(Service):
         )
         for role in self.config.roles:
             await self._load_learner(role)
-        follow = asyncio.create_task(self._follow())
-        stop = asyncio.create_task(self.stopping.wait())
-        try:
-            await asyncio.wait({follow, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            follow.cancel()
-            stop.cancel()
-            await asyncio.gather(follow, return_exceptions=True)
-            if follow.done() and not follow.cancelled() and follow.exception():
-                raise follow.exception()  # type: ignore[misc]
+        await self.run_until_stopped(self._follow())
 
     async def _replay(self) -> None:
         """Applies the store from where the read model stands (0 on a fresh start)."""

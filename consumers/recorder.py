@@ -8,7 +8,6 @@ the append skips (idempotent on event_id).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 from kz_stream.bus import BusMessage, offsets_after
@@ -34,16 +33,10 @@ class Recorder(Service):
             dead_letter_topic=topics.dead_letter,
         )
         self.log.info("recorder_started", topics=names)
-        stop = asyncio.create_task(self.stopping.wait())
-        failed = asyncio.create_task(sub.wait())
         try:
-            await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
+            await self.run_until_stopped(sub.wait())
         finally:
-            stop.cancel()
             await sub.stop()
-            if failed.done() and not failed.cancelled() and failed.exception():
-                raise failed.exception()  # type: ignore[misc]
-            failed.cancel()
         self.log.info("recorder_stopped")
 
     async def record(self, batch: Sequence[BusMessage]) -> None:

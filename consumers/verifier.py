@@ -143,18 +143,12 @@ class VerifierService(Service):
             dead_letter_topic=topics.dead_letter,
         )
         self.log.info("verifier_started", manifest=self.verifier.manifest())
-        stop = asyncio.create_task(self.stopping.wait())
-        failed = asyncio.create_task(sub.wait())
         try:
-            await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
+            await self.run_until_stopped(sub.wait())
         finally:
-            stop.cancel()
             await sub.stop()
             await modules_sub.stop()
             await self.verifier.aclose()
-            if failed.done() and not failed.cancelled() and failed.exception():
-                raise failed.exception()  # type: ignore[misc]
-            failed.cancel()
 
     async def remember_modules(self, batch: Sequence[BusMessage]) -> None:
         """Keeps the sources of the valid modules on ``kz.modules`` (the Coder's work)."""

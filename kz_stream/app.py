@@ -22,7 +22,7 @@ from kz_stream.runtime import Service, ServiceContext, run_services
 from kz_stream.warmstart import warm_adapter
 
 if TYPE_CHECKING:
-    from kz_stream.llm.base import LLMBackend
+    from kz_stream.llm import LLMBackend
     from kz_stream.rl import Role
     from kz_stream.rl.trainer import GRPOLearner
     from kz_stream.store import EventStore
@@ -105,8 +105,8 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
 
 def evaluation_hashes(suites: Sequence[Path]) -> dict[str, str]:
     """Normalized hashes of the problems of evaluation suites -> "evaluation problem <id>"."""
-    from kz_stream.evaluation.suite import load_suite
-    from kz_stream.modules.extraction import normalized_hash
+    from kz_stream.evaluation import load_suite
+    from kz_stream.modules import normalized_hash
 
     return {
         normalized_hash(p.source): f"evaluation problem {p.problem_id}"
@@ -124,7 +124,7 @@ def make_verifier(settings: Settings) -> Verifier:
 
 def _backend(settings: Settings, role: Literal["coder", "proposer"]) -> LLMBackend:
     """The engine a role's generator samples from, with its warm-start adapter if any."""
-    from kz_stream.llm.factory import create_backend
+    from kz_stream.llm import create_backend
 
     llm = settings.coder.llm if role == "coder" else settings.proposer.llm
     adapter = warm_adapter(settings, role)
@@ -141,7 +141,7 @@ def _make_learner(settings: Settings, role: Role, directory: Path) -> GRPOLearne
     if lc.model:
         model_dir = lc.model
     else:
-        from kz_stream.llm.models import smollm2_dir
+        from kz_stream.llm import smollm2_dir
 
         model_dir = str(smollm2_dir())
     llm = settings.coder.llm if role == "coder" else settings.proposer.llm

@@ -859,9 +859,14 @@ def eval_run(
 ) -> None:
     """Samples the policy on every problem, verifies every kernel and stores it all as
     events; run again with --run-id to resume one that was cut short."""
-    from kz_stream.evaluation.run import EvalOptions, EvalProgress, new_run_id, run_evaluation
-    from kz_stream.evaluation.suite import load_suite
-    from kz_stream.llm.base import SamplingParams
+    from kz_stream.evaluation import (
+        EvalOptions,
+        EvalProgress,
+        load_suite,
+        new_run_id,
+        run_evaluation,
+    )
+    from kz_stream.llm import SamplingParams
 
     if not _is_backend(backend):
         raise typer.BadParameter(f"--backend: {backend!r} is not triton or cuda")
@@ -920,8 +925,7 @@ def eval_report(
 ) -> None:
     """Prints an evaluation's metrics per level and overall, and writes report.json,
     report.md and plots (pass@k against k, speedups, the per-problem grid)."""
-    from kz_stream.evaluation.report import build_report, table_rows, write_report
-    from kz_stream.evaluation.run import load_evaluation
+    from kz_stream.evaluation import build_report, load_evaluation, table_rows, write_report
 
     settings = _settings(config)
     out = out or Path(".kz/eval") / run_id
@@ -1087,9 +1091,8 @@ def warmstart_data(
     """Synthesizes modules from the API catalog, validates them as proposals, has the Triton
     teacher write a kernel for each training module (stored and verified as an evaluation
     run), and writes the Coder and Proposer SFT sets."""
-    from kz_stream.evaluation.run import EvalOptions, EvalProgress, run_evaluation
-    from kz_stream.evaluation.suite import load_suite
-    from kz_stream.llm.base import SamplingParams
+    from kz_stream.evaluation import EvalOptions, EvalProgress, load_suite, run_evaluation
+    from kz_stream.llm import SamplingParams
     from kz_stream.warmstart.data import synthesize_suite, teacher_run_id, write_sft_sets
 
     settings = _settings(config, quiet=True)
@@ -1179,8 +1182,8 @@ def warmstart_proposer_eval(
 ) -> None:
     """The Proposer's valid-module rate: one module per sampled API set, each validated as
     the Proposer service validates proposals."""
-    from kz_stream.evaluation.run import EvalOptions, open_policy
-    from kz_stream.llm.base import SamplingParams
+    from kz_stream.evaluation import EvalOptions, open_policy
+    from kz_stream.llm import SamplingParams
     from kz_stream.warmstart.proposer_eval import score_proposer
 
     sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed)

@@ -26,7 +26,7 @@ from kz_stream.rl.schedule import AlternationConfig
 from kz_stream.verify import VerifierConfig
 
 if TYPE_CHECKING:
-    from kz_stream.llm.base import SamplingParams
+    from kz_stream.llm import SamplingParams
 
 __all__ = [
     "CoderSettings",
@@ -97,7 +97,7 @@ class LLMConfig(_Section):
 
     def sampling(self) -> SamplingParams:
         """How the generator samples: these settings as the backends' parameters."""
-        from kz_stream.llm.base import SamplingParams
+        from kz_stream.llm import SamplingParams
 
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
                               seed=self.seed)

@@ -16,7 +16,6 @@ __all__ = [
     "NOISE",
     "NoiseFilter",
     "RepeatFilter",
-    "bind_event",
     "configure_logging",
     "get_logger",
 ]
@@ -121,8 +120,3 @@ def _quiet_progress_bars() -> None:
 
 def get_logger(name: str | None = None) -> Any:
     return structlog.get_logger(name) if name else structlog.get_logger()
-
-
-def bind_event(event_id: str, correlation_id: str | None) -> Any:
-    """Binds the ids of the event being handled to every log line until the token resets."""
-    return structlog.contextvars.bound_contextvars(event_id=event_id, correlation_id=correlation_id)

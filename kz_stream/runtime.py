@@ -2,8 +2,9 @@
 endpoint with Prometheus metrics, and graceful shutdown on SIGTERM/SIGINT.
 
 Health means something: ``/healthz`` answers 503 while the store or the broker does not
-answer a probe, a topic is missing, a consumer waits out an outage or has been on one
-batch for ``resilience.stuck_after_s``, or a service is unhealthy or shutting down."""
+answer a probe, a topic is missing, a service or one of its consumers waits out an outage,
+a consumer has been on one batch for ``resilience.stuck_after_s`` or has failed, or a
+service is shutting down; each condition clears by itself when what caused it does."""
 
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar, Unpack
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kz_stream.bus import Bus, BusMessage, Handler, Subscription
+from kz_stream.bus import Bus, BusMessage, Handler, SubscribeOptions, Subscription
 from kz_stream.config import Settings
 from kz_stream.faults import Backoff, dependency_of, describe_outage, wait_out
 from kz_stream.logging import get_logger
@@ -107,6 +108,19 @@ _CONSUMER_COUNTERS = {
     "assignments": "Partition assignments received",
 }
 
+# Subscription states exported as kz_consumer_<name>{service,group}: (help, reading at a
+# scrape's monotonic time; None leaves the series out).
+_CONSUMER_GAUGES: dict[str, tuple[str, Callable[[Subscription, float], float | None]]] = {
+    "outage": ("1 while the consumer waits out an outage",
+               lambda sub, now: float(sub.outage is not None)),
+    "failed": ("1 once the consumer has stopped on a fatal error",
+               lambda sub, now: float(sub.failure is not None)),
+    "busy_seconds": ("How long the running batch has been running",
+                     lambda sub, now: 0.0 if sub.busy_since is None else now - sub.busy_since),
+    "lag": ("Records behind the ends of the consumer's partitions",
+            lambda sub, now: sub.lag()),
+}
+
 
 class ServiceMetrics:
     """The standard metrics of one service (labelled with its name)."""
@@ -149,37 +163,27 @@ class _ConsumerCollector(Collector):
         self._services = services
 
     def collect(self) -> Iterator[Metric]:
+        labels = ["service", "group"]
         counters = {
-            name: CounterMetricFamily(f"kz_consumer_{name}", doc, labels=["service", "group"])
+            name: CounterMetricFamily(f"kz_consumer_{name}", doc, labels=labels)
             for name, doc in _CONSUMER_COUNTERS.items()
         }
-        outage = GaugeMetricFamily(
-            "kz_consumer_outage", "1 while the consumer waits out an outage",
-            labels=["service", "group"],
-        )
-        busy = GaugeMetricFamily(
-            "kz_consumer_busy_seconds", "How long the running batch has been running",
-            labels=["service", "group"],
-        )
-        lag = GaugeMetricFamily(
-            "kz_consumer_lag", "Records behind the ends of the consumer's partitions",
-            labels=["service", "group"],
-        )
+        gauges = {
+            name: (GaugeMetricFamily(f"kz_consumer_{name}", doc, labels=labels), value)
+            for name, (doc, value) in _CONSUMER_GAUGES.items()
+        }
         now = time.monotonic()
         for service in self._services:
             for sub in service.subscriptions:
-                labels = [service.name, sub.group]
+                values = [service.name, sub.group]
                 for name, family in counters.items():
-                    family.add_metric(labels, getattr(sub.stats, name))
-                outage.add_metric(labels, 0.0 if sub.outage is None else 1.0)
-                busy.add_metric(labels, 0.0 if sub.busy_since is None else now - sub.busy_since)
-                behind = sub.lag()
-                if behind is not None:
-                    lag.add_metric(labels, behind)
+                    family.add_metric(values, getattr(sub.stats, name))
+                for gauge, value in gauges.values():
+                    reading = value(sub, now)
+                    if reading is not None:
+                        gauge.add_metric(values, reading)
         yield from counters.values()
-        yield outage
-        yield busy
-        yield lag
+        yield from (gauge for gauge, _ in gauges.values())
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -319,7 +323,6 @@ class ServiceContext:
     store: EventStore
     bus: Bus
     producer_id: str = "kz"
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Service(ABC):
@@ -334,8 +337,6 @@ class Service(ABC):
         self.stopping = asyncio.Event()
         self.started_at = time.time()
         self.log = get_logger(f"kz.{self.name}").bind(service=self.name)
-        self._healthy = True
-        self._health_detail = ""
         self.subscriptions: list[Subscription] = []
         # The outage this service's own store or broker calls wait out (see wait_out).
         self.outage: str | None = None
@@ -348,13 +349,25 @@ class Service(ABC):
     def request_stop(self) -> None:
         self.stopping.set()
 
-    def set_health(self, healthy: bool, detail: str = "") -> None:
-        self._healthy, self._health_detail = healthy, detail
+    async def run_until_stopped(self, work: Awaitable[None]) -> None:
+        """Runs ``work`` (a subscription's ``wait()``, a service's main loop) until it ends
+        or a stop is requested; work still running then is cancelled. An error it ended
+        with raises here, so the service fails with it (one process, one fate)."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.create_task(self.stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            task.cancel()
+            await asyncio.gather(task, stop, return_exceptions=True)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            raise error
 
     def health(self) -> dict[str, Any]:
-        """Unhealthy when set so, stopping, waiting out an outage, or a consumer is waiting
-        one out or stuck on a batch; ``detail`` says which."""
-        problems = [self._health_detail] if not self._healthy else []
+        """Unhealthy while stopping or waiting out an outage, or while a consumer waits one
+        out, is stuck on a batch or has failed; ``detail`` says which."""
+        problems: list[str] = []
         if self.stopping.is_set():
             problems.append("shutting down")
         if self.outage is not None:
@@ -366,11 +379,14 @@ class Service(ABC):
             busy = 0.0 if sub.busy_since is None else now - sub.busy_since
             consumers[sub.group] = {
                 "outage": sub.outage,
+                "failed": sub.failure,
                 "busy_s": round(busy, 1),
                 "lag": sub.lag(),
                 "dead_lettered": sub.stats.dead_lettered,
             }
-            if sub.outage is not None:
+            if sub.failure is not None:
+                problems.append(f"consumer {sub.group}: failed: {sub.failure}")
+            elif sub.outage is not None:
                 problems.append(f"consumer {sub.group}: {sub.outage}")
             elif busy > stuck_after:
                 problems.append(f"consumer {sub.group}: stuck on one batch for {busy:.0f}s")
@@ -382,17 +398,17 @@ class Service(ABC):
         }
 
     async def subscribe(self, group: str, topics: Sequence[str], handler: Handler,
-                        **options: Any) -> Subscription:
+                        **options: Unpack[SubscribeOptions]) -> Subscription:
         """``bus.subscribe`` with the run's dead-letter topic and outage backoff; the
         subscription counts in this service's health and metrics."""
         r = self.ctx.settings.resilience
-        options = {
+        merged: SubscribeOptions = {
             "dead_letter_topic": self.ctx.settings.topics.dead_letter,
             "retry_backoff": r.backoff_initial_s,
             "max_backoff": r.backoff_max_s,
             **options,
         }
-        sub = await self.ctx.bus.subscribe(group, topics, handler, **options)
+        sub = await self.ctx.bus.subscribe(group, topics, handler, **merged)
         self.subscriptions.append(sub)
         return sub
 

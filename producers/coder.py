@@ -27,10 +27,10 @@ from kz_stream.events import (
     payload_as,
     source_sha256,
 )
-from kz_stream.llm.base import LLMBackend, Sample, SamplingParams
-from kz_stream.modules.extraction import extract_code
-from kz_stream.modules.prompts import Backend, coder_messages, prompt_text
+from kz_stream.llm import LLMBackend, Sample, SamplingParams
+from kz_stream.modules import coder_messages, extract_code, prompt_text
 from kz_stream.runtime import Service, ServiceContext
+from kz_stream.verify import Backend
 
 __all__ = ["CoderService", "PolicyFollower", "kernel_event"]
 

@@ -27,11 +27,16 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
-from kz_stream.llm.base import LLMBackend, Sample
-from kz_stream.modules.extraction import extract_code, normalized_hash
-from kz_stream.modules.prompts import prompt_text, proposer_messages
-from kz_stream.modules.sampling import ApiSetSampler, Frontier
-from kz_stream.modules.validation import validate_module
+from kz_stream.llm import LLMBackend, Sample
+from kz_stream.modules import (
+    ApiSetSampler,
+    Frontier,
+    extract_code,
+    normalized_hash,
+    prompt_text,
+    proposer_messages,
+    validate_module,
+)
 from kz_stream.runtime import Service, ServiceContext
 from kz_stream.warmstart.synth import Synthesizer, feasible, synthesize
 from producers.coder import PolicyFollower

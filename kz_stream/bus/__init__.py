@@ -22,9 +22,12 @@ from kz_stream.bus._port import (
     Handler,
     InfrastructureError,
     OffsetStore,
+    SubscribeOptions,
     Subscription,
     SubscriptionStats,
     TopicSpec,
+    dead_letter_headers,
+    event_headers,
     offsets_after,
 )
 
@@ -46,9 +49,12 @@ __all__ = [
     "InfrastructureError",
     "KafkaBus",
     "OffsetStore",
+    "SubscribeOptions",
     "Subscription",
     "SubscriptionStats",
     "TopicSpec",
+    "dead_letter_headers",
+    "event_headers",
     "offsets_after",
     "open_bus",
 ]

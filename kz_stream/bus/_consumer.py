@@ -37,61 +37,23 @@ from typing import Protocol, TypeVar
 
 from kz_stream.bus._port import (
     DEFAULT_DEAD_LETTER_TOPIC,
-    HEADER_ERROR,
-    HEADER_ERROR_TYPE,
-    HEADER_EVENT_ID,
-    HEADER_GROUP,
-    HEADER_ORIGINAL_OFFSET,
-    HEADER_ORIGINAL_PARTITION,
-    HEADER_ORIGINAL_TOPIC,
-    HEADER_SCHEMA_VERSION,
-    HEADER_TYPE,
     BusMessage,
     Handler,
     OffsetStore,
+    PublishRaw,
+    SubscribeOptions,
     SubscriptionStats,
+    dead_letter_headers,
+    describe_error,
 )
-from kz_stream.events import Event, EventDecodeError, decode_event
+from kz_stream.events import EventDecodeError, decode_event
 from kz_stream.faults import Backoff, describe_outage, wait_out
 
 log = logging.getLogger("kz_stream.bus")
 
 TP = tuple[str, int]
 T = TypeVar("T")
-PublishRaw = Callable[[str, bytes, bytes | None, Mapping[str, bytes]], Awaitable[None]]
-
-# Headers are small; an error text that long is a traceback pasted into a message.
-_MAX_ERROR_CHARS = 4000
 _MAX_BACKOFF_S = 30.0
-
-
-def event_headers(event: Event, extra: Mapping[str, bytes] | None = None) -> dict[str, bytes]:
-    """The headers every published event carries, plus ``extra``."""
-    headers = {
-        HEADER_TYPE: event.type.encode(),
-        HEADER_SCHEMA_VERSION: str(event.schema_version).encode(),
-        HEADER_EVENT_ID: str(event.event_id).encode(),
-    }
-    if extra:
-        headers.update(extra)
-    return headers
-
-
-def describe_error(error: BaseException) -> str:
-    """One line naming the error's type and message (for the kz-error header)."""
-    return f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS]
-
-
-def dead_letter_headers(msg: BusMessage, error: BaseException, group: str) -> dict[str, bytes]:
-    """The original headers plus where the record came from and why it failed."""
-    headers = dict(msg.headers)
-    headers[HEADER_ERROR] = describe_error(error).encode()
-    headers[HEADER_ERROR_TYPE] = type(error).__name__.encode()
-    headers[HEADER_ORIGINAL_TOPIC] = msg.topic.encode()
-    headers[HEADER_ORIGINAL_PARTITION] = str(msg.partition).encode()
-    headers[HEADER_ORIGINAL_OFFSET] = str(msg.offset).encode()
-    headers[HEADER_GROUP] = group.encode()
-    return headers
 
 
 @dataclass(slots=True)
@@ -173,6 +135,14 @@ class ConsumerConfig:
     # How long a revocation waits for the running batch before cancelling it.
     revoke_timeout: float | None = 20.0
 
+    @classmethod
+    def of(
+        cls, group: str, topics: Sequence[str], handler: Handler,
+        revoke_timeout: float | None, options: SubscribeOptions,
+    ) -> ConsumerConfig:
+        """The config of one ``Bus.subscribe`` call."""
+        return cls(group, tuple(topics), handler, revoke_timeout=revoke_timeout, **options)
+
 
 class ConsumerCore(ABC):
     """One group member's pipeline from fetched batches to commits (see module doc)."""
@@ -209,6 +179,7 @@ class ConsumerCore(ABC):
         self._stop_task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self._error: BaseException | None = None
+        self.failure: str | None = None
         # The outage being waited out ("store unreachable: ..."), None when there is none.
         self.outage: str | None = None
         self._in_outage = asyncio.Event()
@@ -506,7 +477,9 @@ class ConsumerCore(ABC):
             return
         headers = dead_letter_headers(msg, error, self.group)
         await self._wait_out(
-            lambda: self._publish_raw(self._dead_letter_topic, msg.value, msg.key, headers)
+            lambda: self._publish_raw(
+                self._dead_letter_topic, msg.value, key=msg.key, headers=headers
+            )
         )
         self.stats.dead_lettered += 1
         log.error(
@@ -521,6 +494,7 @@ class ConsumerCore(ABC):
         """Records a fatal error and stops the subscription (wait() raises it)."""
         if self._error is None:
             self._error = error
+            self.failure = describe_error(error)
         log.error("group %s: subscription failed: %s", self.group, describe_error(error))
         if self._stop_task is None:
             self._stop_task = asyncio.create_task(self._shutdown(0), name="kz-bus-stop")

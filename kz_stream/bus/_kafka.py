@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -47,15 +47,16 @@ from aiokafka.errors import (
 )
 from aiokafka.partitioner import murmur2
 
-from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore, event_headers
+from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore
 from kz_stream.bus._port import (
-    DEFAULT_DEAD_LETTER_TOPIC,
+    Bus,
     BusMessage,
     Handler,
     InfrastructureError,
-    OffsetStore,
+    SubscribeOptions,
     Subscription,
     TopicSpec,
+    event_headers,
 )
 from kz_stream.events import Event, encode_event
 from kz_stream.faults import DependencyUnavailable
@@ -93,7 +94,7 @@ class _KafkaSubscription(ConsumerCore):
     def __init__(
         self, bus: KafkaBus, config: ConsumerConfig, consumer_options: dict[str, Any]
     ) -> None:
-        super().__init__(config, bus._publish_raw)
+        super().__init__(config, bus.publish_raw)
         self._bus = bus
         self._consumer_options = consumer_options
         self._consumer: Any = None
@@ -328,7 +329,7 @@ class _KafkaSubscription(ConsumerCore):
             await self._consumer._client.close()
 
 
-class KafkaBus:
+class KafkaBus(Bus):
     """The bus on a Kafka-protocol cluster (see module doc).
 
     ``producer_options`` and ``consumer_options`` are passed to aiokafka as they are and win
@@ -506,23 +507,6 @@ class KafkaBus:
             parts = await producer.partitions_for(topic)
         return sorted(parts)
 
-    async def publish(
-        self,
-        topic: str,
-        event: Event,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, bytes] | None = None,
-    ) -> None:
-        producer = self._require_producer()
-        fut = await producer.send(
-            topic,
-            encode_event(event),
-            key=(key or event.stream_id).encode(),
-            headers=list(event_headers(event, headers).items()),
-        )
-        await fut
-
     async def publish_many(self, topic: str, events: Sequence[Event]) -> None:
         if not events:
             return
@@ -569,44 +553,13 @@ class KafkaBus:
         )
         await fut
 
-    async def _publish_raw(
-        self, topic: str, value: bytes, key: bytes | None, headers: Mapping[str, bytes]
-    ) -> None:
-        await self.publish_raw(topic, value, key=key, headers=headers)
-
     async def subscribe(
-        self,
-        group: str,
-        topics: Sequence[str],
-        handler: Handler,
-        *,
-        offsets: OffsetStore | None = None,
-        max_batch: int = 500,
-        max_in_flight: int = 2,
-        max_retries: int = 3,
-        retry_backoff: float = 0.2,
-        max_backoff: float = 30.0,
-        dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC,
-        from_beginning: bool = True,
-        decode: bool = True,
+        self, group: str, topics: Sequence[str], handler: Handler,
+        **options: Unpack[SubscribeOptions],
     ) -> Subscription:
         """Starts a group member (see the port); it joins the group in the background."""
         self._require_producer()  # dead letters go out through it
-        config = ConsumerConfig(
-            group=group,
-            topics=tuple(topics),
-            handler=handler,
-            offsets=offsets,
-            max_batch=max_batch,
-            max_in_flight=max_in_flight,
-            max_retries=max_retries,
-            retry_backoff=retry_backoff,
-            max_backoff=max_backoff,
-            dead_letter_topic=dead_letter_topic,
-            from_beginning=from_beginning,
-            decode=decode,
-            revoke_timeout=self.revoke_timeout,
-        )
+        config = ConsumerConfig.of(group, topics, handler, self.revoke_timeout, options)
         sub = _KafkaSubscription(self, config, dict(self._consumer_options))
         try:
             await sub._start()

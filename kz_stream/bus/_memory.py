@@ -20,17 +20,19 @@ import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Unpack
 
 from aiokafka.partitioner import murmur2
 
-from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore, event_headers
+from kz_stream.bus._consumer import TP, ConsumerConfig, ConsumerCore
 from kz_stream.bus._port import (
-    DEFAULT_DEAD_LETTER_TOPIC,
+    Bus,
     BusMessage,
     Handler,
-    OffsetStore,
+    SubscribeOptions,
     Subscription,
     TopicSpec,
+    event_headers,
 )
 from kz_stream.events import Event, encode_event
 
@@ -123,7 +125,7 @@ class _Group:
 
 class _MemorySubscription(ConsumerCore):
     def __init__(self, bus: InMemoryBus, group: _Group, config: ConsumerConfig) -> None:
-        super().__init__(config, bus._publish_raw)
+        super().__init__(config, bus.publish_raw)
         self.bus = bus
         self._group_state = group
         self._positions: dict[TP, int] = {}
@@ -247,7 +249,7 @@ class _MemorySubscription(ConsumerCore):
         await self._group_state.leave(self)
 
 
-class InMemoryBus:
+class InMemoryBus(Bus):
     """The embedded bus (see module doc). Topics that do not exist when published to or
     subscribed to are created with ``default_partitions``. On a rebalance a member's
     running batch gets ``revoke_timeout`` seconds to finish before it is cancelled."""
@@ -288,21 +290,6 @@ class InMemoryBus:
             if spec.name not in self._topics:
                 self._topics[spec.name] = _Topic(spec.name, spec.partitions, spec.compacted)
 
-    async def publish(
-        self,
-        topic: str,
-        event: Event,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, bytes] | None = None,
-    ) -> None:
-        t = self._topic(topic)
-        key_bytes = (key or event.stream_id).encode()
-        t.append(key_bytes, encode_event(event), event_headers(event, headers))
-        t.notify()
-        # A publisher in a tight loop must not starve the consumers on the same loop.
-        await asyncio.sleep(0)
-
     async def publish_many(self, topic: str, events: Sequence[Event]) -> None:
         t = self._topic(topic)
         for event in events:
@@ -321,28 +308,12 @@ class InMemoryBus:
         t = self._topic(topic)
         t.append(key, value, dict(headers or {}))
         t.notify()
+        # A publisher in a tight loop must not starve the consumers on the same loop.
         await asyncio.sleep(0)
 
-    async def _publish_raw(
-        self, topic: str, value: bytes, key: bytes | None, headers: Mapping[str, bytes]
-    ) -> None:
-        await self.publish_raw(topic, value, key=key, headers=headers)
-
     async def subscribe(
-        self,
-        group: str,
-        topics: Sequence[str],
-        handler: Handler,
-        *,
-        offsets: OffsetStore | None = None,
-        max_batch: int = 500,
-        max_in_flight: int = 2,
-        max_retries: int = 3,
-        retry_backoff: float = 0.2,
-        max_backoff: float = 30.0,
-        dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC,
-        from_beginning: bool = True,
-        decode: bool = True,
+        self, group: str, topics: Sequence[str], handler: Handler,
+        **options: Unpack[SubscribeOptions],
     ) -> Subscription:
         """Joins ``group`` (see the port); returns once this member has its share."""
         for t in topics:
@@ -350,26 +321,8 @@ class InMemoryBus:
         g = self._groups.get(group)
         if g is None:
             g = self._groups[group] = _Group(group)
-        config = ConsumerConfig(
-            group=group,
-            topics=tuple(topics),
-            handler=handler,
-            offsets=offsets,
-            max_batch=max_batch,
-            max_in_flight=max_in_flight,
-            max_retries=max_retries,
-            retry_backoff=retry_backoff,
-            max_backoff=max_backoff,
-            dead_letter_topic=dead_letter_topic,
-            from_beginning=from_beginning,
-            decode=decode,
-            revoke_timeout=self.revoke_timeout,
-        )
+        config = ConsumerConfig.of(group, topics, handler, self.revoke_timeout, options)
         sub = _MemorySubscription(self, g, config)
         self._subscriptions.add(sub)
         await sub._start()
         return sub
-
-    def end_offsets(self, topic: str) -> dict[int, int]:
-        """The next offset to be written per partition (for tests and lag metrics)."""
-        return {p: len(log_) for p, log_ in enumerate(self._topic(topic).logs)}

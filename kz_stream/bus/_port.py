@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypedDict, Unpack
 
-from kz_stream.events import Event
+from kz_stream.events import Event, encode_event
 
 # Headers on every published event (values are UTF-8 bytes).
 HEADER_TYPE = "type"
@@ -22,6 +22,9 @@ HEADER_ORIGINAL_OFFSET = "kz-original-offset"
 HEADER_GROUP = "kz-consumer-group"
 
 DEFAULT_DEAD_LETTER_TOPIC = "kz.dead-letter"
+
+# Headers are small; an error text that long is a traceback pasted into a message.
+_MAX_ERROR_CHARS = 4000
 
 
 class InfrastructureError(Exception):
@@ -51,6 +54,35 @@ class BusMessage:
     event: Event | None = None
 
 
+def event_headers(event: Event, extra: Mapping[str, bytes] | None = None) -> dict[str, bytes]:
+    """The headers every published event carries, plus ``extra``."""
+    headers = {
+        HEADER_TYPE: event.type.encode(),
+        HEADER_SCHEMA_VERSION: str(event.schema_version).encode(),
+        HEADER_EVENT_ID: str(event.event_id).encode(),
+    }
+    if extra:
+        headers.update(extra)
+    return headers
+
+
+def describe_error(error: BaseException) -> str:
+    """One line naming the error's type and message (for the kz-error header)."""
+    return f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS]
+
+
+def dead_letter_headers(msg: BusMessage, error: BaseException, group: str) -> dict[str, bytes]:
+    """The original headers plus where the record came from and why it failed."""
+    headers = dict(msg.headers)
+    headers[HEADER_ERROR] = describe_error(error).encode()
+    headers[HEADER_ERROR_TYPE] = type(error).__name__.encode()
+    headers[HEADER_ORIGINAL_TOPIC] = msg.topic.encode()
+    headers[HEADER_ORIGINAL_PARTITION] = str(msg.partition).encode()
+    headers[HEADER_ORIGINAL_OFFSET] = str(msg.offset).encode()
+    headers[HEADER_GROUP] = group.encode()
+    return headers
+
+
 # A handler gets a batch of decoded messages from one or more partitions, in offset order
 # per partition; it returns once their effect is durable. Offsets are committed only after
 # it returns. It may be called again with the same messages (retries, redelivery after a
@@ -68,6 +100,20 @@ class OffsetStore(Protocol):
     its start, as is one this member committed before and the group has no offset of now."""
 
     async def load_offsets(self, group: str) -> dict[str, int]: ...
+
+
+class SubscribeOptions(TypedDict, total=False):
+    """How a subscription consumes (see ``Bus.subscribe``); defaults in brackets."""
+
+    offsets: OffsetStore | None  # where the group's positions are kept [the broker only]
+    max_batch: int  # messages per handler call at most [500]
+    max_in_flight: int  # fetched batches waiting behind the running one [2]
+    max_retries: int  # handler retries before a batch is bisected [3]
+    retry_backoff: float  # first retry delay in seconds, doubling [0.2]
+    max_backoff: float  # cap of the doubling delay in seconds [30]
+    dead_letter_topic: str  # where poison records go [DEFAULT_DEAD_LETTER_TOPIC]
+    from_beginning: bool  # where a group without committed offsets starts [True]
+    decode: bool  # False: handlers get every record raw, ``event`` None [True]
 
 
 @dataclass(slots=True)
@@ -92,6 +138,9 @@ class Subscription(Protocol):
     outage: str | None
     # time.monotonic() when the running batch started, None while idle.
     busy_since: float | None
+    # The fatal error that ended the subscription by itself, None while it runs or after a
+    # stop that was asked for.
+    failure: str | None
 
     def assignment(self) -> frozenset[tuple[str, int]]:
         """The (topic, partition) pairs this subscription currently owns."""
@@ -135,7 +184,14 @@ class Bus(Protocol):
         key: str | None = None,
         headers: Mapping[str, bytes] | None = None,
     ) -> None:
-        """Publishes one event; key defaults to its stream_id. Returns once acknowledged."""
+        """Publishes one event; key defaults to its stream_id. Returns once acknowledged.
+
+        Adapters that subclass the port inherit this: the event's encoded bytes with the
+        event headers, through ``publish_raw``."""
+        await self.publish_raw(
+            topic, encode_event(event), key=(key or event.stream_id).encode(),
+            headers=event_headers(event, headers),
+        )
 
     async def publish_many(self, topic: str, events: Sequence[Event]) -> None:
         """Publishes events keyed by stream_id, in order per key; returns once all are
@@ -152,20 +208,8 @@ class Bus(Protocol):
         """Publishes bytes as they are (dead letters, replays of them, tests)."""
 
     async def subscribe(
-        self,
-        group: str,
-        topics: Sequence[str],
-        handler: Handler,
-        *,
-        offsets: OffsetStore | None = None,
-        max_batch: int = 500,
-        max_in_flight: int = 2,
-        max_retries: int = 3,
-        retry_backoff: float = 0.2,
-        max_backoff: float = 30.0,
-        dead_letter_topic: str = DEFAULT_DEAD_LETTER_TOPIC,
-        from_beginning: bool = True,
-        decode: bool = True,
+        self, group: str, topics: Sequence[str], handler: Handler,
+        **options: Unpack[SubscribeOptions],
     ) -> Subscription:
         """Joins ``group`` and feeds ``handler`` batches of at most ``max_batch`` messages.
 
@@ -179,6 +223,15 @@ class Bus(Protocol):
         passes, while fetching pauses and ``outage`` names it. With
         ``decode=False`` handlers get every record raw (``event`` None).
         """
+
+
+class PublishRaw(Protocol):
+    """``Bus.publish_raw``, as a value (the consumer core sends dead letters through it)."""
+
+    async def __call__(
+        self, topic: str, value: bytes, *, key: bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+    ) -> None: ...
 
 
 def offsets_after(batch: Sequence[BusMessage]) -> dict[str, int]:

@@ -1,2 +1,96 @@
 """Evaluation of Coder policies on KernelBench-format suites: metrics, suites, runs and
-reports (``docs/evaluation.md``)."""
+reports (``docs/evaluation.md``). The modules of this package are private; this is its API.
+Names are imported on first use: a run imports the services and the store."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kz_stream._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kz_stream.evaluation._metrics import (
+        FAST_P,
+        PASS_K,
+        ProblemResult,
+        SuiteMetrics,
+        fast_p,
+        geomean_speedup,
+        level_name,
+        pass_at_k,
+        summarize,
+        summarize_levels,
+    )
+    from kz_stream.evaluation._report import (
+        STATUS_COLOURS,
+        EvalReport,
+        build_report,
+        markdown,
+        table_rows,
+        write_plots,
+        write_report,
+    )
+    from kz_stream.evaluation._run import (
+        EvalOptions,
+        EvalProgress,
+        EvalRecord,
+        kernel_id_of,
+        load_evaluation,
+        new_run_id,
+        open_policy,
+        run_evaluation,
+    )
+    from kz_stream.evaluation._suite import (
+        Suite,
+        SuiteProblem,
+        load_suite,
+        problem_interface_error,
+    )
+
+_ORIGINS = {
+    **dict.fromkeys(
+        ["FAST_P", "PASS_K", "ProblemResult", "SuiteMetrics", "fast_p", "geomean_speedup",
+         "level_name", "pass_at_k", "summarize", "summarize_levels"], "._metrics"),
+    **dict.fromkeys(
+        ["STATUS_COLOURS", "EvalReport", "build_report", "markdown", "table_rows",
+         "write_plots", "write_report"], "._report"),
+    **dict.fromkeys(
+        ["EvalOptions", "EvalProgress", "EvalRecord", "kernel_id_of", "load_evaluation",
+         "new_run_id", "open_policy", "run_evaluation"], "._run"),
+    **dict.fromkeys(["Suite", "SuiteProblem", "load_suite", "problem_interface_error"],
+                    "._suite"),
+}
+
+__all__ = [
+    "FAST_P",
+    "PASS_K",
+    "STATUS_COLOURS",
+    "EvalOptions",
+    "EvalProgress",
+    "EvalRecord",
+    "EvalReport",
+    "ProblemResult",
+    "Suite",
+    "SuiteMetrics",
+    "SuiteProblem",
+    "build_report",
+    "fast_p",
+    "geomean_speedup",
+    "kernel_id_of",
+    "level_name",
+    "load_evaluation",
+    "load_suite",
+    "markdown",
+    "new_run_id",
+    "open_policy",
+    "pass_at_k",
+    "problem_interface_error",
+    "run_evaluation",
+    "summarize",
+    "summarize_levels",
+    "table_rows",
+    "write_plots",
+    "write_report",
+]
+
+__getattr__ = lazy_exports(__name__, _ORIGINS)

@@ -5,13 +5,15 @@ policy versions (LoRA adapters or full weights).
 Backends: ``TransformersBackend`` (CPU, tests, the embedded SmolLM2), ``VLLMServerBackend``
 (a vLLM OpenAI-compatible server, the way vLLM runs on GPU nodes) and ``VLLMEngineBackend``
 (vLLM in-process). vLLM and transformers are imported only when their backend is used.
+The modules of this package are private; this is its API.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kz_stream.llm.base import (
+from kz_stream._lazy import lazy_exports
+from kz_stream.llm._base import (
     LOGPROB_DEFINITION,
     BackendError,
     ChatMessage,
@@ -19,43 +21,44 @@ from kz_stream.llm.base import (
     Prompt,
     Sample,
     SamplingParams,
+    ServingBackend,
+    encode_prompt,
+    uri_to_path,
 )
+from kz_stream.llm._models import smollm2_dir
 
 if TYPE_CHECKING:
-    from kz_stream.llm.factory import create_backend
-    from kz_stream.llm.transformers_backend import TransformersBackend
-    from kz_stream.llm.vllm_engine import VLLMEngineBackend
-    from kz_stream.llm.vllm_server import VLLMServer, VLLMServerBackend
+    from kz_stream.llm._factory import BackendKind, create_backend
+    from kz_stream.llm._transformers_backend import TransformersBackend
+    from kz_stream.llm._vllm_engine import VLLMEngineBackend
+    from kz_stream.llm._vllm_server import VLLMServer, VLLMServerBackend
 
 __all__ = [
     "LOGPROB_DEFINITION",
     "BackendError",
+    "BackendKind",
     "ChatMessage",
     "LLMBackend",
     "Prompt",
     "Sample",
     "SamplingParams",
+    "ServingBackend",
     "TransformersBackend",
     "VLLMEngineBackend",
     "VLLMServer",
     "VLLMServerBackend",
     "create_backend",
+    "encode_prompt",
+    "smollm2_dir",
+    "uri_to_path",
 ]
 
-_LAZY = {
-    "TransformersBackend": "kz_stream.llm.transformers_backend",
-    "VLLMEngineBackend": "kz_stream.llm.vllm_engine",
-    "VLLMServer": "kz_stream.llm.vllm_server",
-    "VLLMServerBackend": "kz_stream.llm.vllm_server",
-    "create_backend": "kz_stream.llm.factory",
-}
-
-
-def __getattr__(name: str) -> Any:
-    # Backends load heavy libraries (torch, httpx, vllm): import them on first use.
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kz_stream.llm' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+# Backends load heavy libraries (torch, httpx, vllm): imported on first use.
+__getattr__ = lazy_exports(__name__, {
+    "BackendKind": "._factory",
+    "create_backend": "._factory",
+    "TransformersBackend": "._transformers_backend",
+    "VLLMEngineBackend": "._vllm_engine",
+    "VLLMServer": "._vllm_server",
+    "VLLMServerBackend": "._vllm_server",
+})

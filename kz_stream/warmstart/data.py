@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kz_stream.modules.prompts import proposer_messages
-from kz_stream.modules.validation import validate_module
+from kz_stream.modules import proposer_messages, validate_module
 from kz_stream.warmstart.synth import Synthesizer, SynthModule, is_held_out
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The operations the module synthesizer composes and the Triton teacher lowers.
 
-Each ``Op`` is one canonical API (as ``kz_stream.modules.apis`` names it) with two faces:
+Each ``Op`` is one canonical API (as ``kz_stream.modules.canonical_api`` names it) with two faces:
 the PyTorch line a ``Model`` calls it with, and the Triton code that computes the same
 thing inside a kernel. Keeping both in one record is what makes every synthesized module
 come with a teacher kernel: the two cannot drift apart.

@@ -10,11 +10,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kz_stream.llm.base import LLMBackend, SamplingParams
-from kz_stream.modules.extraction import extract_code
-from kz_stream.modules.prompts import proposer_messages
-from kz_stream.modules.sampling import ApiSetSampler
-from kz_stream.modules.validation import validate_module
+from kz_stream.llm import LLMBackend, SamplingParams
+from kz_stream.modules import ApiSetSampler, extract_code, proposer_messages, validate_module
 from kz_stream.warmstart.synth import synth_catalog
 
 __all__ = ["ProposerScore", "score_proposer"]

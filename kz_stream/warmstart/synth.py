@@ -19,8 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kz_stream.modules.catalog import ApiCatalog, default_catalog
-from kz_stream.modules.sampling import ApiSetSampler, Frontier
+from kz_stream.modules import ApiCatalog, ApiSetSampler, Frontier, default_catalog
 from kz_stream.warmstart.ops import Op, ops_by_api
 
 __all__ = [

@@ -23,8 +23,8 @@ import ast
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kz_stream.llm.base import LLMBackend, Prompt, Sample, SamplingParams
-from kz_stream.modules.extraction import extract_code
+from kz_stream.llm import LLMBackend, Prompt, Sample, SamplingParams
+from kz_stream.modules import extract_code
 from kz_stream.warmstart.ops import OPS, Op
 
 __all__ = ["TEACHER_POLICY", "TeacherBackend", "TeacherError", "lower"]

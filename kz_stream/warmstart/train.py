@@ -2,7 +2,7 @@
 
 The rows are TRL's conversational prompt-completion form (``kz_stream.warmstart.data``),
 so the prompt goes through the model's chat template exactly as the generators render it
-(``kz_stream.llm.base.encode_prompt``) and the loss covers the completion only. LoRA by
+(``kz_stream.llm.encode_prompt``) and the loss covers the completion only. LoRA by
 default, with the learner's own LoRA shape (so CA-GRPO goes on from the adapter); a full
 fine-tune is an option. The adapter folder gets a card (``warmstart.json``) with the data
 counts, the command, the commit and the training metrics.
@@ -60,7 +60,7 @@ def train_sft(options: SFTOptions) -> dict[str, Any]:
     from trl.trainer.sft_config import SFTConfig
     from trl.trainer.sft_trainer import SFTTrainer
 
-    from kz_stream.llm.models import smollm2_dir
+    from kz_stream.llm import smollm2_dir
     from kz_stream.rl.trainer import LearnerConfig, lora_config
 
     rows = [json.loads(line) for line in options.data.read_text().splitlines() if line.strip()]

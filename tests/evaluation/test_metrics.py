@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from kz_stream.evaluation.metrics import (
+from kz_stream.evaluation import (
     ProblemResult,
     fast_p,
     geomean_speedup,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.evaluation.run import EvalOptions, open_policy
+from kz_stream.evaluation import EvalOptions, open_policy
 from kz_stream.events import PolicyVersionPublished, new_event
-from kz_stream.llm.vllm_server import VLLMServerBackend
+from kz_stream.llm import VLLMServerBackend
 from kz_stream.store import open_store
 from tests.llm.conftest import make_lora
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def published(version: int, uri: str) -> PolicyVersionPublished:
-    from kz_stream.llm.models import smollm2_dir
+    from kz_stream.llm import smollm2_dir
 
     return PolicyVersionPublished(role="coder", version=version, uri=uri, sha256="0" * 64,
                                   base_model=str(smollm2_dir()))
@@ -26,7 +26,7 @@ def published(version: int, uri: str) -> PolicyVersionPublished:
 
 def test_policy_specs(tmp_path: Path) -> None:
     pytest.importorskip("peft")
-    from kz_stream.llm.models import smollm2_dir
+    from kz_stream.llm import smollm2_dir
 
     adapter = make_lora(smollm2_dir(), tmp_path / "adapter", seed=0)
     options = EvalOptions(run_id="eval-p")

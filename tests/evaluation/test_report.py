@@ -9,8 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.evaluation.report import build_report, write_report
-from kz_stream.evaluation.run import EvalRecord, kernel_id_of, load_evaluation
+from kz_stream.evaluation import (
+    EvalRecord,
+    build_report,
+    kernel_id_of,
+    load_evaluation,
+    write_report,
+)
 from kz_stream.events import (
     EvaluationProblem,
     EvaluationStarted,
@@ -115,7 +120,7 @@ def test_evaluation_events_never_reach_training_state() -> None:
 
 
 def test_every_verdict_status_has_a_colour_in_the_grid() -> None:
-    from kz_stream.evaluation.report import STATUS_COLOURS
+    from kz_stream.evaluation import STATUS_COLOURS
     from kz_stream.verify import Status
 
     assert {s.value for s in Status} | {"pending"} == set(STATUS_COLOURS)

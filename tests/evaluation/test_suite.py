@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.evaluation.suite import load_suite, problem_interface_error
+from kz_stream.evaluation import load_suite, problem_interface_error
 
 PROBLEM = """\
 import torch

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kz_stream.bus import BusMessage, KafkaBus, TopicSpec
-from kz_stream.bus._consumer import dead_letter_headers, event_headers
+from kz_stream.bus import BusMessage, KafkaBus, TopicSpec, dead_letter_headers, event_headers
 from kz_stream.cli import app
 from kz_stream.events import (
     KernelGenerated,

@@ -16,9 +16,8 @@ from typer.testing import CliRunner
 
 from kz_stream.cli import app
 from kz_stream.config import Settings, TopicsConfig
-from kz_stream.evaluation.run import EvalOptions, EvalProgress, kernel_id_of, run_evaluation
-from kz_stream.evaluation.suite import load_suite
-from kz_stream.llm.base import SamplingParams
+from kz_stream.evaluation import EvalOptions, EvalProgress, kernel_id_of, load_suite, run_evaluation
+from kz_stream.llm import SamplingParams
 from kz_stream.run_state import RunState
 from kz_stream.store import open_store
 from kz_stream.verify import VerifierConfig

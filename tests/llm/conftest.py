@@ -17,7 +17,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     pytest.importorskip("transformers")
-    from kz_stream.llm.models import smollm2_dir
+    from kz_stream.llm import smollm2_dir
 
     return smollm2_dir()
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kz_stream.events import ModuleProposed, ModuleValidation
-from kz_stream.llm import LOGPROB_DEFINITION, Sample, SamplingParams, create_backend
-from kz_stream.llm.base import uri_to_path
+from kz_stream.llm import LOGPROB_DEFINITION, Sample, SamplingParams, create_backend, uri_to_path
 
 
 def test_sampling_params_validate_and_serialise() -> None:

@@ -21,7 +21,7 @@ pytestmark = [
 
 
 async def test_engine_generate_swap_and_reload(smollm2_path: Path, lora_path: Path) -> None:
-    from kz_stream.llm.vllm_engine import VLLMEngineBackend
+    from kz_stream.llm import VLLMEngineBackend
 
     backend = VLLMEngineBackend.create(
         smollm2_path, dtype="float32", gpu_memory_utilization=0.3, max_model_len=2048

@@ -31,7 +31,7 @@ TOL = 2e-2
 
 @pytest.fixture(scope="module")
 def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from kz_stream.llm.vllm_server import VLLMServer
+    from kz_stream.llm import VLLMServer
 
     srv = VLLMServer(
         smollm2_path,
@@ -53,7 +53,7 @@ def reference(smollm2_path: Path) -> TransformersBackend:
 
 @pytest.fixture
 async def backend(server: Any) -> Any:
-    from kz_stream.llm.vllm_server import VLLMServerBackend
+    from kz_stream.llm import VLLMServerBackend
 
     b = VLLMServerBackend(server.base_url, adapter_prefix=f"t{uuid.uuid4().hex[:8]}")
     yield b
@@ -122,8 +122,7 @@ async def test_full_weight_reload(backend: Any, smollm2_path: Path) -> None:
 
 
 async def test_errors_are_backend_errors(server: Any) -> None:
-    from kz_stream.llm import BackendError
-    from kz_stream.llm.vllm_server import VLLMServerBackend
+    from kz_stream.llm import BackendError, VLLMServerBackend
 
     bad = VLLMServerBackend(server.base_url, model="no-such-model", retries=0)
     with pytest.raises(BackendError, match="404"):
@@ -140,7 +139,7 @@ async def test_errors_are_backend_errors(server: Any) -> None:
 async def test_plain_openai_mode_samples_text_only(server: Any) -> None:
     """``token_ids=False`` sends no vLLM extension and asks for no logprobs (what a hosted
     endpoint serves); the server still answers with n samples of text."""
-    from kz_stream.llm.vllm_server import VLLMServerBackend
+    from kz_stream.llm import VLLMServerBackend
 
     b = VLLMServerBackend(server.base_url, token_ids=False)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kz_stream.modules.apis import canonical_api, find_api_calls, is_neutral
+from kz_stream.modules import canonical_api, find_api_calls, is_neutral
 
 SOURCE = """
 import torch

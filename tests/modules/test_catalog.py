@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.modules.catalog import ApiCatalog, default_catalog, mine_catalog, mine_files
+from kz_stream.modules import ApiCatalog, default_catalog, mine_catalog, mine_files
 
 LLAMA_LIKE = '''
 import torch

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kz_stream.modules.extraction import extract_code, normalized_hash
+from kz_stream.modules import extract_code, normalized_hash
 
 MODULE = """import torch
 import torch.nn as nn

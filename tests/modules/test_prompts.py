@@ -11,12 +11,12 @@ import textwrap
 
 import pytest
 
-from kz_stream.modules.extraction import extract_code
-from kz_stream.modules.prompts import (
+from kz_stream.modules import (
     CODER_EXAMPLE_MODULE,
     CODER_EXAMPLES,
     PROPOSER_EXAMPLES,
     coder_messages,
+    extract_code,
     prompt_text,
     proposer_messages,
 )
@@ -74,7 +74,7 @@ def test_the_triton_example_is_correct_in_the_interpreter() -> None:
     script = textwrap.dedent(
         """
         import sys, torch
-        from kz_stream.modules.prompts import CODER_EXAMPLE_MODULE, CODER_EXAMPLES
+        from kz_stream.modules import CODER_EXAMPLE_MODULE, CODER_EXAMPLES
         ref, new = {}, {}
         exec(CODER_EXAMPLE_MODULE, ref)
         exec(CODER_EXAMPLES["triton"], new)

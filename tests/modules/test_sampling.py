@@ -8,8 +8,7 @@ from collections import Counter
 import pytest
 
 from kz_stream.events import FrontierUpdated
-from kz_stream.modules.catalog import ApiCatalog, default_catalog
-from kz_stream.modules.sampling import ApiSetSampler, Frontier, parse_pair_key
+from kz_stream.modules import ApiCatalog, ApiSetSampler, Frontier, default_catalog, parse_pair_key
 
 SMALL = ApiCatalog(
     apis={"a": 10, "b": 10, "c": 5, "d": 1},

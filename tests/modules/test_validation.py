@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.modules.prompts import PROPOSER_EXAMPLES
-from kz_stream.modules.validation import validate_module
+from kz_stream.modules import PROPOSER_EXAMPLES, validate_module
 
 TIMEOUT_S = 60.0
 

@@ -56,7 +56,7 @@ def test_a_services_screen_has_no_vllm_triton_line_or_weight_loading_bars() -> N
         configure_logging("WARNING", json=False)
         import kz_stream.rl.trainer  # noqa: F401  (TRL imports vLLM)
         from transformers import AutoModelForCausalLM
-        from kz_stream.llm.models import smollm2_dir
+        from kz_stream.llm import smollm2_dir
 
         AutoModelForCausalLM.from_pretrained(str(smollm2_dir()))
         logging.getLogger("vllm.triton_utils.importing").warning("another vLLM warning")

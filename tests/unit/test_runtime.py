@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from typing import cast
 
 import pytest
 
-from kz_stream.bus import BusMessage, InMemoryBus
+from kz_stream.bus import Bus, BusMessage, InMemoryBus
 from kz_stream.config import ResilienceSettings, Settings
-from kz_stream.events import KernelVerified, new_event
+from kz_stream.events import Event, KernelVerified, new_event
+from kz_stream.faults import DependencyUnavailable
 from kz_stream.infra import free_port
 from kz_stream.runtime import Service, ServiceContext, run_services
+from kz_stream.store import EventStore
 
 
 class Waiting(Service):
@@ -33,8 +37,11 @@ class Failing(Service):
         raise RuntimeError("boom")
 
 
-def ctx() -> ServiceContext:
-    return ServiceContext(settings=Settings(), store=None, bus=None)  # type: ignore[arg-type]
+def ctx(settings: Settings | None = None, bus: Bus | None = None) -> ServiceContext:
+    """A context with no store (these services never touch one) and ``bus`` if given."""
+    return ServiceContext(
+        settings=settings or Settings(), store=cast(EventStore, None), bus=cast(Bus, bus)
+    )
 
 
 def get(url: str) -> tuple[int, str]:
@@ -52,11 +59,6 @@ async def test_healthz_reports_each_service_and_metrics_are_exposed() -> None:
     await asyncio.sleep(0.1)
     status, body = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/healthz")
     assert status == 200 and json.loads(body)["services"]["waiting"]["healthy"] is True
-    svc.set_health(False, "database unreachable")
-    status, body = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/healthz")
-    assert status == 503 and json.loads(body)["services"]["waiting"]["detail"] == (
-        "database unreachable"
-    )
     status, body = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/metrics")
     assert status == 200
     assert 'kz_events_handled_total{service="waiting",type="KernelGenerated"} 3.0' in body
@@ -127,7 +129,7 @@ async def test_a_consumer_stuck_on_a_batch_makes_healthz_503_and_shows_in_metric
     port = free_port()
     bus = InMemoryBus()
     settings = Settings(resilience=ResilienceSettings(stuck_after_s=0.01))
-    svc = Consuming(ServiceContext(settings=settings, store=None, bus=bus))  # type: ignore[arg-type]
+    svc = Consuming(ctx(settings, bus))
     task = asyncio.create_task(run_services([svc], http_port=port, install_signal_handlers=False))
     await bus.publish("t", new_event(
         KernelVerified(kernel_id="k", module_id="m", group_id="g", status="correct"),
@@ -145,3 +147,127 @@ async def test_a_consumer_stuck_on_a_batch_makes_healthz_503_and_shows_in_metric
     svc.request_stop()
     await asyncio.wait_for(task, 5)
     assert svc.subscriptions[0].stats.messages == 1
+
+
+class Scripted(Service):
+    """Consumes one topic; what the handler does is named by the kernel id of the record:
+    ``poison`` always raises, ``outage`` finds the store unreachable until ``recovered``,
+    ``fatal`` raises CancelledError (which ends a subscription). Waits only for a stop, as
+    the coder does, so a failed subscription leaves the service running."""
+
+    name = "scripted"
+
+    def __init__(self, ctx: ServiceContext, *, wait_for_subscription: bool = False) -> None:
+        super().__init__(ctx)
+        self.recovered = asyncio.Event()
+        self.wait_for_subscription = wait_for_subscription
+
+    async def handle(self, batch: Sequence[BusMessage]) -> None:
+        for m in batch:
+            kind = m.event.payload["kernel_id"] if m.event is not None else ""
+            if kind == "poison":
+                raise ValueError("not a kernel this handler can apply")
+            if kind == "outage" and not self.recovered.is_set():
+                raise DependencyUnavailable("store", "connection refused")
+            if kind == "fatal":
+                raise asyncio.CancelledError
+
+    async def run(self) -> None:
+        sub = await self.subscribe("g-scripted", ["t"], self.handle, max_batch=1)
+        try:
+            if self.wait_for_subscription:
+                await self.run_until_stopped(sub.wait())
+            else:
+                await self.stopping.wait()
+        finally:
+            await sub.stop()
+
+
+def record(kind: str) -> Event:
+    return new_event(
+        KernelVerified(kernel_id=kind, module_id="m", group_id="g", status="correct"),
+        stream_id=f"kernel-{kind}", stream_version=1,
+    )
+
+
+def fast_settings() -> Settings:
+    return Settings(resilience=ResilienceSettings(backoff_initial_s=0.01, backoff_max_s=0.05))
+
+
+async def until(url: str, status: int, text: str = "") -> str:
+    """The body of ``url`` once it answers ``status`` with ``text`` in it (5 s at most)."""
+    got, body = 0, ""
+    for _ in range(250):
+        with contextlib.suppress(urllib.error.URLError):  # not listening yet
+            got, body = await asyncio.to_thread(get, url)
+        if got == status and text in body:
+            return body
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{url} never answered {status} with {text!r}; last: {got} {body}")
+
+
+async def test_retries_dead_letters_and_outages_move_the_metrics_and_health_recovers() -> None:
+    port = free_port()
+    bus = InMemoryBus()
+    svc = Scripted(ctx(fast_settings(), bus))
+    task = asyncio.create_task(run_services([svc], http_port=port, install_signal_handlers=False))
+    base, labels = f"http://127.0.0.1:{port}", 'group="g-scripted",service="scripted"'
+    await until(f"{base}/healthz", 200)
+
+    await bus.publish("t", record("poison"))
+    metrics = await until(
+        f"{base}/metrics", 200, f"kz_consumer_dead_lettered_total{{{labels}}} 1.0"
+    )
+    assert f"kz_consumer_retries_total{{{labels}}} 3.0" in metrics
+    assert len(await bus.read_topic(svc.ctx.settings.topics.dead_letter)) == 1
+    await until(f"{base}/healthz", 200)  # a dead letter is handled, not a fault of the service
+
+    await bus.publish("t", record("outage"))
+    body = await until(f"{base}/healthz", 503, "store unreachable")
+    assert "consumer g-scripted: store unreachable" in json.loads(body)["services"]["scripted"][
+        "detail"]
+    await until(f"{base}/metrics", 200, f"kz_consumer_outage{{{labels}}} 1.0")
+    svc.recovered.set()
+    await until(f"{base}/healthz", 200)
+    metrics = await until(f"{base}/metrics", 200, f"kz_consumer_outage{{{labels}}} 0.0")
+    assert f"kz_consumer_outages_total{{{labels}}} 1.0" in metrics
+    assert f"kz_consumer_messages_total{{{labels}}} 1.0" in metrics
+    svc.request_stop()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_a_failed_consumer_makes_healthz_503_while_its_service_runs() -> None:
+    port = free_port()
+    bus = InMemoryBus()
+    svc = Scripted(ctx(fast_settings(), bus))
+    task = asyncio.create_task(run_services([svc], http_port=port, install_signal_handlers=False))
+    base = f"http://127.0.0.1:{port}"
+    await until(f"{base}/healthz", 200)
+    await bus.publish("t", record("fatal"))
+    body = await until(f"{base}/healthz", 503, "failed")
+    state = json.loads(body)["services"]["scripted"]
+    assert state["detail"] == (
+        "consumer g-scripted: failed: RuntimeError: the handler was cancelled; batch not committed"
+    )
+    assert state["consumers"]["g-scripted"]["failed"].startswith("RuntimeError")
+    await until(f"{base}/metrics", 200,
+                'kz_consumer_failed{group="g-scripted",service="scripted"} 1.0')
+    svc.request_stop()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_run_until_stopped_raises_what_ended_the_work_and_cancels_it_on_stop() -> None:
+    bus = InMemoryBus()
+    failing = Scripted(ctx(fast_settings(), bus), wait_for_subscription=True)
+    task = asyncio.create_task(run_services([failing], install_signal_handlers=False))
+    await asyncio.sleep(0.05)
+    await bus.publish("t", record("fatal"))
+    with pytest.raises(RuntimeError, match="the handler was cancelled"):
+        await asyncio.wait_for(task, 5)
+
+    waiting = Scripted(ctx(fast_settings(), InMemoryBus()), wait_for_subscription=True)
+    task = asyncio.create_task(run_services([waiting], install_signal_handlers=False))
+    await asyncio.sleep(0.05)
+    waiting.request_stop()
+    await asyncio.wait_for(task, 5)
+    assert waiting.subscriptions[0].failure is None

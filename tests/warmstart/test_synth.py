@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from kz_stream.modules.catalog import default_catalog
-from kz_stream.modules.validation import static_apis, validate_module
+from kz_stream.modules import default_catalog, static_apis, validate_module
 from kz_stream.warmstart.ops import OPS, ops_by_api
 from kz_stream.warmstart.synth import (
     Synthesizer,

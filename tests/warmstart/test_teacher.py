@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.llm.base import SamplingParams
-from kz_stream.modules.extraction import extract_code
-from kz_stream.modules.prompts import coder_messages
+from kz_stream.llm import SamplingParams
+from kz_stream.modules import coder_messages, extract_code
 from kz_stream.warmstart.ops import OPS
 from kz_stream.warmstart.synth import Synthesizer, synthesize
 from kz_stream.warmstart.teacher import TeacherBackend, TeacherError, lower

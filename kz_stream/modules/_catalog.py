@@ -2,15 +2,15 @@
 
 A *document* is one top-level ``nn.Module``-like class (a class with a ``forward``) or one
 top-level function of a model file; its API set is the canonical compute APIs it calls
-(``kz_stream.modules.apis``; neutral ops and plumbing left out). Counts are numbers of
+(``kz_stream.modules._apis``; neutral ops and plumbing left out). Counts are numbers of
 distinct documents. transformers keeps many verbatim copies of one class under different
 model names ("Copied from"), so documents are deduplicated by their AST with docstrings
 removed and the model's name blanked out; otherwise copy-paste would dominate the counts.
 
 Files are parsed, never imported. Rebuild the shipped catalog with::
 
-    python -m kz_stream.modules.catalog build            # writes kz_stream/data/api_catalog.json
-    python -m kz_stream.modules.catalog build --out X.json --package transformers
+    python -m kz_stream.modules build            # writes kz_stream/data/api_catalog.json
+    python -m kz_stream.modules build --out X.json --package transformers
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import importlib.util
 import itertools
 import json
 import re
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -33,7 +32,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from kz_stream.modules.apis import _collect_aliases, find_api_calls
+from kz_stream.modules._apis import _collect_aliases, find_api_calls
 
 __all__ = [
     "CATALOG_FORMAT",
@@ -44,7 +43,6 @@ __all__ = [
     "mine_catalog",
     "mine_files",
     "package_files",
-    "pair_key",
 ]
 
 CATALOG_FORMAT = 1
@@ -55,12 +53,6 @@ DEFAULT_SOURCES: dict[str, str] = {
     "timm": "models/**/*.py",
 }
 _DATA_FILE = "api_catalog.json"
-
-
-def pair_key(apis: Iterable[str]) -> str:
-    """The string key of an API set, ``+``-joined and sorted (``FrontierUpdated.weak_pairs``
-    uses ``+``; readers split on ``+`` and ignore the order)."""
-    return "+".join(sorted(apis))
 
 
 @dataclass(frozen=True)
@@ -261,8 +253,8 @@ def default_catalog_path() -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kz_stream.modules.catalog build [--out PATH] [--package NAME ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m kz_stream.modules.catalog")
+    """``python -m kz_stream.modules build [--out PATH] [--package NAME ...]``."""
+    parser = argparse.ArgumentParser(prog="python -m kz_stream.modules")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="mine the catalog from installed model code")
     build.add_argument("--out", type=Path, default=None)
@@ -286,6 +278,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

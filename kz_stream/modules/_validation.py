@@ -31,22 +31,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kz_stream.events import ModuleValidation
-from kz_stream.modules.apis import canonical_api, find_api_calls, is_neutral
+from kz_stream.modules._apis import canonical_api, find_api_calls, is_neutral
 
-__all__ = ["REASONS", "static_apis", "validate_module"]
-
-REASONS = (
-    "syntax_error",
-    "missing_interface",
-    "wrong_apis",
-    "crash",
-    "timeout",
-    "forbidden",
-    "non_finite",
-    "degenerate",
-    "nondeterministic",
-    "unstable",
-)
+__all__ = ["static_apis", "validate_module"]
 
 _INTERFACE_FUNCS = ("get_inputs", "get_init_inputs")
 _DEGENERATE = frozenset(
@@ -147,7 +134,7 @@ def validate_module(
     from kz_stream.verify import run_in_sandbox
 
     outcome = run_in_sandbox(
-        "kz_stream.modules.validation:_probe",
+        "kz_stream.modules._validation:_probe",
         (source,),
         timeout_s=timeout_s,
         memory_mb=_SANDBOX_MEMORY_MB,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kz_stream.evaluation.metrics import (
+from kz_stream.evaluation._metrics import (
     PASS_K,
     ProblemResult,
     SuiteMetrics,
@@ -17,7 +17,7 @@ from kz_stream.evaluation.metrics import (
     summarize,
     summarize_levels,
 )
-from kz_stream.evaluation.run import EvalRecord, kernel_id_of
+from kz_stream.evaluation._run import EvalRecord, kernel_id_of
 
 __all__ = [
     "EvalReport",

@@ -16,14 +16,13 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kz_stream.llm.base import (
+from kz_stream.llm._base import (
     BackendError,
-    LLMBackend,
     Prompt,
     Sample,
     SamplingParams,
+    ServingBackend,
     encode_prompt,
-    uri_to_path,
 )
 
 __all__ = ["VLLMEngineBackend"]
@@ -31,18 +30,17 @@ __all__ = ["VLLMEngineBackend"]
 log = logging.getLogger(__name__)
 
 
-class VLLMEngineBackend(LLMBackend):
+class VLLMEngineBackend(ServingBackend):
     """Samples from an in-process vLLM ``AsyncLLM`` engine."""
 
     def __init__(self, engine: Any, *, policy_version: int = 0) -> None:
+        super().__init__(policy_version)
         self._engine = engine
         self._tokenizer = engine.get_tokenizer()
-        self._version = policy_version
         self._lora: dict[int, Any] = {}  # version -> LoRARequest (absent: base weights)
         self._inflight: dict[int, int] = {}
         self._lora_ids = itertools.count(1)
         self._swap = asyncio.Lock()
-        self._closed = False
 
     @classmethod
     def create(
@@ -76,21 +74,13 @@ class VLLMEngineBackend(LLMBackend):
         args = AsyncEngineArgs(**(kwargs | engine_kwargs))
         return cls(AsyncLLM.from_engine_args(args))
 
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, rendered as vLLM's OpenAI server would."""
         return encode_prompt(self._tokenizer, prompt)
 
-    async def generate(
-        self, prompts: Sequence[Prompt], *, n: int = 1, sampling: SamplingParams
+    async def _generate(
+        self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams
     ) -> list[list[Sample]]:
-        if self._closed:
-            raise BackendError("backend is closed")
-        if n < 1:
-            raise ValueError("n must be >= 1")
         async with self._swap:  # held only to read a consistent (version, adapter)
             version = self._version
             lora = self._lora.get(version)
@@ -107,12 +97,7 @@ class VLLMEngineBackend(LLMBackend):
             self._inflight[version] -= 1
             await self._drop_if_idle(version)
 
-    async def load_policy(self, version: int, uri: str, *, kind: str = "lora") -> None:
-        if self._closed:
-            raise BackendError("backend is closed")
-        if version == self._version:
-            return
-        path = uri_to_path(uri)
+    async def _load_policy(self, version: int, path: str, kind: str) -> None:
         from vllm.lora.request import LoRARequest
 
         async with self._swap:
@@ -135,13 +120,10 @@ class VLLMEngineBackend(LLMBackend):
                 raise ValueError(f"unknown policy kind {kind!r}")
             old, self._version = self._version, version
         await self._drop_if_idle(old)
-        log.info("policy version %d loaded (%s: %s)", version, kind, path or "base")
 
-    async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            engine, self._engine = self._engine, None
-            engine.shutdown()
+    async def _close(self) -> None:
+        engine, self._engine = self._engine, None
+        engine.shutdown()
 
     def _params(self, n: int, sp: SamplingParams) -> Any:
         from vllm import SamplingParams as VSamplingParams

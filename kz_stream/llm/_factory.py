@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from kz_stream.llm.base import LLMBackend
+from kz_stream.llm._base import LLMBackend
 
 __all__ = ["BackendKind", "create_backend"]
 
@@ -30,20 +30,20 @@ def create_backend(
     ``kwargs`` go to the backend's constructor (or its ``create``/``from_pretrained``).
     """
     if kind == "transformers":
-        from kz_stream.llm.transformers_backend import TransformersBackend
+        from kz_stream.llm._transformers_backend import TransformersBackend
 
         if model is None:
             return TransformersBackend.smollm2(**kwargs)
         return TransformersBackend.from_pretrained(model, **kwargs)
     if kind == "vllm-server":
-        from kz_stream.llm.vllm_server import VLLMServerBackend
+        from kz_stream.llm._vllm_server import VLLMServerBackend
 
         if not base_url:
             raise ValueError("vllm-server needs base_url")
         return VLLMServerBackend(base_url, model=model, **kwargs)
     if kind == "vllm-engine":
-        from kz_stream.llm.models import smollm2_dir
-        from kz_stream.llm.vllm_engine import VLLMEngineBackend
+        from kz_stream.llm._models import smollm2_dir
+        from kz_stream.llm._vllm_engine import VLLMEngineBackend
 
         return VLLMEngineBackend.create(model or smollm2_dir(), **kwargs)
     raise ValueError(f"unknown backend kind {kind!r}")

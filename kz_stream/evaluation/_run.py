@@ -28,11 +28,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from consumers.verifier import verdict_event
 from kz_stream.config import Settings
-from kz_stream.evaluation.suite import Suite
+from kz_stream.evaluation._suite import Suite
 from kz_stream.events import (
     EVALUATION_PREFIX,
     EvaluationProblem,
@@ -46,11 +46,11 @@ from kz_stream.events import (
     payload_as,
     source_sha256,
 )
-from kz_stream.llm.base import LLMBackend, SamplingParams
-from kz_stream.modules.extraction import normalized_hash
-from kz_stream.modules.prompts import coder_messages, prompt_text
+from kz_stream.llm import LLMBackend, SamplingParams
+from kz_stream.modules import coder_messages, normalized_hash, prompt_text
 from kz_stream.runtime import first_error
 from kz_stream.store import EventStore
+from kz_stream.verify import Backend
 from producers.coder import kernel_event
 
 __all__ = [
@@ -85,7 +85,7 @@ def _module_id(source: str) -> str:
 class EvalOptions:
     run_id: str
     policy: str = "base"
-    backend: Literal["cuda", "triton"] = "triton"
+    backend: Backend = "triton"
     samples: int = 10
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=2048))
     model: str | None = None  # served model name (endpoint) or base model dir (adapter)
@@ -155,7 +155,7 @@ async def open_policy(
     - ``teacher``: the warm start's Triton teacher (``kz_stream.warmstart.teacher``), which
       lowers synthesized modules and answers others with no kernel.
     """
-    from kz_stream.llm.factory import create_backend
+    from kz_stream.llm import create_backend
 
     local: dict[str, Any] = {"device": options.device, "max_batch_size": options.batch_size}
     if spec == "teacher":

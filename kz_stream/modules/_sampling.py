@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kz_stream.modules.catalog import ApiCatalog, default_catalog
+from kz_stream.modules._catalog import ApiCatalog, default_catalog
 
 if TYPE_CHECKING:
     from kz_stream.events import FrontierUpdated

@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 from kz_stream.events import Completion
-
-__all__ = [
-    "LOGPROB_DEFINITION",
-    "BackendError",
-    "ChatMessage",
-    "LLMBackend",
-    "Prompt",
-    "Sample",
-    "SamplingParams",
-]
 
 # What every backend stores in ``Sample.logprobs``; the learner must recompute the same thing.
 LOGPROB_DEFINITION = (
@@ -145,6 +136,60 @@ class LLMBackend(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class ServingBackend(LLMBackend):
+    """An ``LLMBackend`` that serves policy versions from an engine: the current version,
+    the checks every call makes, the no-op reload of the current version and an idempotent
+    close. Subclasses implement ``_generate``, ``_load_policy`` and ``_close``."""
+
+    def __init__(self, policy_version: int = 0) -> None:
+        self._version = policy_version
+        self._closed = False
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def generate(
+        self, prompts: Sequence[Prompt], *, n: int = 1, sampling: SamplingParams
+    ) -> list[list[Sample]]:
+        if self._closed:
+            raise BackendError("backend is closed")
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        return await self._generate(prompts, n, sampling)
+
+    async def load_policy(self, version: int, uri: str, *, kind: str = "lora") -> None:
+        if self._closed:
+            raise BackendError("backend is closed")
+        if version == self._version:
+            return  # replays of the same PolicyVersionPublished are no-ops
+        path = uri_to_path(uri)
+        await self._load_policy(version, path, kind)
+        logging.getLogger(type(self).__module__).info(
+            "policy version %d loaded (%s: %s)", version, kind, path or "base"
+        )
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._close()
+
+    @abc.abstractmethod
+    async def _generate(
+        self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams
+    ) -> list[list[Sample]]:
+        """``generate`` once the backend is known open and ``n`` valid."""
+
+    @abc.abstractmethod
+    async def _load_policy(self, version: int, path: str, kind: str) -> None:
+        """Loads ``version`` from the local ``path`` ("" for the base model) and makes it
+        current (``self._version``)."""
+
+    @abc.abstractmethod
+    async def _close(self) -> None:
+        """Releases the engine or connection (called once)."""
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:

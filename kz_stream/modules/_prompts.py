@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Literal
 
-from kz_stream.llm.base import ChatMessage
+from kz_stream.llm import ChatMessage
+from kz_stream.verify import Backend
 
 __all__ = [
     "CODER_EXAMPLES",
@@ -21,7 +21,6 @@ __all__ = [
     "proposer_messages",
 ]
 
-Backend = Literal["cuda", "triton"]
 
 PROPOSER_SYSTEM = """\
 You write PyTorch modules for a GPU-kernel benchmark, in KernelBench format.
