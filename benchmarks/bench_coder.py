@@ -111,7 +111,7 @@ def module_sources(count: int, tag: str) -> list[tuple[tuple[str, ...], str]]:
     so that no prompt repeats, within a run or across runs (vLLM's prefix cache would
     otherwise favour whichever run comes later); the system prompt and the few-shot
     example stay a shared prefix, as they are in production."""
-    from producers.seeds import SEED_MODULES
+    from kz_stream.producers.seeds import SEED_MODULES
 
     out = []
     for i in range(count):
@@ -161,7 +161,7 @@ async def run_service(
     from kz_stream.bus import BusMessage
     from kz_stream.config import CoderSettings, LLMConfig, Settings
     from kz_stream.events import KernelGenerated, ModuleProposed, ModuleValidation, new_event
-    from producers.coder import CoderService
+    from kz_stream.producers.coder import CoderService
 
     expected = len(modules) * group_size
     tokens = samples = 0

@@ -147,7 +147,7 @@ class Feeder:
         logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
         from kz_stream.events import ModuleProposed, ModuleValidation, new_event
         from kz_stream.modules import normalized_hash
-        from producers.seeds import SEED_MODULES
+        from kz_stream.producers.seeds import SEED_MODULES
 
         bus = KafkaBus(self.bootstrap, client_id="kz-faults-feeder")
         await bus.start()

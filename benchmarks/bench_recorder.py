@@ -61,7 +61,7 @@ from kz_stream.store import upgrade
 from kz_stream.store._schema import EVENT_COLUMNS
 from kz_stream.store._sql import _COPY_TYPES, _page_query
 
-GROUP = "kz-recorder"  # consumers.recorder.Recorder.group
+GROUP = "kz-recorder"  # kz_stream.consumers.recorder.Recorder.group
 TOPIC_KEYS = ("modules", "kernels", "frontier", "policy")
 MAX_BATCH = 5000  # what the recorder asks the bus for
 COPY_TYPES = list(_COPY_TYPES)  # the store's own COPY column types, for the raw baseline

@@ -75,27 +75,27 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
     own heavy dependencies (torch, transformers, TRL) only when it is built."""
     settings = ctx.settings
     if name == "recorder":
-        from consumers.recorder import Recorder
+        from kz_stream.consumers.recorder import Recorder
 
         return Recorder(ctx)
     if name == "verifier":
-        from consumers.verifier import VerifierService
+        from kz_stream.consumers.verifier import VerifierService
 
         return VerifierService(ctx, make_verifier(settings))
     if name == "proposer":
-        from producers.proposer import ProposerService
-        from producers.seeds import SEED_MODULES, synthesized_seeds
+        from kz_stream.producers.proposer import ProposerService
+        from kz_stream.producers.seeds import SEED_MODULES, synthesized_seeds
 
         p = settings.proposer
         seeds = (*SEED_MODULES, *synthesized_seeds(p.synthesized_seeds)) if p.seed_modules else ()
         return ProposerService(ctx, _backend(settings, "proposer"), p, seed_modules=seeds,
                                evaluation_hashes=evaluation_hashes(p.decontaminate))
     if name == "coder":
-        from producers.coder import CoderService
+        from kz_stream.producers.coder import CoderService
 
         return CoderService(ctx, _backend(settings, "coder"), settings.coder)
     if name == "learner":
-        from consumers.learner import LearnerService
+        from kz_stream.consumers.learner import LearnerService
 
         return LearnerService(
             ctx, lambda role, d: _make_learner(settings, role, d), settings.learner

@@ -104,7 +104,7 @@ class LLMConfig(_Section):
 
 
 class ProposerSettings(_Section):
-    """``[proposer]``: what ``producers.proposer.ProposerService`` takes as it is."""
+    """``[proposer]``: what ``kz_stream.producers.proposer.ProposerService`` takes as it is."""
 
     llm: LLMConfig = Field(default_factory=LLMConfig)
     proposals_per_prompt: int = Field(default=4, ge=1)
@@ -135,7 +135,7 @@ class ProposerSettings(_Section):
 
 
 class CoderSettings(_Section):
-    """``[coder]``: what ``producers.coder.CoderService`` takes as it is."""
+    """``[coder]``: what ``kz_stream.producers.coder.CoderService`` takes as it is."""
 
     llm: LLMConfig = Field(default_factory=LLMConfig)
     group_size: int = Field(default=4, ge=1)
@@ -161,7 +161,7 @@ _TRAINER_OPTIONS = {"learning_rate", "lora_r", "full_finetune", "max_staleness",
 
 
 class LearnerSettings(_Section):
-    """``[learner]``: what ``consumers.learner.LearnerService`` takes as it is, and the
+    """``[learner]``: what ``kz_stream.consumers.learner.LearnerService`` takes as it is, and the
     knobs its trainers get (``trainer_options``)."""
 
     model: str | None = Field(default=None, description="Base model dir; None: SmolLM2.")

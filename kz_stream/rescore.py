@@ -2,7 +2,7 @@
 their old verdicts, and report the drift.
 
 The new verdicts are written by the verifier service's own function
-(``consumers.verifier.verdict_event``): their ids come from the kernel event and the
+(``kz_stream.consumers.verifier.verdict_event``): their ids come from the kernel event and the
 verifier version, so a kernel already judged by this version is skipped, and a rescore
 cut short resumes by running it again. A new verdict takes the next version of its kernel's
 stream as the replay found it. The drift compares each kernel's newest earlier
@@ -142,7 +142,7 @@ async def rescore(
 ) -> Drift:
     """Verifies ``plan.todo()`` again, appends each new verdict as it comes, and returns
     the drift."""
-    from consumers.verifier import verdict_event
+    from kz_stream.consumers.verifier import verdict_event
 
     todo = plan.todo()
     gate = asyncio.Semaphore(concurrency)

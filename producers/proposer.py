@@ -37,9 +37,9 @@ from kz_stream.modules import (
     proposer_messages,
     validate_module,
 )
+from kz_stream.producers.coder import PolicyFollower
 from kz_stream.runtime import Service, ServiceContext
 from kz_stream.warmstart.synth import Synthesizer, feasible, synthesize
-from producers.coder import PolicyFollower
 
 __all__ = ["ProposerService", "SeedModule"]
 

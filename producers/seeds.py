@@ -4,7 +4,7 @@ Written for this project; each is small enough to verify quickly on the CPU."""
 
 from __future__ import annotations
 
-from producers.proposer import SeedModule
+from kz_stream.producers.proposer import SeedModule
 
 __all__ = ["SEED_MODULES", "synthesized_seeds"]
 

@@ -9,8 +9,8 @@ Events (correlation id: the evaluation run id, which starts with ``eval-``):
   every run that evaluates the same source), so the verifier, ``kz audit`` and a future
   re-scoring find the reference where they find a proposed module's;
 - ``KernelGenerated`` per problem × sample (the Coder's prompt and extraction, through
-  ``producers.coder.kernel_event``) and its ``KernelVerified`` (through
-  ``consumers.verifier.verdict_event``, the verifier service's own code).
+  ``kz_stream.producers.coder.kernel_event``) and its ``KernelVerified`` (through
+  ``kz_stream.consumers.verifier.verdict_event``, the verifier service's own code).
 
 Ids are derived from (run id, problem, sample index), so a run started again with the
 same id skips the pairs whose verdicts are stored and verifies, without sampling again,
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from consumers.verifier import verdict_event
 from kz_stream.config import Settings
+from kz_stream.consumers.verifier import verdict_event
 from kz_stream.evaluation._suite import Suite
 from kz_stream.events import (
     EVALUATION_PREFIX,
@@ -48,10 +48,10 @@ from kz_stream.events import (
 )
 from kz_stream.llm import LLMBackend, SamplingParams
 from kz_stream.modules import coder_messages, normalized_hash, prompt_text
+from kz_stream.producers.coder import kernel_event
 from kz_stream.runtime import first_error
 from kz_stream.store import EventStore
 from kz_stream.verify import Backend
-from producers.coder import kernel_event
 
 __all__ = [
     "EvalOptions",

@@ -16,9 +16,9 @@ __all__ = ["alembic_config", "upgrade", "upgrade_connection"]
 
 def alembic_config(url: str | None = None) -> Config:
     """The Alembic config of the installed ``migrations`` package."""
-    import migrations  # the top-level package shipped beside kz_stream
+    import kz_stream.migrations  # the migrations/ folder, installed under kz_stream
 
-    cfg = Config(str(Path(migrations.__file__).with_name("alembic.ini")))
+    cfg = Config(str(Path(kz_stream.migrations.__file__).with_name("alembic.ini")))
     if url is not None:
         # ConfigParser interpolates '%': a password may hold one.
         cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))

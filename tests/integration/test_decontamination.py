@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from consumers.recorder import Recorder
 from kz_stream.app import evaluation_hashes, open_context
 from kz_stream.config import ProposerSettings, Settings, TopicsConfig
+from kz_stream.consumers.recorder import Recorder
 from kz_stream.events import ModuleProposed, ModuleValidation, new_event, payload_as
 from kz_stream.llm import create_backend
 from kz_stream.modules import normalized_hash
-from producers.proposer import ProposerService
-from producers.seeds import SEED_MODULES
+from kz_stream.producers.proposer import ProposerService
+from kz_stream.producers.seeds import SEED_MODULES
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from consumers.recorder import Recorder
 from kz_stream.app import open_context
 from kz_stream.config import CoderSettings, LLMConfig, ProposerSettings, Settings, TopicsConfig
+from kz_stream.consumers.recorder import Recorder
 from kz_stream.events import (
     KernelGenerated,
     ModuleProposed,
@@ -28,10 +28,10 @@ from kz_stream.llm import (
     create_backend,
     smollm2_dir,
 )
+from kz_stream.producers.coder import CoderService
+from kz_stream.producers.proposer import ProposerService
+from kz_stream.producers.seeds import SEED_MODULES
 from kz_stream.runtime import ServiceContext
-from producers.coder import CoderService
-from producers.proposer import ProposerService
-from producers.seeds import SEED_MODULES
 
 pytestmark = pytest.mark.slow
 

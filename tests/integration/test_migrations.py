@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import migrations
+import kz_stream.migrations
 
-INI = Path(migrations.__file__).with_name("alembic.ini")
+INI = Path(kz_stream.migrations.__file__).with_name("alembic.ini")
 
 
 def alembic(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:

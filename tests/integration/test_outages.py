@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from consumers.recorder import Recorder
 from kz_stream.bus import KafkaBus
 from kz_stream.config import ResilienceSettings, Settings, TopicsConfig
+from kz_stream.consumers.recorder import Recorder
 from kz_stream.events import Event, KernelVerified, VerdictStatus, new_event
 from kz_stream.faults import is_transient
 from kz_stream.infra import LocalBroker, LocalPostgres, free_port

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from consumers.verifier import VerifierService, verdict_event_id
 from kz_stream.app import open_context
 from kz_stream.bus import BusMessage, InfrastructureError
 from kz_stream.config import Settings, TopicsConfig
+from kz_stream.consumers.verifier import VerifierService, verdict_event_id
 from kz_stream.events import (
     Event,
     KernelGenerated,

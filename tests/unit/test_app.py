@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from consumers.learner import LearnerService
 from kz_stream.app import RunOptions, open_context, service_by_name
 from kz_stream.config import (
     CoderSettings,
@@ -22,9 +21,10 @@ from kz_stream.config import (
     load_settings,
     validated_copy,
 )
-from producers.coder import CoderService
-from producers.proposer import ProposerService
-from producers.seeds import SEED_MODULES
+from kz_stream.consumers.learner import LearnerService
+from kz_stream.producers.coder import CoderService
+from kz_stream.producers.proposer import ProposerService
+from kz_stream.producers.seeds import SEED_MODULES
 
 
 @pytest.fixture(autouse=True)

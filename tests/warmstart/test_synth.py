@@ -93,7 +93,7 @@ def test_synthesized_modules_pass_the_proposers_validation_and_admission() -> No
 
 
 def test_synthesized_seeds_join_the_hand_written_ones() -> None:
-    from producers.seeds import synthesized_seeds
+    from kz_stream.producers.seeds import synthesized_seeds
 
     seeds = synthesized_seeds(3)
     assert len(seeds) == 3 and synthesized_seeds(0) == ()
