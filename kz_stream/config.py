@@ -25,7 +25,7 @@ from pydantic_settings.exceptions import SettingsError
 from kz_stream.bus import TopicSpec
 from kz_stream.rl.options import TrainerOptions
 from kz_stream.rl.schedule import AlternationConfig
-from kz_stream.verify import VerifierConfig
+from kz_stream.verify import Backend, VerifierConfig
 
 if TYPE_CHECKING:
     from kz_stream.llm import SamplingParams
@@ -141,7 +141,7 @@ class CoderSettings(_Section):
 
     llm: LLMConfig = Field(default_factory=LLMConfig)
     group_size: int = Field(default=4, ge=1)
-    backends: tuple[Literal["cuda", "triton"], ...] = ("triton",)
+    backends: tuple[Backend, ...] = ("triton",)
     max_staleness: int = Field(default=1, ge=0)
     max_batch: int = Field(default=4, ge=1, description="Modules taken from the bus at once.")
 

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 # One enum for verdicts: the verify core's, which imports only the standard library (the
 # core runs on GPU hosts without pydantic). The arrow points this way only: the event model
 # knows verdicts, the verify core knows no events.
+from kz_stream.verify import Backend, Verdict
 from kz_stream.verify import Status as VerdictStatus
-from kz_stream.verify import Verdict
 
 __all__ = [
     "EVALUATION_PREFIX",
@@ -131,7 +131,7 @@ class KernelGenerated(Payload):
     module_id: str
     group_id: str
     group_size: int = Field(default=1, ge=1)
-    backend: Literal["cuda", "triton"]
+    backend: Backend
     source: str
     prompt: str = ""
     sampling: dict[str, Any] = Field(default_factory=dict)
@@ -251,7 +251,7 @@ class EvaluationStarted(Payload):
 
     run_id: str
     suite: str
-    backend: Literal["cuda", "triton"]
+    backend: Backend
     samples: int = Field(ge=1)
     policy: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, Any] = Field(default_factory=dict)
