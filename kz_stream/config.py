@@ -24,7 +24,7 @@ from pydantic_settings.exceptions import SettingsError
 
 from kz_stream.bus import TopicSpec
 from kz_stream.rl.options import TrainerOptions
-from kz_stream.rl.schedule import AlternationConfig
+from kz_stream.rl.schedule import AlternationConfig, Role
 from kz_stream.verify import Backend, VerifierConfig
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class LearnerSettings(_Section):
 
     model: str | None = Field(default=None, description="Base model dir; None: SmolLM2.")
     checkpoint_dir: Path = Path(".kz/policies")
-    roles: tuple[Literal["proposer", "coder"], ...] = ("proposer", "coder")
+    roles: tuple[Role, ...] = ("proposer", "coder")
     groups_per_step: int = Field(default=4, ge=1)
     learning_rate: float = Field(default=_TRAINER.learning_rate, gt=0)
     lora_r: int = Field(default=_TRAINER.lora_r, ge=1)
@@ -179,7 +179,7 @@ class LearnerSettings(_Section):
     proposer_steps: int = Field(default=_SCHEDULE.proposer_steps, ge=0)
     coder_steps: int = Field(default=_SCHEDULE.coder_steps, ge=0)
     rounds: int = Field(default=_SCHEDULE.rounds, ge=1)
-    order: tuple[Literal["proposer", "coder"], ...] = _SCHEDULE.order
+    order: tuple[Role, ...] = _SCHEDULE.order
     group_timeout_s: float = Field(default=600.0, gt=0)
     frontier_every_s: float = Field(
         default=5.0, gt=0, description="Least time between two published frontiers."

@@ -49,6 +49,7 @@ __all__ = [
     "Payload",
     "PolicyVersionLoaded",
     "PolicyVersionPublished",
+    "Role",
     "TrainingStepCompleted",
     "VerdictStatus",
     "current_payload",
@@ -59,6 +60,10 @@ __all__ = [
     "payload_as",
     "source_sha256",
 ]
+
+
+# The two roles that generate and train (kz_stream.rl.schedule re-exports it for the learner).
+Role = Literal["coder", "proposer"]
 
 
 class EventDecodeError(ValueError):
@@ -192,7 +197,7 @@ class FrontierUpdated(Payload):
 class TrainingStepCompleted(Payload):
     event_type: ClassVar[str] = "TrainingStepCompleted"
 
-    role: Literal["coder", "proposer"]
+    role: Role
     step: int
     policy_version: int
     kernel_ids: list[str] = Field(default_factory=list)
@@ -208,7 +213,7 @@ class TrainingStepCompleted(Payload):
 class PolicyVersionPublished(Payload):
     event_type: ClassVar[str] = "PolicyVersionPublished"
 
-    role: Literal["coder", "proposer"]
+    role: Role
     version: int
     uri: str
     sha256: str
@@ -219,7 +224,7 @@ class PolicyVersionPublished(Payload):
 class PolicyVersionLoaded(Payload):
     event_type: ClassVar[str] = "PolicyVersionLoaded"
 
-    role: Literal["coder", "proposer"]
+    role: Role
     replica: str
     version: int
 
