@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -122,7 +122,7 @@ def make_verifier(settings: Settings) -> Verifier:
     return Verifier(settings.verifier)
 
 
-def _backend(settings: Settings, role: Literal["coder", "proposer"]) -> LLMBackend:
+def _backend(settings: Settings, role: Role) -> LLMBackend:
     """The engine a role's generator samples from, with its warm-start adapter if any."""
     from kz_stream.llm import create_backend
 
@@ -194,7 +194,7 @@ class RunOptions:
     max_new_tokens: int = 640  # most warm-Coder kernels fit (p50 504 tokens); CPU time
     # Both generators' (and so the learner's) sampling temperature; None: the settings'.
     temperature: float | None = None
-    order: tuple[Literal["coder", "proposer"], ...] = ("coder", "proposer")
+    order: tuple[Role, ...] = ("coder", "proposer")
     time_limit_s: float = 3600.0
 
     def learner_defaults(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -22,8 +23,9 @@ from pydantic_settings import (
 from pydantic_settings.exceptions import SettingsError
 
 from kz_stream.bus import TopicSpec
-from kz_stream.rl.schedule import AlternationConfig
-from kz_stream.verify import VerifierConfig
+from kz_stream.rl.options import TrainerOptions
+from kz_stream.rl.schedule import AlternationConfig, Role
+from kz_stream.verify import Backend, VerifierConfig
 
 if TYPE_CHECKING:
     from kz_stream.llm import SamplingParams
@@ -139,7 +141,7 @@ class CoderSettings(_Section):
 
     llm: LLMConfig = Field(default_factory=LLMConfig)
     group_size: int = Field(default=4, ge=1)
-    backends: tuple[Literal["cuda", "triton"], ...] = ("triton",)
+    backends: tuple[Backend, ...] = ("triton",)
     max_staleness: int = Field(default=1, ge=0)
     max_batch: int = Field(default=4, ge=1, description="Modules taken from the bus at once.")
 
@@ -154,10 +156,10 @@ def validated_copy(model: ModelT, **changes: Any) -> ModelT:
     return type(model).model_validate({**model.model_dump(exclude_unset=True), **changes})
 
 
-# The alternation schedule's defaults live with the schedule (the paper's).
+# The alternation schedule's defaults live with the schedule (the paper's), the trainer's
+# with the trainer's options.
 _SCHEDULE = AlternationConfig()
-_TRAINER_OPTIONS = {"learning_rate", "lora_r", "full_finetune", "max_staleness",
-                    "micro_batches", "gradient_checkpointing"}
+_TRAINER = TrainerOptions()
 
 
 class LearnerSettings(_Section):
@@ -166,20 +168,18 @@ class LearnerSettings(_Section):
 
     model: str | None = Field(default=None, description="Base model dir; None: SmolLM2.")
     checkpoint_dir: Path = Path(".kz/policies")
-    roles: tuple[Literal["proposer", "coder"], ...] = ("proposer", "coder")
+    roles: tuple[Role, ...] = ("proposer", "coder")
     groups_per_step: int = Field(default=4, ge=1)
-    learning_rate: float = Field(default=1e-5, gt=0)
-    lora_r: int = Field(default=16, ge=1)
-    full_finetune: bool = False
-    max_staleness: int = Field(default=4, ge=0)
-    # Memory of a training step: gradient accumulation over this many micro-batches, and
-    # activations recomputed in the backward pass (both trade a little time for memory).
-    micro_batches: int = Field(default=1, ge=1)
-    gradient_checkpointing: bool = False
+    learning_rate: float = Field(default=_TRAINER.learning_rate, gt=0)
+    lora_r: int = Field(default=_TRAINER.lora_r, ge=1)
+    full_finetune: bool = _TRAINER.full_finetune
+    max_staleness: int = Field(default=_TRAINER.max_staleness, ge=0)
+    micro_batches: int = Field(default=_TRAINER.micro_batches, ge=1)
+    gradient_checkpointing: bool = _TRAINER.gradient_checkpointing
     proposer_steps: int = Field(default=_SCHEDULE.proposer_steps, ge=0)
     coder_steps: int = Field(default=_SCHEDULE.coder_steps, ge=0)
     rounds: int = Field(default=_SCHEDULE.rounds, ge=1)
-    order: tuple[Literal["proposer", "coder"], ...] = _SCHEDULE.order
+    order: tuple[Role, ...] = _SCHEDULE.order
     group_timeout_s: float = Field(default=600.0, gt=0)
     frontier_every_s: float = Field(
         default=5.0, gt=0, description="Least time between two published frontiers."
@@ -188,8 +188,9 @@ class LearnerSettings(_Section):
 
     def trainer_options(self) -> dict[str, Any]:
         """The settings the trainer (``kz_stream.rl.trainer.LearnerConfig``) takes as they
-        are; the model, the temperature and the warm-start adapter are resolved per role."""
-        return self.model_dump(include=_TRAINER_OPTIONS)
+        are (``TrainerOptions``' fields); the model, the temperature and the warm-start
+        adapter are resolved per role."""
+        return self.model_dump(include={f.name for f in fields(TrainerOptions)})
 
     def alternation(self) -> AlternationConfig:
         """The alternation schedule these settings describe."""

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 # One enum for verdicts: the verify core's, which imports only the standard library (the
 # core runs on GPU hosts without pydantic). The arrow points this way only: the event model
 # knows verdicts, the verify core knows no events.
+from kz_stream.verify import Backend, Verdict
 from kz_stream.verify import Status as VerdictStatus
-from kz_stream.verify import Verdict
 
 __all__ = [
     "EVALUATION_PREFIX",
@@ -49,6 +49,7 @@ __all__ = [
     "Payload",
     "PolicyVersionLoaded",
     "PolicyVersionPublished",
+    "Role",
     "TrainingStepCompleted",
     "VerdictStatus",
     "current_payload",
@@ -59,6 +60,10 @@ __all__ = [
     "payload_as",
     "source_sha256",
 ]
+
+
+# The two roles that generate and train (kz_stream.rl.schedule re-exports it for the learner).
+Role = Literal["coder", "proposer"]
 
 
 class EventDecodeError(ValueError):
@@ -131,7 +136,7 @@ class KernelGenerated(Payload):
     module_id: str
     group_id: str
     group_size: int = Field(default=1, ge=1)
-    backend: Literal["cuda", "triton"]
+    backend: Backend
     source: str
     prompt: str = ""
     sampling: dict[str, Any] = Field(default_factory=dict)
@@ -192,7 +197,7 @@ class FrontierUpdated(Payload):
 class TrainingStepCompleted(Payload):
     event_type: ClassVar[str] = "TrainingStepCompleted"
 
-    role: Literal["coder", "proposer"]
+    role: Role
     step: int
     policy_version: int
     kernel_ids: list[str] = Field(default_factory=list)
@@ -208,7 +213,7 @@ class TrainingStepCompleted(Payload):
 class PolicyVersionPublished(Payload):
     event_type: ClassVar[str] = "PolicyVersionPublished"
 
-    role: Literal["coder", "proposer"]
+    role: Role
     version: int
     uri: str
     sha256: str
@@ -219,7 +224,7 @@ class PolicyVersionPublished(Payload):
 class PolicyVersionLoaded(Payload):
     event_type: ClassVar[str] = "PolicyVersionLoaded"
 
-    role: Literal["coder", "proposer"]
+    role: Role
     replica: str
     version: int
 
@@ -251,7 +256,7 @@ class EvaluationStarted(Payload):
 
     run_id: str
     suite: str
-    backend: Literal["cuda", "triton"]
+    backend: Backend
     samples: int = Field(ge=1)
     policy: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, Any] = Field(default_factory=dict)

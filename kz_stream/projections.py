@@ -46,7 +46,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from kz_stream.events import Event, current_payload
-from kz_stream.store._port import AppendResult, EventStore, RecordedEvent, StoreTransaction
+from kz_stream.store import AppendResult, EventStore, RecordedEvent, StoreTransaction
 
 __all__ = [
     "TRACKING_KEY",

@@ -33,7 +33,6 @@ from kz_stream.store import RecordedEvent
 __all__ = [
     "ApiStats",
     "CapabilityMap",
-    "FrontierConfig",
     "GroupState",
     "KernelRecord",
     "ModuleRecord",
@@ -295,37 +294,26 @@ class CapabilityMap:
         return cls(apis, pairs)
 
 
-@dataclass(frozen=True)
-class FrontierConfig:
-    """``min_count``: evidence needed before an API can be called weak or slow."""
-
-    min_count: int = 1
-    top_k: int = 20
+# The most APIs (and pairs) each list of the frontier names.
+_TOP_K = 20
 
 
-def compute_frontier(state: RunState, config: FrontierConfig | None = None) -> FrontierUpdated:
+def compute_frontier(state: RunState) -> FrontierUpdated:
     """The Proposer's target: weak APIs and pairs, slow APIs, and per-module ``l̄``.
 
     Weakness is ``1 − smoothed pass rate``; slowness is the share of correct kernels slower
     than eager, weighted by how often the Coder is correct (a speed target is only
     reachable where correctness is).
     """
-    cfg = config or FrontierConfig()
     cmap = CapabilityMap.from_state(state)
 
     def top(d: dict[str, float]) -> dict[str, float]:
-        items = sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[: cfg.top_k]
+        items = sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[:_TOP_K]
         return {k: round(v, 6) for k, v in items if not math.isnan(v)}
 
-    weak = {a: 1 - s.smoothed_pass_rate() for a, s in cmap.apis.items() if s.n >= cfg.min_count}
-    weak_pairs = {
-        p: 1 - s.smoothed_pass_rate() for p, s in cmap.pairs.items() if s.n >= cfg.min_count
-    }
-    slow = {
-        a: s.slow_fraction * s.pass_rate
-        for a, s in cmap.apis.items()
-        if s.speedups and s.n >= cfg.min_count
-    }
+    weak = {a: 1 - s.smoothed_pass_rate() for a, s in cmap.apis.items()}
+    weak_pairs = {p: 1 - s.smoothed_pass_rate() for p, s in cmap.pairs.items()}
+    slow = {a: s.slow_fraction * s.pass_rate for a, s in cmap.apis.items() if s.speedups}
     return FrontierUpdated(
         frontier_version=state.frontier_version + 1,
         weak_apis=top(weak),

@@ -101,7 +101,6 @@ class RunSummary:
     detail: str = ""  # the time limit or the error, for the outcome line
     session_seconds: float = 0.0
     first_event_at: datetime | None = None
-    last_event_at: datetime | None = None
     resumed: bool = False  # the run has events from before this session
     position: int = 0  # the newest store position among the run's events
     rounds_done: int = 0
@@ -145,7 +144,6 @@ def summarize_run(
     steps: dict[Role, list[TrainingStepCompleted]] = {r: [] for r in ROLES}
     published: dict[Role, dict[int, PolicyVersionPublished]] = {r: {} for r in ROLES}
     first: datetime | None = None
-    last: datetime | None = None
     position = 0
     for rec in records:
         ev = rec.event
@@ -155,7 +153,6 @@ def summarize_run(
         # When it happened, to the microsecond (SQLite stores recorded_at to the second).
         at = ev.occurred_at
         first = at if first is None else min(first, at)
-        last = at if last is None else max(last, at)
         if ev.type == "TrainingStepCompleted":
             s = payload_as(ev, TrainingStepCompleted)
             steps[s.role].append(s)
@@ -178,7 +175,6 @@ def summarize_run(
         detail=session.get("detail", ""),
         session_seconds=session.get("session_seconds", 0.0),
         first_event_at=first,
-        last_event_at=last,
         resumed=first is not None and session_started is not None and first < session_started,
         position=position,
         rounds_done=total_steps // per_round if per_round else 0,

@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from kz_stream.config import load_settings
 from kz_stream.database_url import ensure_sqlite_dir, is_async
-from kz_stream.store._schema import metadata
+from kz_stream.store import metadata
 
 config = context.config
 

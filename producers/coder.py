@@ -165,7 +165,6 @@ class CoderService(Service):
         self.sampling = config.llm.sampling()
         self.replica = replica or f"coder-{uuid.uuid4().hex[:8]}"
         self.policy = PolicyFollower(self, backend, "coder", self.replica)
-        self.groups_started = 0
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -233,7 +232,6 @@ class CoderService(Service):
         await self.wait_out(
             lambda: self.ctx.bus.publish_many(self.ctx.settings.topics.kernels, events)
         )
-        self.groups_started += 1
         self.metrics.published("KernelGenerated", len(events))
         self.log.info(
             "group_generated",

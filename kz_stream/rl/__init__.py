@@ -5,6 +5,7 @@ peft and TRL (the ``train`` extra) and is imported explicitly.
 """
 
 from kz_stream.rl.groups import Group, Sample, TrainingBatch, build_batch, group_samples
+from kz_stream.rl.options import TrainerOptions
 from kz_stream.rl.rewards import (
     RewardConfig,
     ca_grpo_rewards,
@@ -25,6 +26,7 @@ __all__ = [
     "RewardConfig",
     "Role",
     "Sample",
+    "TrainerOptions",
     "TrainingBatch",
     "Turn",
     "build_batch",

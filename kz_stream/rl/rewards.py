@@ -55,7 +55,6 @@ class RewardConfig:
     speed_term: SpeedTerm = "log2_ci_low"
     speed_clip: tuple[float, float] = (-1.0, 2.0)
     invalid_module_reward: float = -1.0
-    advantage_eps: float = 1e-4  # TRL's constant, so the reference formula matches its output
 
     def __post_init__(self) -> None:
         lo, hi = self.speed_clip

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+
+from kz_stream.events import Role
 
 __all__ = ["AlternationConfig", "AlternationSchedule", "Role", "Turn"]
-
-Role = Literal["coder", "proposer"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,7 @@ from transformers import (
 )
 
 from kz_stream.rl.groups import Group, Sample, TrainingBatch, build_batch
+from kz_stream.rl.options import TrainerOptions
 from kz_stream.rl.rewards import RewardConfig, ca_grpo_rewards, proposer_reward
 from kz_stream.rl.schedule import Role
 
@@ -106,8 +107,9 @@ _UNHASHED = {_MANIFEST, _STATE, "README.md"}
 
 
 @dataclass(frozen=True, slots=True)
-class LearnerConfig:
-    """What the learner trains and how; the defaults are the CA-GRPO setup.
+class LearnerConfig(TrainerOptions):
+    """What the learner trains and how; the defaults are the CA-GRPO setup (those the
+    ``[learner]`` settings set come from ``TrainerOptions``).
 
     ``temperature`` must be the generators' sampling temperature: TRL scores tokens under
     ``logits / temperature``, and the importance ratio compares that with the behaviour
@@ -120,15 +122,12 @@ class LearnerConfig:
     model: str = ""  # a local directory, or a directory holding ``gguf_file``
     gguf_file: str | None = None
     output_dir: str = "kz-learner"  # TRL's scratch directory; policies go to save_policy's
-    full_finetune: bool = False
-    lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_target_modules: str | tuple[str, ...] = "all-linear"
     # A LoRA adapter the first step starts from (a warm start) when there is no checkpoint;
     # its own shape (rank, targets) replaces the lora_* fields above.
     init_adapter: str | None = None
-    learning_rate: float = 1e-5
     lr_scheduler_type: str = "constant"  # an open-ended stream has no horizon to decay over
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -145,11 +144,8 @@ class LearnerConfig:
     is_clip_min: float | None = None
     temperature: float = 1.0
     max_completion_length: int = 2048  # only the "dr_grpo" loss reads it
-    micro_batches: int = 1
     logprob_batch_size: int = 8
     bf16: bool | None = None  # None: bf16 autocast iff a CUDA device supports it
-    gradient_checkpointing: bool = False
-    max_staleness: int = 4
     min_group_size: int = 2
     seed: int = 0
     rewards: RewardConfig = field(default_factory=RewardConfig)

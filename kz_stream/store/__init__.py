@@ -1,4 +1,8 @@
-"""The event store port and its SQLAlchemy adapter (SQLite embedded, Postgres real)."""
+"""The event store port and its SQLAlchemy adapter (SQLite embedded, Postgres real).
+
+The modules of this package are private; this is its API (``metadata`` is the schema the
+Alembic migrations build).
+"""
 
 from kz_stream.store._migrate import upgrade
 from kz_stream.store._port import (
@@ -8,6 +12,7 @@ from kz_stream.store._port import (
     RecordedEvent,
     StoreTransaction,
 )
+from kz_stream.store._schema import metadata
 from kz_stream.store._sql import SqlEventStore, SqlTransaction, open_store
 
 __all__ = [
@@ -18,6 +23,7 @@ __all__ = [
     "SqlEventStore",
     "SqlTransaction",
     "StoreTransaction",
+    "metadata",
     "open_store",
     "upgrade",
 ]

@@ -39,7 +39,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 import psycopg
@@ -58,9 +58,7 @@ from kz_stream.store._migrate import upgrade_connection
 from kz_stream.store._port import (
     AppendResult,
     ConcurrencyError,
-    EventStore,
     RecordedEvent,
-    StoreTransaction,
 )
 from kz_stream.store._schema import EVENT_COLUMNS, events, tracking
 
@@ -654,8 +652,3 @@ async def open_store(url: str, *, create_schema: bool = True) -> AsyncIterator[S
     finally:
         await store.close()
 
-
-if TYPE_CHECKING:  # mypy proves the adapter implements the port
-
-    def _conforms(store: SqlEventStore, tx: SqlTransaction) -> tuple[EventStore, StoreTransaction]:
-        return store, tx

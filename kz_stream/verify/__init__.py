@@ -10,16 +10,16 @@ Public API (everything in ``__all__``; the modules with a leading underscore are
 
 Also ``run_in_sandbox`` and ``admission_check`` for validating proposed modules,
 ``load_source`` and ``require`` to load one, ``isolation`` (what untrusted code runs
-under on this host) and ``audit_suite`` for a problem suite. ``kz_stream.verify.events``
-converts a verdict to its event. Names are imported lazily so that the sandbox child stays
-light (no torch at import).
+under on this host) and ``audit_suite`` for a problem suite (``KernelVerified.from_verdict``
+in ``kz_stream.events`` turns a verdict into its event). Names are imported lazily so that
+the sandbox child stays light (no torch at import).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kz_stream._lazy import lazy_exports
 from kz_stream.verify._types import (
     VERIFIER_VERSION,
     Backend,
@@ -60,26 +60,21 @@ __all__ = [
     "suite_files",
 ]
 
-_LAZY = {
-    "Verifier": "_verifier",
-    "VerifierConfig": "_config",
-    "Admission": "_admission",
-    "admission_check": "_admission",
-    "ProblemAudit": "_audit",
-    "audit_suite": "_audit",
-    "suite_files": "_audit",
-    "InterfaceError": "_loader",
-    "load_source": "_loader",
-    "require": "_loader",
-    "Isolation": "_sandbox",
-    "SandboxOutcome": "_sandbox",
-    "isolation": "_sandbox",
-    "run_in_sandbox": "_sandbox",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kz_stream.verify' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"kz_stream.verify.{module}"), name)
+# The verifier, its config and the sandbox pull in torch or subprocess machinery: imported
+# on first use.
+__getattr__ = lazy_exports(__name__, {
+    "Verifier": "._verifier",
+    "VerifierConfig": "._config",
+    "Admission": "._admission",
+    "admission_check": "._admission",
+    "ProblemAudit": "._audit",
+    "audit_suite": "._audit",
+    "suite_files": "._audit",
+    "InterfaceError": "._loader",
+    "load_source": "._loader",
+    "require": "._loader",
+    "Isolation": "._sandbox",
+    "SandboxOutcome": "._sandbox",
+    "isolation": "._sandbox",
+    "run_in_sandbox": "._sandbox",
+})

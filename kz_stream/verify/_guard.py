@@ -141,9 +141,13 @@ class Guard:
             exe = argv[0]
         if exe is None and isinstance(argv, str | bytes):
             exe = argv
-        if type(exe) not in (str, bytes) and not isinstance(exe, os.PathLike):
+        # A path object, or exactly str or bytes (a subclass may read differently to the new
+        # process); the isinstance, implied by the type test, tells the type checker.
+        if not isinstance(exe, os.PathLike) and (
+            not isinstance(exe, str | bytes) or type(exe) not in (str, bytes)
+        ):
             return False
-        name = os.fsdecode(exe)  # type: ignore[arg-type]
+        name = os.fsdecode(exe)
         if popen:
             cwd, env = args[2], args[3]
         else:

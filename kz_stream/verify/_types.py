@@ -89,12 +89,6 @@ class Verdict:
     def correct(self) -> bool:
         return self.status is Status.CORRECT
 
-    def as_payload_fields(self) -> dict[str, Any]:
-        """The fields of ``kz_stream.events.KernelVerified`` this verdict fills."""
-        d = self.to_dict()
-        d["speedup_ci"] = tuple(self.speedup_ci) if self.speedup_ci else None
-        return d
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with the field names of ``KernelVerified``."""
         return {

@@ -5,21 +5,22 @@ from __future__ import annotations
 
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kz_stream.config import Settings
+    from kz_stream.rl import Role
 
 __all__ = ["packaged_adapter", "warm_adapter"]
 
 
-def packaged_adapter(role: Literal["coder", "proposer"]) -> Path | None:
+def packaged_adapter(role: Role) -> Path | None:
     """The shipped warm-start LoRA adapter of a role, or None when none ships."""
     folder = Path(str(files("kz_stream"))) / "data" / "warmstart" / role
     return folder if (folder / "adapter_config.json").exists() else None
 
 
-def warm_adapter(settings: Settings, role: Literal["coder", "proposer"]) -> Path | None:
+def warm_adapter(settings: Settings, role: Role) -> Path | None:
     """The adapter a role's generator and learner start from: the packaged one when
     ``warm_start`` is on and both run the embedded SmolLM2 (the adapters' base) with LoRA."""
     llm = settings.coder.llm if role == "coder" else settings.proposer.llm

@@ -27,9 +27,8 @@ from kz_stream.llm import LLMBackend, Prompt, Sample, SamplingParams
 from kz_stream.modules import extract_code
 from kz_stream.warmstart.ops import OPS, Op
 
-__all__ = ["TEACHER_POLICY", "TeacherBackend", "TeacherError", "lower"]
+__all__ = ["TeacherBackend", "TeacherError", "lower"]
 
-TEACHER_POLICY = "teacher:kz-triton-1"
 _IND = "    "
 
 

@@ -35,8 +35,14 @@ from kz_stream.projections import (
     rebuild,
     tracking_name,
 )
-from kz_stream.store import ConcurrencyError, EventStore, RecordedEvent, SqlEventStore, upgrade
-from kz_stream.store._schema import metadata
+from kz_stream.store import (
+    ConcurrencyError,
+    EventStore,
+    RecordedEvent,
+    SqlEventStore,
+    metadata,
+    upgrade,
+)
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 

@@ -17,8 +17,7 @@ import pytest
 
 from kz_stream.bus import open_bus
 from kz_stream.events import KernelVerified, VerdictStatus, new_event
-from kz_stream.store import open_store
-from kz_stream.store._migrate import upgrade
+from kz_stream.store import open_store, upgrade
 
 N_EVENTS = 20000
 

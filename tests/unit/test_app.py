@@ -85,18 +85,6 @@ async def test_no_seed_modules_when_they_are_switched_off(tmp_path: Path) -> Non
     assert proposer.seed_modules == ()
 
 
-def test_the_trainer_takes_the_learner_settings_and_agrees_on_defaults() -> None:
-    """``LearnerConfig`` (the trainer's, used without settings by tests and warm-start
-    tools) must keep the defaults the settings document."""
-    from dataclasses import fields
-
-    from kz_stream.rl.trainer import LearnerConfig
-
-    options = LearnerSettings().trainer_options()
-    defaults = {f.name: f.default for f in fields(LearnerConfig)}
-    assert options == {k: defaults[k] for k in options}
-
-
 def test_a_run_fills_only_the_learner_values_the_user_left_unset() -> None:
     run = RunOptions(group_size=2, groups_per_step=3)
     learner = run.apply(Settings()).learner

@@ -44,7 +44,13 @@ PUBLIC = {
         "problem_interface_error", "run_evaluation", "summarize", "summarize_levels",
         "table_rows", "write_plots", "write_report",
     ],
+    "kz_stream.store": [
+        "AppendResult", "ConcurrencyError", "EventStore", "RecordedEvent", "SqlEventStore",
+        "SqlTransaction", "StoreTransaction", "metadata", "open_store", "upgrade",
+    ],
 }
+# Benchmarks may import the internals they measure (the store's COPY path, say).
+MEASURES_INTERNALS = "benchmarks"
 
 
 @pytest.mark.parametrize("package", sorted(PUBLIC))
@@ -76,6 +82,8 @@ def test_no_code_outside_a_package_imports_its_private_modules() -> None:
     for path in sorted(ROOT.glob("**/*.py")):
         rel = path.relative_to(ROOT)
         if rel.parts[0].startswith(".") or "site-packages" in rel.parts:
+            continue
+        if rel.parts[0] == MEASURES_INTERNALS:
             continue
         for package in PUBLIC:
             if rel.parent.as_posix().startswith(package.replace(".", "/")):

@@ -76,9 +76,10 @@ def test_verdict_payload_fields(cpu_verifier: Verifier) -> None:
     v = cpu_verifier.verify_sync(
         Problem(PROBLEMS["relu"]), Candidate(TRITON_HONEST["relu"], "triton")
     )
-    fields = v.as_payload_fields()
-    assert fields["status"] == "correct" and "timing" in fields["unchecked"]
-    KernelVerified(kernel_id="k", module_id="m", group_id="g", **fields)  # the payload accepts them
+    assert v.status is Status.CORRECT and "timing" in v.unchecked
+    # The payload accepts the verdict's fields.
+    KernelVerified.model_validate({"kernel_id": "k", "module_id": "m", "group_id": "g",
+                                   **v.to_dict()})
 
 
 @pytest.mark.slow
