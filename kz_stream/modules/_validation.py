@@ -21,6 +21,10 @@ The checks run cheapest first and stop at the first failure; ``reason`` is a sho
    output would match is ``degenerate`` (the detail names which); outputs that change
    between identical runs are ``nondeterministic``, and outputs too ill-conditioned to
    calibrate a tolerance on are ``unstable``.
+
+``validate_with_fingerprint`` also returns the module's ``ModuleFingerprint`` (the APIs of
+step 3, the inputs of step 4) for decontamination; ``fingerprint_modules`` takes the same
+value from modules that are not proposed (evaluation problems) without building them.
 """
 
 from __future__ import annotations
