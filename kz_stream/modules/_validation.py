@@ -32,7 +32,7 @@ from __future__ import annotations
 import ast
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from kz_stream.events import ModuleValidation
 from kz_stream.modules._apis import canonical_api, find_api_calls, is_neutral
@@ -109,22 +109,18 @@ def _canonical_request(api_set: Sequence[str]) -> set[str]:
     return out
 
 
-def validate_module(
-    source: str,
-    api_set: Sequence[str],
-    *,
-    timeout_s: float = 60.0,
-    max_extra_apis: int = 0,
-    check_degenerate: bool = True,
-) -> ModuleValidation:
-    """Validates a proposed KernelBench module against the API set it was asked to use.
+class _Options(TypedDict, total=False):
+    timeout_s: float
+    max_extra_apis: int
+    check_degenerate: bool
 
-    ``timeout_s`` bounds each sandboxed run (the probe, then the admission check).
-    """
-    return validate_with_fingerprint(
-        source, api_set, timeout_s=timeout_s, max_extra_apis=max_extra_apis,
-        check_degenerate=check_degenerate,
-    )[0]
+
+def validate_module(
+    source: str, api_set: Sequence[str], **options: Unpack[_Options]
+) -> ModuleValidation:
+    """Validates a proposed KernelBench module against the API set it was asked to use
+    (options: ``validate_with_fingerprint``'s)."""
+    return validate_with_fingerprint(source, api_set, **options)[0]
 
 
 def validate_with_fingerprint(
@@ -135,9 +131,11 @@ def validate_with_fingerprint(
     max_extra_apis: int = 0,
     check_degenerate: bool = True,
 ) -> tuple[ModuleValidation, ModuleFingerprint | None]:
-    """``validate_module``, and the module's fingerprint from the same sandboxed run (None
-    when the run did not get as far as ``get_inputs()``): its APIs as the source calls them
-    (as the catalog and ``fingerprint_modules`` see them) and the inputs the probe ran on.
+    """``validate_module``'s verdict, and the module's fingerprint from the same sandboxed
+    run (None when the run did not get as far as ``get_inputs()``): its APIs as the source
+    calls them (as the catalog and ``fingerprint_modules`` see them) and the inputs the
+    probe ran on. ``timeout_s`` bounds each sandboxed run (the probe, then the admission
+    check); ``max_extra_apis`` other APIs may be tolerated.
     """
     try:
         tree = ast.parse(source)
