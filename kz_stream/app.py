@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RunOptions",
     "RunReport",
-    "evaluation_hashes",
+    "evaluation_problems",
     "load_summary",
     "make_verifier",
     "open_context",
@@ -89,7 +89,7 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
         p = settings.proposer
         seeds = (*SEED_MODULES, *synthesized_seeds(p.synthesized_seeds)) if p.seed_modules else ()
         return ProposerService(ctx, _backend(settings, "proposer"), p, seed_modules=seeds,
-                               evaluation_hashes=evaluation_hashes(p.decontaminate))
+                               evaluation_problems=evaluation_problems(p.decontaminate))
     if name == "coder":
         from kz_stream.producers.coder import CoderService
 
@@ -103,13 +103,12 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
     raise ValueError(f"unknown service {name!r}")
 
 
-def evaluation_hashes(suites: Sequence[Path]) -> dict[str, str]:
-    """Normalized hashes of the problems of evaluation suites -> "evaluation problem <id>"."""
+def evaluation_problems(suites: Sequence[Path]) -> dict[str, str]:
+    """The sources of the problems of evaluation suites -> "evaluation problem <id>"."""
     from kz_stream.evaluation import load_suite
-    from kz_stream.modules import normalized_hash
 
     return {
-        normalized_hash(p.source): f"evaluation problem {p.problem_id}"
+        p.source: f"evaluation problem {p.problem_id}"
         for suite in suites
         for p in load_suite(suite).problems
     }

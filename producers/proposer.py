@@ -4,10 +4,12 @@ every proposal — valid or not — as ``ModuleProposed`` on ``kz.modules``.
 
 Invalid proposals are the Proposer's negative examples, so they are published too; a
 proposal whose normalized hash was seen before is published as invalid (``duplicate``)
-rather than handed to the Coder again, and one whose normalized hash is an evaluation
-problem's (a problem some ``kz eval run`` stored, or one of the suites in
-``evaluation_hashes``) as invalid with reason ``contaminated``, so that training data
-cannot leak the evaluation set.
+rather than handed to the Coder again. Proposals that copy an evaluation problem (one some
+``kz eval run`` stored, or one of ``evaluation_problems``) are published as invalid, so
+that training data cannot leak the evaluation set: with reason ``contaminated`` when their
+normalized hash is the problem's, and ``contaminated_apis`` when they pass validation with
+the problem's fingerprint (the same API set on inputs of the same shapes and dtypes,
+``kz_stream.modules.ModuleFingerprint``) in other code.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from kz_stream.bus import BusMessage, Subscription
 from kz_stream.config import ProposerSettings
 from kz_stream.events import (
+    Event,
     FrontierUpdated,
     ModuleProposed,
     ModuleValidation,
@@ -31,11 +34,13 @@ from kz_stream.llm import LLMBackend, Sample
 from kz_stream.modules import (
     ApiSetSampler,
     Frontier,
+    ModuleFingerprint,
     extract_code,
+    fingerprint_modules,
     normalized_hash,
     prompt_text,
     proposer_messages,
-    validate_module,
+    validate_with_fingerprint,
 )
 from kz_stream.producers.coder import PolicyFollower
 from kz_stream.runtime import Service, ServiceContext
@@ -55,8 +60,8 @@ class SeedModule:
 class ProposerService(Service):
     """The Proposer, as ``config`` (the ``[proposer]`` settings) describes it.
 
-    ``seed_modules`` are published before the Proposer's own; ``evaluation_hashes`` maps
-    normalized hashes of evaluation problems to their names (besides those in the store);
+    ``seed_modules`` are published before the Proposer's own; ``evaluation_problems`` maps
+    the sources of evaluation problems to their names (besides those in the store);
     ``replica`` names this process (a fresh name by default).
     """
 
@@ -69,7 +74,7 @@ class ProposerService(Service):
         config: ProposerSettings,
         *,
         seed_modules: Sequence[SeedModule] = (),
-        evaluation_hashes: Mapping[str, str] | None = None,
+        evaluation_problems: Mapping[str, str] | None = None,
         replica: str | None = None,
     ) -> None:
         super().__init__(ctx)
@@ -81,7 +86,11 @@ class ProposerService(Service):
         self.frontier: FrontierUpdated | None = None
         self.policy = PolicyFollower(self, backend, "proposer", self.replica)
         self.seen_hashes: set[str] = set()
-        self.evaluation_hashes: dict[str, str] = dict(evaluation_hashes or {})
+        self.evaluation_hashes: dict[str, str] = {}
+        self.evaluation_fingerprints: dict[ModuleFingerprint, str] = {}
+        self._to_fingerprint: dict[str, str] = {}  # evaluation sources -> names, until run
+        for source, problem in (evaluation_problems or {}).items():
+            self._know_evaluation_problem(source, problem)
         self.published = 0
         self.valid = 0
         self.done = asyncio.Event()
@@ -90,6 +99,7 @@ class ProposerService(Service):
     async def run(self) -> None:
         topics = self.ctx.settings.topics
         await self.wait_out(self._load_seen_hashes)
+        await self._fingerprint_evaluation_problems()
         frontier_sub = await self.subscribe(
             f"kz-{self.replica}-frontier-{uuid.uuid4().hex[:8]}",
             [topics.frontier],
@@ -120,10 +130,49 @@ class ProposerService(Service):
             for r in batch:
                 h = r.event.payload.get("normalized_hash")
                 if h and is_evaluation(r.event.correlation_id):
-                    detail = r.event.payload.get("validation", {}).get("detail")
-                    self.evaluation_hashes.setdefault(h, detail or "an evaluation problem")
+                    self._know_stored_evaluation_problem(r.event, h)
                 elif h:
                     self.seen_hashes.add(h)
+
+    def _know_stored_evaluation_problem(self, event: Event, digest: str) -> None:
+        payload = payload_as(event, ModuleProposed)
+        name = payload.validation.detail or "an evaluation problem"
+        self._know_evaluation_problem(payload.source, name, digest)
+
+    def _know_evaluation_problem(self, source: str, name: str, digest: str | None = None) -> None:
+        """Screens proposals against this problem by hash now, and by fingerprint once
+        ``_fingerprint_evaluation_problems`` has run it (once per distinct problem)."""
+        digest = digest or normalized_hash(source)
+        if digest not in self.evaluation_hashes:
+            self.evaluation_hashes[digest] = name
+            self._to_fingerprint[source] = name
+
+    async def _fingerprint_evaluation_problems(self) -> None:
+        """Fingerprints the evaluation problems known so far, in one sandboxed process."""
+        sources, self._to_fingerprint = self._to_fingerprint, {}
+        if not sources:
+            return
+        # The sandbox is one process for all problems; get_inputs() runs on the meta device.
+        timeout_s = self.config.validation_timeout_s + len(sources)
+        try:
+            found = await asyncio.to_thread(
+                fingerprint_modules, list(sources), timeout_s=timeout_s
+            )
+        except RuntimeError as e:
+            # The hash screen still holds; a Proposer that would not start is worse.
+            self.log.error("evaluation_fingerprints_failed", problems=len(sources), error=str(e))
+            return
+        missing = []
+        for name, fingerprint in zip(sources.values(), found, strict=True):
+            if fingerprint is None:
+                missing.append(name)
+            else:
+                self.evaluation_fingerprints.setdefault(fingerprint, name)
+        self.log.info("evaluation_fingerprints", problems=len(sources),
+                      fingerprints=len(self.evaluation_fingerprints))
+        if missing:
+            self.log.warning("evaluation_problems_without_fingerprint", problems=missing[:20],
+                             count=len(missing))
 
     def screen(self, digest: str) -> ModuleValidation | None:
         """The verdict on a proposal known by its normalized hash before it is run: an
@@ -140,6 +189,19 @@ class ProposerService(Service):
             )
         self.seen_hashes.add(digest)
         return None
+
+    def screen_fingerprint(
+        self, validation: ModuleValidation, fingerprint: ModuleFingerprint | None
+    ) -> ModuleValidation:
+        """The verdict on a validated proposal: a valid one whose fingerprint is an
+        evaluation problem's is invalid (``contaminated_apis``); others keep theirs."""
+        problem = self.evaluation_fingerprints.get(fingerprint) if fingerprint else None
+        if not validation.valid or problem is None:
+            return validation
+        return ModuleValidation(
+            valid=False, reason="contaminated_apis", detail=f"{fingerprint}, as {problem}",
+            apis_called=validation.apis_called,
+        )
 
     async def handle_frontier(self, batch: Sequence[BusMessage]) -> None:
         for m in batch:
@@ -210,9 +272,11 @@ class ProposerService(Service):
         digest = normalized_hash(source)
         validation = self.screen(digest)
         if validation is None:
-            validation = await asyncio.to_thread(
-                validate_module, source, api_set, timeout_s=self.config.validation_timeout_s
+            validated, fingerprint = await asyncio.to_thread(
+                validate_with_fingerprint, source, api_set,
+                timeout_s=self.config.validation_timeout_s,
             )
+            validation = self.screen_fingerprint(validated, fingerprint)
         module_id = uuid.uuid4().hex
         payload = ModuleProposed(
             module_id=module_id,

@@ -1,6 +1,7 @@
 """Torch modules as the Proposer writes them: which APIs source code calls, the API
 co-occurrence catalog and the sampler of API sets, the prompts of both roles, code
-extraction from completions and the validation of a proposed module. The modules of this
+extraction from completions, the validation of a proposed module and its fingerprint
+(APIs and input shapes, for decontamination). The modules of this
 package are private; this is its API."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kz_stream.modules._catalog import (
     package_files,
 )
 from kz_stream.modules._extraction import extract_code, normalized_hash
+from kz_stream.modules._fingerprint import InputSpec, ModuleFingerprint
 from kz_stream.modules._prompts import (
     CODER_EXAMPLE_MODULE,
     CODER_EXAMPLES,
@@ -33,7 +35,12 @@ from kz_stream.modules._prompts import (
     proposer_messages,
 )
 from kz_stream.modules._sampling import ApiSetSampler, Frontier, parse_pair_key
-from kz_stream.modules._validation import static_apis, validate_module
+from kz_stream.modules._validation import (
+    fingerprint_modules,
+    static_apis,
+    validate_module,
+    validate_with_fingerprint,
+)
 
 __all__ = [
     "ARITHMETIC_OPS",
@@ -47,11 +54,14 @@ __all__ = [
     "ApiSetSampler",
     "ApiUse",
     "Frontier",
+    "InputSpec",
+    "ModuleFingerprint",
     "canonical_api",
     "coder_messages",
     "default_catalog",
     "extract_code",
     "find_api_calls",
+    "fingerprint_modules",
     "is_neutral",
     "mine_catalog",
     "mine_files",
@@ -63,4 +73,5 @@ __all__ = [
     "static_apis",
     "tensor_methods",
     "validate_module",
+    "validate_with_fingerprint",
 ]

@@ -21,6 +21,10 @@ The checks run cheapest first and stop at the first failure; ``reason`` is a sho
    output would match is ``degenerate`` (the detail names which); outputs that change
    between identical runs are ``nondeterministic``, and outputs too ill-conditioned to
    calibrate a tolerance on are ``unstable``.
+
+``validate_with_fingerprint`` also returns the module's ``ModuleFingerprint`` (the APIs of
+step 3, the inputs of step 4) for decontamination; ``fingerprint_modules`` takes the same
+value from modules that are not proposed (evaluation problems) without building them.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from __future__ import annotations
 import ast
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from kz_stream.events import ModuleValidation
 from kz_stream.modules._apis import canonical_api, find_api_calls, is_neutral
+from kz_stream.modules._fingerprint import InputSpec, ModuleFingerprint, input_specs
 
-__all__ = ["static_apis", "validate_module"]
+__all__ = ["fingerprint_modules", "static_apis", "validate_module", "validate_with_fingerprint"]
 
 _INTERFACE_FUNCS = ("get_inputs", "get_init_inputs")
 _DEGENERATE = frozenset(
@@ -104,32 +109,46 @@ def _canonical_request(api_set: Sequence[str]) -> set[str]:
     return out
 
 
+class _Options(TypedDict, total=False):
+    timeout_s: float
+    max_extra_apis: int
+    check_degenerate: bool
+
+
 def validate_module(
+    source: str, api_set: Sequence[str], **options: Unpack[_Options]
+) -> ModuleValidation:
+    """Validates a proposed KernelBench module against the API set it was asked to use
+    (options: ``validate_with_fingerprint``'s)."""
+    return validate_with_fingerprint(source, api_set, **options)[0]
+
+
+def validate_with_fingerprint(
     source: str,
     api_set: Sequence[str],
     *,
     timeout_s: float = 60.0,
     max_extra_apis: int = 0,
     check_degenerate: bool = True,
-) -> ModuleValidation:
-    """Validates a proposed KernelBench module against the API set it was asked to use.
-
-    ``timeout_s`` bounds each sandboxed run (the probe, then the admission check).
+) -> tuple[ModuleValidation, ModuleFingerprint | None]:
+    """``validate_module``'s verdict, and the module's fingerprint from the same sandboxed
+    run (None when the run did not get as far as ``get_inputs()``): its APIs as the source
+    calls them (as the catalog and ``fingerprint_modules`` see them) and the inputs the
+    probe ran on. ``timeout_s`` bounds each sandboxed run (the probe, then the admission
+    check); ``max_extra_apis`` other APIs may be tolerated.
     """
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError) as e:
-        return ModuleValidation(valid=False, reason="syntax_error", detail=str(e)[:500])
+        return _invalid("syntax_error", str(e)[:500]), None
     problem = _interface_problem(tree)
     if problem:
-        return ModuleValidation(valid=False, reason="missing_interface", detail=problem)
+        return _invalid("missing_interface", problem), None
     requested = _canonical_request(api_set)
     called = static_apis(source)
     mismatch = _compare(requested, called, max_extra_apis, "called in the source")
     if mismatch:
-        return ModuleValidation(
-            valid=False, reason="wrong_apis", detail=mismatch, apis_called=called
-        )
+        return _invalid("wrong_apis", mismatch, called), None
 
     from kz_stream.verify import run_in_sandbox
 
@@ -145,29 +164,17 @@ def validate_module(
         if kind == "oom":
             detail = f"out of memory: {detail}"
         if kind == "exception" and "InterfaceError" in detail:
-            return ModuleValidation(
-                valid=False, reason="missing_interface", detail=detail[-500:], apis_called=called
-            )
-        return ModuleValidation(
-            valid=False,
-            reason=_SANDBOX_REASONS.get(kind, "crash"),
-            detail=detail[-500:],
-            apis_called=called,
-        )
+            return _invalid("missing_interface", detail[-500:], called), None
+        return _invalid(_SANDBOX_REASONS.get(kind, "crash"), detail[-500:], called), None
     probe: dict[str, Any] = outcome.value
     runtime = list(probe["apis"])
+    fingerprint = ModuleFingerprint.of(called, probe["inputs"])
     mismatch = _compare(requested, runtime, max_extra_apis, "called when forward ran")
     if mismatch:
-        return ModuleValidation(
-            valid=False, reason="wrong_apis", detail=mismatch, apis_called=runtime
-        )
+        return _invalid("wrong_apis", mismatch, runtime), fingerprint
     if not probe["finite"]:
-        return ModuleValidation(
-            valid=False,
-            reason="non_finite",
-            detail="NaN or inf in the outputs on the module's own inputs",
-            apis_called=runtime,
-        )
+        detail = "NaN or inf in the outputs on the module's own inputs"
+        return _invalid("non_finite", detail, runtime), fingerprint
     if check_degenerate:
         from kz_stream.verify import admission_check
 
@@ -176,15 +183,83 @@ def validate_module(
             reason = verdict.reason or "crash"
             code = "degenerate" if reason in _DEGENERATE else _ADMISSION_REASONS.get(reason, reason)
             detail = f"{reason}: {verdict.detail}" if code == "degenerate" else verdict.detail
-            return ModuleValidation(
-                valid=False, reason=code, detail=detail[-500:], apis_called=runtime
-            )
-    return ModuleValidation(valid=True, apis_called=runtime)
+            return _invalid(code, detail[-500:], runtime), fingerprint
+    return ModuleValidation(valid=True, apis_called=runtime), fingerprint
+
+
+def _invalid(reason: str, detail: str, apis_called: Sequence[str] = ()) -> ModuleValidation:
+    return ModuleValidation(
+        valid=False, reason=reason, detail=detail, apis_called=list(apis_called)
+    )
+
+
+def fingerprint_modules(
+    sources: Sequence[str], *, timeout_s: float
+) -> list[ModuleFingerprint | None]:
+    """The fingerprints of modules that were not proposed (evaluation problems), as
+    ``validate_with_fingerprint`` would take them: APIs from the source, input specs from
+    ``get_inputs()``. One sandboxed process runs every ``get_inputs()``, within
+    ``timeout_s`` in all, on torch's meta device where it can (shapes and dtypes without
+    allocating a full-size problem's tensors), else for real. None for a module whose
+    source or ``get_inputs()`` fails; a failed sandbox raises ``RuntimeError``."""
+    from kz_stream.verify import run_in_sandbox
+
+    if not sources:
+        return []
+    apis: list[list[str] | None] = []
+    for source in sources:
+        try:
+            apis.append(static_apis(source))
+        except (SyntaxError, ValueError):
+            apis.append(None)
+    outcome = run_in_sandbox(
+        "kz_stream.modules._validation:_probe_inputs",
+        (list(sources),),
+        timeout_s=timeout_s,
+        memory_mb=_SANDBOX_MEMORY_MB,
+    )
+    if not outcome.ok:
+        detail = outcome.error_message or outcome.stderr_tail[-500:]
+        raise RuntimeError(f"fingerprinting {len(sources)} modules: {outcome.error_kind}: {detail}")
+    specs: list[list[InputSpec] | None] = outcome.value
+    return [
+        ModuleFingerprint.of(a, s) if a is not None and s is not None else None
+        for a, s in zip(apis, specs, strict=True)
+    ]
+
+
+def _probe_inputs(sources: list[str]) -> list[list[InputSpec] | None]:
+    """Sandbox side of ``fingerprint_modules``: each module's ``get_inputs()`` specs."""
+    import torch
+
+    from kz_stream.verify import load_source, require
+
+    torch.set_num_threads(1)
+    out: list[list[InputSpec] | None] = []
+    for i, source in enumerate(sources):
+        try:
+            module = load_source(source, f"kz_problem_{i}", os.getcwd())
+            [get_inputs] = require(module, "get_inputs")
+        except Exception:
+            out.append(None)
+            continue
+        try:
+            with torch.device("meta"):
+                specs = input_specs(list(get_inputs()))
+        except Exception:  # e.g. .cpu() or .numpy() on a meta tensor: run it for real
+            try:
+                specs = input_specs(list(get_inputs()))
+            except Exception:
+                out.append(None)
+                continue
+        out.append(specs)
+    return out
 
 
 def _probe(source: str) -> dict[str, Any]:
     """Sandbox side: imports, builds and runs the module once, recording the torch APIs
-    its forward calls. Returns {"apis": [...], "finite": bool, "outputs": [shapes]}."""
+    its forward calls. Returns {"apis": [...], "finite": bool, "outputs": [shapes],
+    "inputs": [InputSpec]}."""
     import torch
     from torch import nn
     from torch.overrides import TorchFunctionMode, resolve_name
@@ -199,6 +274,7 @@ def _probe(source: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = model_cls(*get_init_inputs())
     inputs = list(get_inputs())
+    specs = input_specs(inputs)  # before forward, which may change its inputs in place
 
     seen: list[str] = []
     depth = [0]
@@ -251,4 +327,4 @@ def _probe(source: str) -> dict[str, Any]:
         if isinstance(o, torch.Tensor) and (o.is_floating_point() or o.is_complex())
     )
     shapes = [list(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__ for o in outs]
-    return {"apis": seen, "finite": finite, "outputs": shapes}
+    return {"apis": seen, "finite": finite, "outputs": shapes, "inputs": specs}
