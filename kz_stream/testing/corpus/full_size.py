@@ -1409,7 +1409,10 @@ class ModelNew(nn.Module):
 # block (same data_ptr, version 0, shape) and gets the stale product; the same can happen
 # between two input sets of the correctness stage, which then catches it first.
 FULL_SIZE_CHEATS: dict[str, tuple[str, str, str]] = {
-    "memo_matmul": ("matmul", C_MEMO_MATMUL, "timed_output|rel_norm|elementwise"),
+    # On the H200 (2026-12-01) the full-size memo was caught by the physical floor: its
+    # timed calls met input addresses it had seen, so the memo served them (a copy, 0.034
+    # ms against a 0.174 ms floor).
+    "memo_matmul": ("matmul", C_MEMO_MATMUL, "timed_output|rel_norm|elementwise|physical_floor"),
     "copy_relu": ("relu", C_COPY_RELU, "rel_norm|elementwise"),
 }
 
