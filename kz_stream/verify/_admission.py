@@ -123,10 +123,12 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
                                                  "valid: " + "; ".join(tried))
     size_map = plan.size_map
     scaled_init = map_init(init, size_map) if plan.scale_init else list(init)
-    plans = [InputPlan("own", "own", size_map), InputPlan("normal", "normal", size_map),
-             InputPlan("heavy", "heavy", size_map)]
+    lead = plan.lead_only
+    plans = [InputPlan("own", "own", size_map, lead_only=lead),
+             InputPlan("normal", "normal", size_map, lead_only=lead),
+             InputPlan("heavy", "heavy", size_map, lead_only=lead)]
     if has_nonneg_floats(own):  # a copy of a torch.rand input is no identity test
-        plans.append(InputPlan("signed", "normal", size_map, signed=True))
+        plans.append(InputPlan("signed", "normal", size_map, signed=True, lead_only=lead))
 
     model = build_model(ref, scaled_init, _WEIGHT_SEED, device)
     try:

@@ -32,6 +32,15 @@ class InputPlan:
     size_map: SizeMap = field(default_factory=dict)
     scale_init: bool = True
     signed: bool = False
+    # The sizes map the leading dim of each tensor input only, not every dim of that size:
+    # a batch of 32 scaled must not scale 32 input channels that the weights fix.
+    lead_only: bool = False
+
+    def shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """``shape`` with this plan's sizes substituted."""
+        if self.lead_only:
+            return tuple(self.size_map.get(d, d) if i == 0 else d for i, d in enumerate(shape))
+        return tuple(self.size_map.get(d, d) for d in shape)
 
 
 def _sizes(values: Sequence[Any]) -> set[int]:
@@ -185,9 +194,10 @@ def make_inputs(
     out: list[Any] = []
     for spec in specs:
         if spec.is_tensor:
-            shape = tuple(plan.size_map.get(d, d) for d in spec.shape)
+            shape = plan.shape(spec.shape)
             dist: Distribution = "normal" if plan.dist == "own" else plan.dist
-            if not spec.torch_dtype.is_floating_point and spec.hi + 1 in plan.size_map:
+            if (not spec.torch_dtype.is_floating_point and not plan.lead_only
+                    and spec.hi + 1 in plan.size_map):
                 # Integers up to a scaled size are indices into it (class labels of a
                 # cross-entropy over 4096 classes): they shrink with it, or go out of range.
                 spec = replace(spec, hi=plan.size_map[spec.hi + 1] - 1)
@@ -245,8 +255,9 @@ def fallbacks(plan: InputPlan, own: Sequence[Any]) -> list[InputPlan]:
     out = [InputPlan(plan.label, plan.dist, plan.size_map, scale_init=False,
                      signed=plan.signed)]
     lead = batch_only(plan.size_map, own)
-    if lead and lead != plan.size_map:
-        out.append(InputPlan(plan.label, plan.dist, lead, scale_init=False, signed=plan.signed))
+    if lead:
+        out.append(InputPlan(plan.label, plan.dist, lead, scale_init=False, signed=plan.signed,
+                             lead_only=True))
     return out
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import torch
 
 from kz_stream.verify._inputs import (
+    InputPlan,
     InputSpec,
     at_own_shapes,
     default_plans,
+    fallbacks,
     make_inputs,
+    odd_map,
     redraw_,
 )
 
@@ -50,3 +53,25 @@ def test_redraw_gives_fresh_values_in_place_and_is_seeded() -> None:
 def test_sets_at_the_modules_own_shapes_are_told_apart() -> None:
     assert all(at_own_shapes(lb) for lb in ("own", "signed", "normal", "heavy", "odd"))
     assert not any(at_own_shapes(lb) for lb in ("small", "small-signed", "heavy@small"))
+
+
+def test_the_last_fallback_scales_the_batch_dim_alone() -> None:
+    """A batch of 32 with 32 input channels (KernelBench level 2, 3): scaling every 32
+    breaks the convolution's weights, so the last fallback maps dim 0 and nothing else."""
+    conv = torch.nn.Conv3d(32, 8, 3)
+    own = [torch.rand(32, 32, 16, 32, 32)]
+    plan = InputPlan("odd", "normal", odd_map(own))
+    last = fallbacks(plan, own)[-1]
+    assert last.lead_only and not last.scale_init
+    (x,) = make_inputs([InputSpec.of(v) for v in own], last, seed=0)
+    assert tuple(x.shape) == (31, 32, 16, 32, 32)
+    assert conv(x).shape[:2] == (31, 8)
+
+
+def test_a_batch_only_plan_leaves_class_labels_alone() -> None:
+    """Labels index classes, not the batch: they keep their range when only dim 0 scales."""
+    own = [torch.randn(64, 10), torch.randint(0, 64, (64,))]
+    plan = InputPlan("small", "normal", {64: 9}, scale_init=False, lead_only=True)
+    logits, labels = make_inputs([InputSpec.of(v) for v in own], plan, seed=0)
+    assert tuple(logits.shape) == (9, 10) and tuple(labels.shape) == (9,)
+    assert int(labels.max()) > 9  # drawn from the full 0..63 range
