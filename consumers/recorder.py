@@ -22,7 +22,8 @@ class Recorder(Service):
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
-        names = [t for t in topics.all() if t != topics.dead_letter]
+        # Rescore jobs are kernel events the store holds already.
+        names = [t for t in topics.all() if t not in (topics.dead_letter, topics.rescore)]
         sub = await self.subscribe(
             self.group,
             names,
