@@ -1,4 +1,5 @@
-"""The recorder: archives every topic into the event store, exactly once in effect.
+"""The recorder: archives every topic but the dead-letter and rescore ones into the event store,
+exactly once in effect.
 
 Each batch's events and the Kafka offsets after it commit in one database transaction;
 on (re)assignment the bus seeks to the offsets stored there. A crash between the commit

@@ -293,11 +293,14 @@ class VerifierService(Service):
         verdicts and the offsets after the batch in one transaction. A verdict that meets
         another in its stream version (one of another verifier version, written meanwhile)
         rolls the batch back and the bus retries it: the retry reads the streams again."""
+        mine = VERIFIER_VERSION.encode()
         jobs = list({
             m.event.event_id: m.event for m in batch
             if m.event is not None and m.event.type == "KernelGenerated"
-            and m.headers.get(RESCORE_VERSION_HEADER) == VERIFIER_VERSION.encode()
+            and m.headers.get(RESCORE_VERSION_HEADER) == mine
         }.values())
+        if others := sum(m.headers.get(RESCORE_VERSION_HEADER) != mine for m in batch):
+            self.log.info("rescore_jobs_of_another_version", jobs=others)
         judged = await asyncio.gather(*(self._rescore_one(e) for e in jobs))
         verdicts = [v for v in judged if v is not None]
         await self.wait_out(lambda: self.ctx.store.append(
