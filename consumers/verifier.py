@@ -274,6 +274,8 @@ class VerifierService(Service):
         holds it already."""
         verdict_id = verdict_event_id(event.event_id)
         stream = await self.wait_out(lambda: self.ctx.store.read_stream(event.stream_id))
+        if not stream:
+            raise InfrastructureError(f"rescore job: {event.stream_id} is not in the store")
         if any(r.event.event_id == verdict_id for r in stream):
             return None
         source = await self._module_source(payload_as(event, KernelGenerated))

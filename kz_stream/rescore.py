@@ -5,10 +5,11 @@ The new verdicts are written by the verifier service's own function
 (``kz_stream.consumers.verifier.verdict_event``): their ids come from the kernel event and the
 verifier version, so a kernel already judged by this version is skipped, and a rescore
 cut short resumes by running it again. A new verdict takes the next version of its kernel's
-stream as the replay found it. The drift compares each kernel's newest earlier
-verdict with the new one: verdicts that flipped between correct and not, grouped by the
-check that decided the new one, and the training steps (and the policy versions they
-published) whose rewards used a flipped kernel.
+stream (as the replay found it; on the fleet, as the verifier reads it before judging).
+The drift compares each kernel's newest earlier verdict with the new one: verdicts that
+flipped between correct and not, grouped by the check that decided the new one, and the
+training steps (and the policy versions they published) whose rewards used a flipped
+kernel.
 
 Two ways to judge: ``rescore`` verifies in this process; ``rescore_on_fleet`` publishes one
 job per kernel on the rescore topic (the stored kernel event, with the verifier version in

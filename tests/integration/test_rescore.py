@@ -300,3 +300,10 @@ def test_kz_rescore_on_a_broker_waits_for_the_fleet_and_resumes(
     again = CliRunner().invoke(app, ["rescore", "--timeout", "1"], env=env)
     assert again.exit_code == 0, again.output
     assert "0 of 3 kernels to verify" in again.stdout
+
+
+def test_fleet_needs_a_broker(tmp_path: Path) -> None:
+    env = {"KZ_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3", "COLUMNS": "200"}
+    result = CliRunner().invoke(app, ["rescore", "--fleet"], env=env)
+    assert result.exit_code == 1
+    assert "the embedded bus (memory://) lives inside one process" in result.stderr
