@@ -152,10 +152,10 @@ async def one_process_drift(tmp_path: Path) -> Drift:
 
 
 async def test_two_verifiers_share_the_jobs_and_report_the_one_process_drift(
-    tmp_path: Path,
+    tmp_path: Path, store_url: str
 ) -> None:
     expected = await one_process_drift(tmp_path)
-    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    url = store_url  # SQLite, then PostgreSQL
     await seed(url, history(FLEET_KERNELS))
     settings = Settings(database_url=url, bus_url=f"memory://{uuid.uuid4().hex}",
                         topics=TopicsConfig(partitions=2), verifier=CPU)
