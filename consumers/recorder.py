@@ -1,4 +1,5 @@
-"""The recorder: archives every topic into the event store, exactly once in effect.
+"""The recorder: archives every topic but the dead-letter and rescore ones into the event store,
+exactly once in effect.
 
 Each batch's events and the Kafka offsets after it commit in one database transaction;
 on (re)assignment the bus seeks to the offsets stored there. A crash between the commit
@@ -22,7 +23,8 @@ class Recorder(Service):
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
-        names = [t for t in topics.all() if t != topics.dead_letter]
+        # Rescore jobs are kernel events the store holds already.
+        names = [t for t in topics.all() if t not in (topics.dead_letter, topics.rescore)]
         sub = await self.subscribe(
             self.group,
             names,

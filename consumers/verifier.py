@@ -14,6 +14,16 @@ kernel verified twice by one verifier version (a consumer that lost its partitio
 verifying, a redelivery after a crash between commit and offset) is stored once: the
 store skips an event id it holds. Its stream version is computed, not read back: the
 kernel event's plus one.
+
+Every verifier also takes ``kz rescore``'s jobs from ``kz.rescore``: stored kernel events,
+each with the verifier version it is to be judged by in a header. Its group is of its own
+version (``kz-verifier-rescore-<version>``), so every job reaches one member of each
+version's group and only the version it names acts (a fleet mid-upgrade loses none). A
+rescore verdict is the same ``verdict_event`` with the offsets in one transaction; a kernel
+whose verdict of this version is stored is skipped, and the verdict takes the next version
+of the kernel's stream as read just before. Live kernels come first: a rescore job starts
+only while no live batch is being verified, and at most ``rescore_slots`` are verified at
+once, so a live batch waits for those alone; rescoring uses the gaps between live batches.
 """
 
 from __future__ import annotations
@@ -37,9 +47,24 @@ from kz_stream.events import (
 from kz_stream.runtime import Service, ServiceContext, StoreOffsets
 from kz_stream.verify import VERIFIER_VERSION, Candidate, Problem, Verifier
 
-__all__ = ["ModuleSources", "VerifierService", "verdict_event", "verdict_event_id"]
+__all__ = [
+    "RESCORE_VERSION_HEADER",
+    "ModuleSources",
+    "VerifierService",
+    "rescore_group",
+    "verdict_event",
+    "verdict_event_id",
+]
 
 _VERDICT_NAMESPACE = uuid.UUID("6d1c7f0e-3b7a-4c55-9a0e-5b2d1f8e9c41")
+
+# The header of a rescore job naming the verifier version that is to judge it.
+RESCORE_VERSION_HEADER = "kz-rescore-verifier-version"
+
+
+def rescore_group(verifier_version: str = VERIFIER_VERSION) -> str:
+    """The consumer group of one verifier version's members on the rescore topic."""
+    return f"kz-verifier-rescore-{verifier_version}"
 
 
 def verdict_event_id(kernel_event_id: uuid.UUID, verifier_version: str = VERIFIER_VERSION
@@ -116,12 +141,18 @@ class VerifierService(Service):
         *,
         module_wait_s: float = 30.0,
         max_batch: int = 8,
+        rescore_slots: int = 2,
     ) -> None:
         super().__init__(ctx)
         self.verifier = verifier or Verifier()
         self.module_wait_s = module_wait_s
         self.max_batch = max_batch
         self.modules = ModuleSources()
+        self.rescore_group = rescore_group()
+        self._rescore_slots = asyncio.Semaphore(rescore_slots)
+        self._live_batches = 0
+        self._live_idle = asyncio.Event()
+        self._live_idle.set()
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -142,11 +173,26 @@ class VerifierService(Service):
             max_in_flight=1,
             dead_letter_topic=topics.dead_letter,
         )
+        # From the beginning: jobs published before this version's first member started.
+        rescore_sub = await self.subscribe(
+            self.rescore_group,
+            [topics.rescore],
+            self.rescore_batch,
+            offsets=StoreOffsets(self.ctx.store),
+            max_batch=self.max_batch,
+            max_in_flight=1,
+            dead_letter_topic=topics.dead_letter,
+        )
         self.log.info("verifier_started", manifest=self.verifier.manifest())
+
+        async def consume() -> None:
+            await asyncio.gather(sub.wait(), rescore_sub.wait())
+
         try:
-            await self.run_until_stopped(sub.wait())
+            await self.run_until_stopped(consume())
         finally:
             await sub.stop()
+            await rescore_sub.stop()
             await modules_sub.stop()
             await self.verifier.aclose()
 
@@ -205,7 +251,14 @@ class VerifierService(Service):
             m.event.event_id: m.event
             for m in batch if m.event is not None and m.event.type == "KernelGenerated"
         }.values())
-        verdicts = await asyncio.gather(*(self._verify_one(e) for e in kernels))
+        self._live_batches += 1
+        self._live_idle.clear()
+        try:
+            verdicts = await asyncio.gather(*(self._verify_one(e) for e in kernels))
+        finally:
+            self._live_batches -= 1
+            if not self._live_batches:
+                self._live_idle.set()
         # An outage is waited out here, not by the bus retrying the handler: that would
         # verify the whole batch again.
         await self.wait_out(
@@ -215,3 +268,46 @@ class VerifierService(Service):
             self.metrics.handled("KernelVerified")
             status = v.payload.get("status", "")
             self.log.info("kernel_verified", kernel_id=v.payload["kernel_id"], status=status)
+
+    async def _rescore_one(self, event: Event) -> Event | None:
+        """The verdict of this version on a stored kernel event, or None when the store
+        holds it already."""
+        verdict_id = verdict_event_id(event.event_id)
+        stream = await self.wait_out(lambda: self.ctx.store.read_stream(event.stream_id))
+        if not stream:
+            raise InfrastructureError(f"rescore job: {event.stream_id} is not in the store")
+        if any(r.event.event_id == verdict_id for r in stream):
+            return None
+        source = await self._module_source(payload_as(event, KernelGenerated))
+        async with self._rescore_slots:
+            await self._live_idle.wait()
+            self.metrics.in_flight.inc()
+            try:
+                return await verdict_event(
+                    self.verifier, event, source, producer=self.ctx.producer_id,
+                    stream_version=max(r.event.stream_version for r in stream) + 1,
+                )
+            finally:
+                self.metrics.in_flight.dec()
+
+    async def rescore_batch(self, batch: Sequence[BusMessage]) -> None:
+        """Judges the batch's rescore jobs for this verifier version, then commits the new
+        verdicts and the offsets after the batch in one transaction. A verdict that meets
+        another in its stream version (one of another verifier version, written meanwhile)
+        rolls the batch back and the bus retries it: the retry reads the streams again."""
+        mine = VERIFIER_VERSION.encode()
+        jobs = list({
+            m.event.event_id: m.event for m in batch
+            if m.event is not None and m.event.type == "KernelGenerated"
+            and m.headers.get(RESCORE_VERSION_HEADER) == mine
+        }.values())
+        if others := sum(m.headers.get(RESCORE_VERSION_HEADER) != mine for m in batch):
+            self.log.info("rescore_jobs_of_another_version", jobs=others)
+        judged = await asyncio.gather(*(self._rescore_one(e) for e in jobs))
+        verdicts = [v for v in judged if v is not None]
+        await self.wait_out(lambda: self.ctx.store.append(
+            verdicts, tracking={self.rescore_group: offsets_after(batch)}))
+        for v in verdicts:
+            self.metrics.handled("KernelVerified")
+            self.log.info("kernel_rescored", kernel_id=v.payload["kernel_id"],
+                          status=v.payload.get("status", ""))

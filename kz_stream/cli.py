@@ -1027,7 +1027,18 @@ def rescore_cmd(
     since: SinceOption = None,
     until: UntilOption = None,
     include_eval: IncludeEvalOption = False,
-    concurrency: Annotated[int, typer.Option(min=1, help="Kernels in verification at once.")] = 4,
+    fleet: Annotated[
+        bool | None,
+        typer.Option("--fleet/--local", help="Jobs on the rescore topic for the verifier "
+                     "services, or verify in this process (default: --fleet on a broker, "
+                     "--local on the embedded bus)."),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(min=0, help="--fleet: seconds to wait for the verdicts.")
+    ] = 3600.0,
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="--local: kernels in verification at once.")
+    ] = 4,
     out: Annotated[Path | None, typer.Option(help="Write the drift as JSON here.")] = None,
     config: ConfigOption = None,
 ) -> None:
@@ -1035,11 +1046,16 @@ def rescore_cmd(
     the old; already judged ones are skipped) and reports which verdicts flipped, by check,
     and the training steps that used them."""
     from kz_stream.app import make_verifier, open_context
-    from kz_stream.rescore import Drift, plan_rescore, rescore
+    from kz_stream.consumers.verifier import rescore_group
+    from kz_stream.rescore import Drift, plan_rescore, rescore, rescore_on_fleet
     from kz_stream.verify import VERIFIER_VERSION
 
     settings = _settings(config, quiet=True)
     flt = _kernel_filter(run, status, include_eval, since, until)
+    on_fleet = not settings.embedded if fleet is None else fleet
+    if on_fleet and settings.embedded:
+        raise ValueError("--fleet: the embedded bus (memory://) lives inside one process; set "
+                         "KZ_BUS_URL to the broker the verifiers read, or use --local")
 
     async def go() -> Drift:
         async with open_context(settings) as ctx:
@@ -1047,12 +1063,22 @@ def rescore_cmd(
             todo = len(plan.todo())
             console.print(f"{todo} of {len(plan.kernels)} kernels to verify under "
                           f"{VERIFIER_VERSION}", highlight=False)
+            if on_fleet and todo:
+                console.print(f"jobs on {settings.topics.rescore} for the consumer group "
+                              f"{rescore_group()}", highlight=False)
             with _progress_bars(counts=True) as bars:
                 task = bars.add_task("verified", total=todo, detail="")
+
+                def progress(done: int, _: int) -> None:
+                    bars.update(task, completed=done)
+
+                if on_fleet:
+                    return await rescore_on_fleet(
+                        ctx.store, ctx.bus, plan, topic=settings.topics.rescore,
+                        timeout_s=timeout, on_verdict=progress)
                 return await rescore(
                     ctx.store, make_verifier(settings), plan, producer=ctx.producer_id,
-                    concurrency=concurrency,
-                    on_verdict=lambda done, _: bars.update(task, completed=done))
+                    concurrency=concurrency, on_verdict=progress)
 
     d = _run(go())
     table = Table("from", "to", "check", "kernels",
@@ -1070,6 +1096,12 @@ def rescore_cmd(
     if out is not None:
         out.write_text(json.dumps(d.as_dict(), indent=2) + "\n")
         console.print(f"drift written to {out}", highlight=False)
+    if d.missing:
+        err_console.print(
+            f"{len(d.missing)} of {d.rescored + len(d.missing)} verdicts did not come within "
+            f"{timeout:g}s (are verifiers of {VERIFIER_VERSION} running?); their jobs stay "
+            "queued: run kz rescore again to wait for them", highlight=False)
+        raise typer.Exit(1)
 
 
 # ------------------------------------------------------------------------------ warmstart

@@ -69,6 +69,8 @@ class TopicsConfig(_Section):
     frontier: str = "kz.frontier"
     policy: str = "kz.policy"
     dead_letter: str = "kz.dead-letter"
+    # ``kz rescore``'s jobs: stored kernel events, for the verifier fleet to judge again.
+    rescore: str = "kz.rescore"
     partitions: int = 8
 
     def specs(self) -> list[TopicSpec]:
@@ -76,6 +78,7 @@ class TopicsConfig(_Section):
         return [
             TopicSpec(self.modules, self.partitions),
             TopicSpec(self.kernels, self.partitions),
+            TopicSpec(self.rescore, self.partitions),
             TopicSpec(self.frontier, 1, compacted=True),
             TopicSpec(self.policy, 1, compacted=True),
             TopicSpec(self.dead_letter, 1),

@@ -5,27 +5,45 @@ The new verdicts are written by the verifier service's own function
 (``kz_stream.consumers.verifier.verdict_event``): their ids come from the kernel event and the
 verifier version, so a kernel already judged by this version is skipped, and a rescore
 cut short resumes by running it again. A new verdict takes the next version of its kernel's
-stream as the replay found it. The drift compares each kernel's newest earlier
-verdict with the new one: verdicts that flipped between correct and not, grouped by the
-check that decided the new one, and the training steps (and the policy versions they
-published) whose rewards used a flipped kernel.
+stream (as the replay found it; on the fleet, as the verifier reads it before judging).
+The drift compares each kernel's newest earlier verdict with the new one: verdicts that
+flipped between correct and not, grouped by the check that decided the new one, and the
+training steps (and the policy versions they published) whose rewards used a flipped
+kernel.
+
+Two ways to judge: ``rescore`` verifies in this process; ``rescore_on_fleet`` publishes one
+job per kernel on the rescore topic (the stored kernel event, with the verifier version in
+a header) for the verifier services, which share them as a consumer group and write the
+verdicts with their offsets, and waits for the verdicts to reach the store. Both report
+the same drift.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kz_stream.bus import Bus
 from kz_stream.events import Event, TrainingStepCompleted, payload_as
 from kz_stream.export import KernelFilter
 from kz_stream.runtime import first_error
 from kz_stream.store import EventStore
 from kz_stream.verify import VERIFIER_VERSION, Verifier
 
-__all__ = ["Drift", "RescorePlan", "drift", "plan_rescore", "rescore"]
+__all__ = [
+    "Drift",
+    "RescorePlan",
+    "collect_verdicts",
+    "drift",
+    "plan_rescore",
+    "publish_jobs",
+    "rescore",
+    "rescore_on_fleet",
+]
 
 
 @dataclass
@@ -39,6 +57,7 @@ class RescorePlan:
     steps: list[TrainingStepCompleted] = field(default_factory=list)
     # kernel id -> the highest stream version stored in its stream (generation, verdicts)
     stream_versions: dict[str, int] = field(default_factory=dict)
+    position: int = 0  # the highest global position the replay read
 
     def next_version(self, kernel_id: str) -> int:
         """The stream version a new verdict on the kernel takes."""
@@ -66,6 +85,7 @@ async def plan_rescore(store: EventStore, flt: KernelFilter) -> RescorePlan:
     async for batch in store.read_all(0, types=types):
         for r in batch:
             e, p = r.event, r.event.payload
+            plan.position = max(plan.position, r.global_position)
             if e.type == "ModuleProposed":
                 plan.modules.setdefault(p["module_id"], p["source"])
             elif e.type == "KernelGenerated":
@@ -94,6 +114,7 @@ class Drift:
     flips: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # old, new, check
     flipped_kernels: list[str] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)  # training steps that used them
+    missing: list[str] = field(default_factory=list)  # kernels whose new verdict did not come
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +126,7 @@ class Drift:
                       for (a, b, c), n in self.flips.most_common()],
             "flipped_kernels": self.flipped_kernels,
             "training_steps": self.steps,
+            "missing": self.missing,
         }
 
 
@@ -112,7 +134,7 @@ def drift(plan: RescorePlan, new: dict[str, dict[str, Any]]) -> Drift:
     """Compares the new verdicts (kernel id -> payload) with each kernel's newest earlier
     verdict of another version."""
     d = Drift(rescored=len(new))
-    for kid, v in new.items():
+    for kid, v in sorted(new.items()):
         before = [o for o in plan.verdicts.get(kid, [])
                   if o.get("verifier_version") != v.get("verifier_version")]
         if not before:
@@ -166,3 +188,67 @@ async def rescore(
     except BaseExceptionGroup as group:
         raise first_error(group) from None
     return drift(plan, new)
+
+
+async def publish_jobs(bus: Bus, topic: str, plan: RescorePlan, kernel_ids: Sequence[str],
+                       *, window: int = 256) -> None:
+    """Publishes the kernels' stored events on ``topic`` as rescore jobs for the current
+    verifier version (keyed by stream, so a kernel's jobs stay in order), ``window`` of
+    them awaiting their acknowledgement at once."""
+    from kz_stream.consumers.verifier import RESCORE_VERSION_HEADER
+
+    headers = {RESCORE_VERSION_HEADER: VERIFIER_VERSION.encode()}
+    for start in range(0, len(kernel_ids), window):
+        await asyncio.gather(*(bus.publish(topic, plan.kernels[kid], headers=headers)
+                               for kid in kernel_ids[start:start + window]))
+
+
+async def collect_verdicts(
+    store: EventStore,
+    kernel_ids: Sequence[str],
+    *,
+    after: int,
+    timeout_s: float,
+    poll_s: float = 0.5,
+    on_verdict: Callable[[int, int], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Reads the store past position ``after`` until every kernel has a verdict of the
+    current verifier version, or ``timeout_s`` has passed; returns those that came."""
+    waiting, new = set(kernel_ids), {}
+    deadline = time.monotonic() + timeout_s
+    position = after
+    while True:
+        async for batch in store.read_all(position, types=["KernelVerified"]):
+            for r in batch:
+                position = max(position, r.global_position)
+                p = r.event.payload
+                if p["kernel_id"] in waiting and p.get("verifier_version") == VERIFIER_VERSION:
+                    waiting.discard(p["kernel_id"])
+                    new[p["kernel_id"]] = p
+                    if on_verdict is not None:
+                        on_verdict(len(new), len(kernel_ids))
+        if not waiting or time.monotonic() >= deadline:
+            return new
+        await asyncio.sleep(poll_s)
+
+
+async def rescore_on_fleet(
+    store: EventStore,
+    bus: Bus,
+    plan: RescorePlan,
+    *,
+    topic: str,
+    timeout_s: float,
+    poll_s: float = 0.5,
+    on_verdict: Callable[[int, int], None] | None = None,
+) -> Drift:
+    """Publishes ``plan.todo()`` as rescore jobs, waits up to ``timeout_s`` for the
+    verifiers' verdicts in the store and returns the drift; kernels still without one are
+    ``missing`` (their jobs stay queued: running it again waits for them)."""
+    todo = plan.todo()
+    await publish_jobs(bus, topic, plan, todo)
+    new = await collect_verdicts(store, todo, after=plan.position, timeout_s=timeout_s,
+                                 poll_s=poll_s, on_verdict=on_verdict)
+    d = drift(plan, new)
+    d.missing = sorted(set(todo) - set(new))
+    return d

@@ -67,7 +67,7 @@ def verdicts(n: int, tag: str) -> list[Event]:
 def unique_topics() -> tuple[str, TopicsConfig]:
     """A tag and topic names of this test only (the session's broker is shared)."""
     tag = uuid.uuid4().hex[:8]
-    names = ("modules", "kernels", "frontier", "policy", "dead_letter")
+    names = ("modules", "kernels", "frontier", "policy", "dead_letter", "rescore")
     return tag, TopicsConfig(**{f: f"{f}-{tag}" for f in names}, partitions=2)
 
 
