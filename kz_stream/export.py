@@ -13,9 +13,11 @@ the event store.
   per kernel): prompts for training at the frontier.
 
 The export reads the store up to its end when it starts, in batches, and writes nothing
-to it, so it runs beside a live system. Evaluation runs (``eval-`` correlation ids) are
-left out unless ``runs`` names them or ``include_evaluation`` is set: a training set must
-not hold the evaluation problems.
+to it, so it runs beside a live system. ``export_datasets`` writes the verdict rows to
+parquet a chunk at a time as they come; ``sft`` and ``rl`` are reductions kept per module.
+Payloads are read as plain dicts (no pydantic), and only the keys the sets use.
+Evaluation runs (``eval-`` correlation ids) are left out unless ``runs`` names them or
+``include_evaluation`` is set: a training set must not hold the evaluation problems.
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ class _Replay:
     def apply(self, event: Any, position: int, recorded_at: str) -> None:
         p = current_payload(event)
         if event.type == "ModuleProposed":
-            self.modules.setdefault(p["module_id"], p["source"])
+            if "sft" in self.sets:
+                self.modules.setdefault(p["module_id"], p["source"])
             if "rl" in self.sets and not is_evaluation(event.correlation_id):
                 if p["module_id"] not in self.rl_modules:  # kernels are filtered, modules not
                     self.rl_modules[p["module_id"]] = _RlModule(
