@@ -985,12 +985,16 @@ def dataset_export(
     include_eval: IncludeEvalOption = False,
     since: SinceOption = None,
     until: UntilOption = None,
+    chunk_rows: Annotated[
+        int | None, typer.Option(min=1, help="Rows per parquet row group, and verdict rows "
+                                 "held at once before writing (default 1,000).")
+    ] = None,
     config: ConfigOption = None,
 ) -> None:
     """Writes the SFT set (best correct kernel per module and backend), the verdict set
     (every verdict with its kernel) and the RL set (modules with their per-API frontier
     statistics) as parquet with a dataset card, replaying the store."""
-    from kz_stream.export import DATASETS, DatasetName, collect_rows, write_export
+    from kz_stream.export import CHUNK_ROWS, DATASETS, DatasetName, export_datasets
 
     names: list[DatasetName] = []
     for name in dict.fromkeys(sets or DATASETS):
@@ -1002,11 +1006,10 @@ def dataset_export(
     with _progress_bars(counts=True) as bars:
         task = bars.add_task("replaying the store", total=None, detail="")
 
-        rows, position = _read_store(settings, lambda store: collect_rows(
-            store, flt, sets=names,
+        counts, position = _read_store(settings, lambda store: export_datasets(
+            store, out, names, flt=flt, store_url=settings.database_url,
+            chunk_rows=chunk_rows or CHUNK_ROWS,
             on_batch=lambda pos, end: bars.update(task, completed=pos, total=end)))
-        counts = write_export(rows, out, names, flt=flt,
-                              store_url=settings.database_url, position=position)
     console.print(
         ", ".join(f"{name}: {n:,} rows" for name, n in counts.items())
         + f" (store position {position:,}) written to {out}",

@@ -4,6 +4,7 @@ their filters, written as parquet through `datasets` and read back."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from kz_stream.events import (
     VerdictStatus,
     new_event,
 )
-from kz_stream.export import KernelFilter, collect_rows
+from kz_stream.export import DATASETS, KernelFilter, collect_rows, export_datasets
 from kz_stream.store import open_store
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -130,3 +131,104 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
     schema = pq.read_schema(tmp_path / "none" / "sft.parquet")
     assert schema.names[:2] == ["module_id", "backend"] and str(schema.field("speedup").type) == (
         "double")
+
+
+def more_events() -> list[Event]:
+    """Beyond ``events()``: an invalid module, a module only an evaluation proposed, a kernel
+    of a module never proposed, undecided verdicts, and a late re-score."""
+    out = [new_event(ModuleProposed(module_id="m3", api_set=["torch.sum", "torch.relu"],
+                                    source="src m3", validation=ModuleValidation(valid=False)),
+                     stream_id="module-m3", stream_version=0, correlation_id="run-a"),
+           new_event(ModuleProposed(module_id="m5", api_set=["torch.exp"], source="src m5",
+                                    validation=ModuleValidation(valid=True)),
+                     stream_id="module-m5", stream_version=0, correlation_id="eval-x")]
+    kernels = {"k7": ("run-a", "m3", "correct", 1.5), "k8": ("run-b", "m2", "infra_error", None),
+               "k9": ("run-a", "m4", "correct", 1.2), "k10": ("run-a", "m5", "correct", 4.0),
+               "k11": ("run-b", "m2", "unchecked", None), "k12": ("run-b", "m2", "correct", 1.1)}
+    for minute, (kid, (run, module, status, speedup)) in enumerate(kernels.items(), start=10):
+        out.append(new_event(
+            KernelGenerated(kernel_id=kid, module_id=module, group_id=f"g-{module}",
+                            backend="cuda" if kid == "k12" else "triton",
+                            source=f"kernel {kid}", prompt=f"prompt {module}"),
+            stream_id=f"kernel-{kid}", stream_version=0, correlation_id=run,
+            occurred_at=T0 + timedelta(minutes=minute)))
+        out.append(new_event(
+            KernelVerified(kernel_id=kid, module_id=module, group_id=f"g-{module}",
+                           status=VerdictStatus(status), speedup=speedup, verifier_version="v1"),
+            stream_id=f"kernel-{kid}", stream_version=1, correlation_id=run))
+    # k2 re-scored long after its first verdict, correct and faster: its texts are read back.
+    out.append(new_event(
+        KernelVerified(kernel_id="k2", module_id="m1", group_id="g-m1",
+                       status=VerdictStatus("correct"), speedup=2.5, verifier_version="v2"),
+        stream_id="kernel-k2", stream_version=2, correlation_id="run-a"))
+    return out
+
+
+def test_a_multi_chunk_export_writes_what_a_one_chunk_export_writes(
+    store_url: str, tmp_path: Path
+) -> None:
+    import pyarrow.parquet as pq
+
+    async def go() -> None:
+        async with open_store(store_url) as store:
+            await store.append(events() + more_events())
+            for flt in (KernelFilter(), KernelFilter(include_evaluation=True),
+                        KernelFilter(statuses={"correct"}, verifier_versions={"v1"})):
+                rows, position = await collect_rows(store, flt)
+                for chunk in (1, 3, 10_000):
+                    out = tmp_path / f"{chunk}"
+                    counts, at = await export_datasets(store, out, DATASETS, flt=flt,
+                                                       store_url=store_url, chunk_rows=chunk)
+                    assert at == position
+                    assert counts == {name: len(rows[name]) for name in DATASETS}
+                # The files of every chunk size are the same tables, schema metadata included.
+                for name in DATASETS:
+                    one = pq.read_table(tmp_path / "10000" / f"{name}.parquet")
+                    assert pq.read_table(tmp_path / "1" / f"{name}.parquet").equals(
+                        one, check_metadata=True)
+                    assert pq.read_table(tmp_path / "3" / f"{name}.parquet").equals(one)
+                    # ... and hold the rows gathered in memory, column for column.
+                    assert one.to_pylist() == [{c: r[c] for c in one.column_names}
+                                               for r in rows[name]]
+                assert (tmp_path / "1" / "README.md").read_text() == (
+                    tmp_path / "10000" / "README.md").read_text()
+            written = pq.ParquetFile(tmp_path / "1" / "verdicts.parquet")
+            assert written.metadata.num_row_groups == written.metadata.num_rows > 1
+
+    asyncio.run(go())
+    assert not list(tmp_path.glob("*/*.partial"))
+
+
+def test_the_rl_set_is_the_learners_view_of_the_store(store_url: str) -> None:
+    """The rl rows match what ``RunState`` and its capability map (the learner's own read
+    of the store) say, evaluation runs, undecided verdicts and re-scores included."""
+    from kz_stream.run_state import CapabilityMap, RunState
+
+    history = events() + more_events()
+    state = RunState()
+    for ev in history:
+        state.apply(ev)
+    cmap = CapabilityMap.from_state(state)
+    expected = {}
+    for m in state.modules.values():
+        mine = [k for k in state.kernels.values() if k.module_id == m.module_id and k.decided]
+        if m.valid and mine:
+            speeds = [k.verdict.speedup for k in mine if k.correct and k.verdict is not None
+                      and k.verdict.speedup is not None]
+            expected[m.module_id] = (
+                len(mine), sum(k.correct for k in mine),
+                statistics.median(speeds) if speeds else None,
+                [cmap.apis[a].n for a in m.api_set], [cmap.apis[a].pass_rate for a in m.api_set])
+
+    assert set(expected) == {"m1", "m2"}  # m3 is invalid, m4 and m5 unknown to the learner
+
+    async def go() -> None:
+        async with open_store(store_url) as store:
+            await store.append(history)
+            for flt in (KernelFilter(), KernelFilter(include_evaluation=True)):
+                rows, _ = await collect_rows(store, flt, sets=("rl",))
+                assert {r["module_id"]: (r["kernels"], r["correct"], r["median_speedup"],
+                                         r["api_kernels"], r["api_pass_rates"])
+                        for r in rows["rl"]} == expected
+
+    asyncio.run(go())
