@@ -87,7 +87,9 @@ def service_by_name(name: str, ctx: ServiceContext) -> Service:
         from kz_stream.producers.seeds import SEED_MODULES, synthesized_seeds
 
         p = settings.proposer
-        seeds = (*SEED_MODULES, *synthesized_seeds(p.synthesized_seeds)) if p.seed_modules else ()
+        # Synthesized seeds first: they are in the form the warm Coder learned, so the
+        # first Coder groups can earn a reward (the hand-written ones all scored 0 there).
+        seeds = (*synthesized_seeds(p.synthesized_seeds), *SEED_MODULES) if p.seed_modules else ()
         return ProposerService(ctx, _backend(settings, "proposer"), p, seed_modules=seeds,
                                evaluation_problems=evaluation_problems(p.decontaminate))
     if name == "coder":

@@ -63,6 +63,8 @@ async def test_each_service_is_built_from_its_settings_section(tmp_path: Path) -
             assert learner.config is settings.learner
             # What is not a setting is resolved from one: seeds, sampling, the schedule.
             assert len(proposer.seed_modules) == len(SEED_MODULES) + 2
+            # Synthesized first: the form the warm Coder learned, so early groups can score.
+            assert proposer.seed_modules[2:] == SEED_MODULES
             assert (proposer.sampling.max_tokens, proposer.sampling.seed) == (33, 7)
             assert coder.sampling.temperature == 0.5
             schedule = learner.schedule.config
