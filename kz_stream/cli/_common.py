@@ -1,60 +1,26 @@
-"""What every ``kz`` command shares: the settings, the one-line errors, the consoles, the
-event loop and the progress bars."""
+"""What the ``kz`` commands share to do their work: the settings (and the option that
+names a bad one), the event loop, the event store."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Coroutine
-from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kz_stream.config import ConfigError, Settings, describe_validation_error, load_settings
 
 if TYPE_CHECKING:
     from kz_stream.store import EventStore
 
-console = Console()
-err_console = Console(stderr=True)
-
-P = ParamSpec("P")
 R = TypeVar("R")
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML config file (env vars override it).")
 ]
-
-
-def _one_line_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Turns any exception into one red line on stderr and exit code 1."""
-
-    @wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort, KeyboardInterrupt):
-            raise
-        except Exception as e:  # the CLI's edge: report, never dump a traceback
-            if os.environ.get("KZ_DEBUG"):
-                raise
-            if isinstance(e, ConfigError):
-                # Already names the key, value, expectation and source (two lines at most).
-                lines = str(e).splitlines()[:2]
-                err_console.print(f"[red]error:[/red] config: {lines[0]}", highlight=False)
-                for line in lines[1:]:
-                    err_console.print(f"       {line}", highlight=False)
-                raise typer.Exit(1) from None
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            err_console.print(f"[red]error:[/red] {type(e).__name__}: {msg}", highlight=False)
-            raise typer.Exit(1) from None
-
-    return wrapper
 
 
 # Settings fields whose command-line option has another name.
@@ -97,12 +63,3 @@ def _read_store(settings: Settings, read: Callable[[EventStore], Coroutine[Any, 
             return await read(store)
 
     return _run(go())
-
-
-def _progress_bars(*, counts: bool = False) -> Progress:
-    """Progress bars on stderr: description, bar, [done/total,] a detail field, time."""
-    columns = [TextColumn("{task.description}"), BarColumn()]
-    if counts:
-        columns.append(TextColumn("{task.completed}/{task.total}"))
-    columns += [TextColumn("{task.fields[detail]}"), TimeElapsedColumn()]
-    return Progress(*columns, console=err_console)

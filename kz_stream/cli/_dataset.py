@@ -10,16 +10,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from kz_stream.cli._common import (
-    ConfigOption,
-    _one_line_errors,
-    _progress_bars,
-    _read_store,
-    _run,
-    _settings,
-    console,
-    err_console,
-)
+from kz_stream.cli._common import ConfigOption, _read_store, _run, _settings
+from kz_stream.cli._output import _one_line_errors, _progress_bars, console, err_console
 
 if TYPE_CHECKING:
     from kz_stream.export import KernelFilter

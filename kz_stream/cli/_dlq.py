@@ -9,7 +9,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kz_stream.cli._common import ConfigOption, _one_line_errors, _run, _settings, console
+from kz_stream.cli._common import ConfigOption, _run, _settings
+from kz_stream.cli._output import _one_line_errors, console
 from kz_stream.config import Settings
 
 dlq_app = typer.Typer(help="Inspect and re-drive dead letters.")

@@ -9,16 +9,8 @@ from typing import Annotated, TypeGuard, get_args
 import typer
 from rich.table import Table
 
-from kz_stream.cli._common import (
-    ConfigOption,
-    _one_line_errors,
-    _progress_bars,
-    _read_store,
-    _run,
-    _settings,
-    console,
-    err_console,
-)
+from kz_stream.cli._common import ConfigOption, _read_store, _run, _settings
+from kz_stream.cli._output import _one_line_errors, _progress_bars, console, err_console
 from kz_stream.database_url import redact
 from kz_stream.verify import Backend
 

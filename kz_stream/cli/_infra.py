@@ -10,7 +10,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from kz_stream.cli._common import _one_line_errors, console
+from kz_stream.cli._output import _one_line_errors, console
 
 infra_app = typer.Typer(help="Start and stop local PostgreSQL and the Kafka-protocol broker.")
 

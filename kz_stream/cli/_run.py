@@ -12,16 +12,8 @@ import typer
 from pydantic import ValidationError
 from rich.table import Table
 
-from kz_stream.cli._common import (
-    ConfigOption,
-    _bad_option,
-    _one_line_errors,
-    _progress_bars,
-    _read_store,
-    _run,
-    _settings,
-    console,
-)
+from kz_stream.cli._common import ConfigOption, _bad_option, _read_store, _run, _settings
+from kz_stream.cli._output import _one_line_errors, _progress_bars, console
 from kz_stream.config import Settings, validated_copy
 
 if TYPE_CHECKING:

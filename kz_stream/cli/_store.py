@@ -10,15 +10,8 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kz_stream.cli._common import (
-    ConfigOption,
-    _one_line_errors,
-    _read_store,
-    _run,
-    _settings,
-    console,
-    err_console,
-)
+from kz_stream.cli._common import ConfigOption, _read_store, _run, _settings
+from kz_stream.cli._output import _one_line_errors, console, err_console
 from kz_stream.database_url import ensure_sqlite_dir, redact
 
 db_app = typer.Typer(help="Event store schema.")

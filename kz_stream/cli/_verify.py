@@ -10,7 +10,8 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kz_stream.cli._common import _one_line_errors, _run, console, err_console
+from kz_stream.cli._common import _run
+from kz_stream.cli._output import _one_line_errors, console, err_console
 
 verify_app = typer.Typer(help="The kernel verifier on its own.")
 

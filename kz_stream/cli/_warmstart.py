@@ -10,15 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
-from kz_stream.cli._common import (
-    ConfigOption,
-    _one_line_errors,
-    _progress_bars,
-    _read_store,
-    _run,
-    _settings,
-    console,
-)
+from kz_stream.cli._common import ConfigOption, _read_store, _run, _settings
+from kz_stream.cli._output import _one_line_errors, _progress_bars, console
 
 warmstart_app = typer.Typer(help="Teacher-distilled SFT data and adapters for a warm start.")
 
