@@ -1,0 +1,151 @@
+"""``kz eval``: evaluate a Coder policy on a KernelBench-format suite."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, TypeGuard, get_args
+
+import typer
+from rich.table import Table
+
+from kz_stream.cli._common import ConfigOption, _read_store, _run, _settings
+from kz_stream.cli._output import _one_line_errors, _progress_bars, console, err_console
+from kz_stream.database_url import redact
+from kz_stream.verify import Backend
+
+eval_app = typer.Typer(help="Evaluate a Coder policy on a KernelBench-format suite.")
+
+
+def _is_backend(name: str) -> TypeGuard[Backend]:
+    return name in get_args(Backend)
+
+
+@eval_app.command("run")
+@_one_line_errors
+def eval_run(
+    suite: Annotated[Path, typer.Argument(help="Folder of KernelBench-format problems.")],
+    policy: Annotated[
+        str,
+        typer.Option(help="base | a model or LoRA adapter folder | run:<run id>[:<version>] "
+                          "| an OpenAI-compatible URL."),
+    ] = "base",
+    backend: Annotated[str, typer.Option(help="Kernel language: triton or cuda.")] = "triton",
+    samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 10,
+    run_id: Annotated[
+        str | None, typer.Option(help="Resume this run (eval-...); default: a new one.")
+    ] = None,
+    level: Annotated[int | None, typer.Option(help="Level (default: from the folder).")] = None,
+    match: Annotated[str | None, typer.Option(help="Only files matching this glob.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="First N problems per level.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="Served model name (URL policy) or base model folder (others)."),
+    ] = None,
+    api_key_env: Annotated[
+        str, typer.Option(help="Environment variable holding the endpoint's API key.")
+    ] = "OPENAI_API_KEY",
+    max_new_tokens: Annotated[int | None, typer.Option(min=1, help="Completion cap.")] = None,
+    temperature: Annotated[float | None, typer.Option(min=0.0, help="Temperature.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="Generations and verifications in flight at once.")
+    ] = 4,
+    device: Annotated[
+        str | None, typer.Option(help="Where a local model generates (cpu, cuda).")
+    ] = None,
+    batch_size: Annotated[
+        int, typer.Option(min=1, help="A local model's generation batch (prompt x sample).")
+    ] = 8,
+    config: ConfigOption = None,
+) -> None:
+    """Samples the policy on every problem, verifies every kernel and stores it all as
+    events; run again with --run-id to resume one that was cut short."""
+    from kz_stream.evaluation import (
+        EvalOptions,
+        EvalProgress,
+        load_suite,
+        new_run_id,
+        run_evaluation,
+    )
+    from kz_stream.llm import SamplingParams
+
+    if not _is_backend(backend):
+        raise typer.BadParameter(f"--backend: {backend!r} is not triton or cuda")
+    settings = _settings(config, quiet=True)
+    loaded = load_suite(suite, level=level, match=match, limit=limit)
+    for path, why in loaded.skipped:
+        err_console.print(f"skipped {path.name}: {why}", highlight=False)
+    llm = settings.coder.llm
+    options = EvalOptions(
+        run_id=run_id or new_run_id(),
+        policy=policy,
+        backend=backend,
+        samples=samples,
+        sampling=SamplingParams(
+            max_tokens=max_new_tokens or llm.max_tokens,
+            temperature=llm.temperature if temperature is None else temperature,
+            seed=seed,
+        ),
+        model=model,
+        api_key=os.environ.get(api_key_env),
+        concurrency=concurrency,
+        device=device,
+        batch_size=batch_size,
+    )
+    console.print(
+        f"evaluation {options.run_id}: {len(loaded.problems)} problems × {samples} samples",
+        highlight=False,
+    )
+    with _progress_bars(counts=True) as bars:
+        gen = bars.add_task("generated", total=None, detail="")
+        ver = bars.add_task("verified", total=None, detail="")
+
+        def show(p: EvalProgress) -> None:
+            bars.update(gen, total=p.to_generate, completed=p.generated)
+            bars.update(ver, total=p.to_verify, completed=p.verified,
+                        detail=f"correct {p.correct}" + (f", {p.resumed} stored before"
+                                                         if p.resumed else ""))
+
+        progress = _run(run_evaluation(settings, loaded, options, on_progress=show))
+    console.print(
+        f"evaluation {options.run_id}: {progress.verified} kernels verified now "
+        f"({progress.correct} correct), {progress.resumed} before; "
+        f"kz eval report {options.run_id}",
+        highlight=False,
+    )
+
+
+@eval_app.command("report")
+@_one_line_errors
+def eval_report(
+    run_id: Annotated[str, typer.Argument(help="The evaluation run id (eval-...).")],
+    out: Annotated[
+        Path | None, typer.Option(help="Output folder (default .kz/eval/<run id>).")
+    ] = None,
+    config: ConfigOption = None,
+) -> None:
+    """Prints an evaluation's metrics per level and overall, and writes report.json,
+    report.md and plots (pass@k against k, speedups, the per-problem grid)."""
+    from kz_stream.evaluation import build_report, load_evaluation, table_rows, write_report
+
+    settings = _settings(config)
+    out = out or Path(".kz/eval") / run_id
+    with _progress_bars() as bars:
+        task = bars.add_task("reading the store", total=None, detail="")
+        record = _read_store(settings, lambda store: load_evaluation(store, run_id))
+        if record is None:
+            raise LookupError(f"no evaluation {run_id!r} in {redact(settings.database_url)}")
+        bars.update(task, description="metrics and plots", total=1)
+        report = build_report(record)
+        paths = write_report(report, out)
+        bars.update(task, completed=1)
+    header, rows = table_rows(report)
+    done = f"{report.verified}/{report.expected} kernels verified"
+    table = Table(*header, title=f"evaluation {run_id} ({done})")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in report.statuses.items()),
+                  highlight=False)
+    console.print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)

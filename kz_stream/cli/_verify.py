@@ -1,0 +1,76 @@
+"""``kz verify``: the kernel verifier on its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kz_stream.cli._common import _run
+from kz_stream.cli._output import _one_line_errors, console, err_console
+
+verify_app = typer.Typer(help="The kernel verifier on its own.")
+
+
+@verify_app.command("audit-suite")
+@_one_line_errors
+def verify_audit_suite(
+    path: Annotated[Path, typer.Argument(help="A folder of KernelBench-format problems "
+                                         "(e.g. a KernelBench checkout's KernelBench/level1).")],
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows here.")] = None,
+    admission: Annotated[bool, typer.Option(help="Run the admission gate too.")] = True,
+    limit: Annotated[int | None, typer.Option(help="Only the first N problems.")] = None,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Force the CPU path.")] = False,
+) -> None:
+    """Prepares every problem of a suite as the verifier would and prints, per problem:
+    admitted or why not, the input sets used and dropped, the memory plan, the oracle's
+    peak device memory and time."""
+    from kz_stream.verify import Verifier, VerifierConfig, audit_suite, suite_files
+
+    if not path.is_dir():
+        raise typer.BadParameter(f"{path} is not a folder", param_hint="PATH")
+    files = suite_files(path)[:limit]
+    if not files:
+        raise typer.BadParameter(f"no problem files (*.py) in {path}", param_hint="PATH")
+    table = Table(title=f"{path}: {len(files)} problems")
+    for col in ("problem", "admission", "input sets", "dropped", "memory plan",
+                "oracle GiB", "input GiB", "prepare s"):
+        table.add_column(col)
+    rows: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        verifier = Verifier(VerifierConfig(devices=[] if cpu else None))
+        device = "cuda" if verifier.gpu else "cpu"
+        try:
+            with Progress(TextColumn("{task.description}"), BarColumn(),
+                          TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                          console=err_console, transient=True) as bar:
+                task = bar.add_task("audit", total=len(files))
+                async for row in audit_suite(files, verifier, admission=admission,
+                                             admission_device=device):
+                    rows.append(row.to_dict())
+                    adm = ("-" if row.admitted is None else "yes" if row.admitted
+                           else f"no: {row.reason}")
+                    table.add_row(
+                        row.name, adm, row.error or ", ".join(row.input_sets),
+                        "; ".join(f"{d['label']}: {d['reason'][:60]}" for d in row.dropped)
+                        or "-", str(len(row.memory_plan)) if row.memory_plan else "-",
+                        f"{row.oracle_peak_gb:.1f}", f"{row.input_gb:.2f}",
+                        f"{row.prepare_s:.1f}")
+                    bar.advance(task, 1)
+                    if json_out is not None:  # rewritten as it goes: a cut run keeps its rows
+                        json_out.write_text(json.dumps(rows, indent=1))
+        finally:
+            await verifier.close()
+
+    _run(go())
+    console.print(table)
+    failed = sum(1 for r in rows if r["error"])
+    rejected = sum(1 for r in rows if r["admitted"] is False)
+    dropped = sum(len(r["dropped"]) for r in rows)
+    console.print(f"{len(rows)} problems: {failed} could not be prepared, {rejected} not "
+                  f"admitted, {dropped} input sets dropped (each named above).")
