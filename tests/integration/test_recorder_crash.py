@@ -152,7 +152,13 @@ def test_a_recorder_killed_mid_stream_resumes_with_nothing_lost_or_applied_twice
     ids, total = asyncio.run(check())
     assert total == N_EVENTS and ids == {e.event_id for e in events}
     resumed = _batches(second_log)
-    # The restarted recorder began at the offsets committed with the last stored batch:
-    # it wrote exactly the rest and met no event it had stored before.
+    # The restarted recorder wrote exactly the rest. It began at the offsets committed with
+    # the last stored batch, except where the kill fell between a partition's first stored
+    # batch and its first broker commit: the group then has no offset there while the store
+    # has one, which the bus cannot tell from a broker that lost its logs, so it reads that
+    # partition from its start (and says so), and the store skips what it holds.
     assert sum(b["appended"] for b in resumed) == N_EVENTS - stored_at_kill
-    assert sum(b["duplicates"] for b in resumed) == 0
+    duplicates = sum(b["duplicates"] for b in resumed)
+    if duplicates:
+        assert duplicates <= stored_at_kill
+        assert "reading them from the start" in second_log.read_text()
