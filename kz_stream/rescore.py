@@ -21,7 +21,7 @@ the same drift.
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -212,24 +212,30 @@ async def collect_verdicts(
     poll_s: float = 0.5,
     on_verdict: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Reads the store past position ``after`` until every kernel has a verdict of the
-    current verifier version, or ``timeout_s`` has passed; returns those that came."""
+    """Follows the store's verdicts past position ``after`` (its ``tail``: woken by each
+    commit on PostgreSQL, polled every ``poll_s`` on SQLite) until every kernel has one of
+    the current verifier version, or ``timeout_s`` has passed; returns those that came."""
     waiting, new = set(kernel_ids), {}
-    deadline = time.monotonic() + timeout_s
-    position = after
-    while True:
-        async for batch in store.read_all(position, types=["KernelVerified"]):
-            for r in batch:
-                position = max(position, r.global_position)
-                p = r.event.payload
-                if p["kernel_id"] in waiting and p.get("verifier_version") == VERIFIER_VERSION:
-                    waiting.discard(p["kernel_id"])
-                    new[p["kernel_id"]] = p
-                    if on_verdict is not None:
-                        on_verdict(len(new), len(kernel_ids))
-        if not waiting or time.monotonic() >= deadline:
-            return new
-        await asyncio.sleep(poll_s)
+    if not waiting:
+        return new
+    with contextlib.suppress(TimeoutError):
+        async with (
+            asyncio.timeout(timeout_s),
+            contextlib.aclosing(
+                store.tail(after, poll_interval=poll_s, types=["KernelVerified"])
+            ) as batches,
+        ):
+            async for batch in batches:
+                for r in batch:
+                    p = r.event.payload
+                    if p["kernel_id"] in waiting and p.get("verifier_version") == VERIFIER_VERSION:
+                        waiting.discard(p["kernel_id"])
+                        new[p["kernel_id"]] = p
+                        if on_verdict is not None:
+                            on_verdict(len(new), len(kernel_ids))
+                if not waiting:
+                    break
+    return new
 
 
 async def rescore_on_fleet(

@@ -95,7 +95,12 @@ class EventStore(Protocol):
         ``payload_fields`` is a hint: an adapter may drop other payload keys, or not."""
 
     def tail(
-        self, from_position: int = 0, *, batch_size: int = 1000, poll_interval: float = 0.5
+        self,
+        from_position: int = 0,
+        *,
+        batch_size: int = 1000,
+        poll_interval: float = 0.5,
+        types: Sequence[str] | None = None,
     ) -> AsyncIterator[list[RecordedEvent]]:
         """Like read_all, then waits for new commits forever (LISTEN/NOTIFY or polling)."""
 

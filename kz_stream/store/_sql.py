@@ -515,7 +515,12 @@ class SqlEventStore:
         return (await conn.execute(query)).all()
 
     async def tail(
-        self, from_position: int = 0, *, batch_size: int = 1000, poll_interval: float = 0.5
+        self,
+        from_position: int = 0,
+        *,
+        batch_size: int = 1000,
+        poll_interval: float = 0.5,
+        types: Sequence[str] | None = None,
     ) -> AsyncGenerator[list[RecordedEvent], None]:
         """read_all from ``from_position``, then waits for commits and yields them, forever."""
         self._engines()
@@ -523,7 +528,7 @@ class SqlEventStore:
         async with self._waiter() as wait:
             while True:
                 async with contextlib.aclosing(
-                    self.read_all(position, batch_size=batch_size)
+                    self.read_all(position, batch_size=batch_size, types=types)
                 ) as batches:
                     async for batch in batches:
                         position = batch[-1].global_position

@@ -262,6 +262,31 @@ async def test_read_all_yields_ordered_batches_after_a_position_and_filters_type
     assert [b async for b in store.read_all(stored[-1].global_position)] == []
 
 
+async def test_a_tail_of_some_types_yields_those_alone_as_they_commit(
+    store: SqlEventStore,
+) -> None:
+    module = new_event(
+        ModuleProposed(module_id="m", api_set=["torch.relu"], source="",
+                       validation=ModuleValidation(valid=True)),
+        stream_id="module-m", stream_version=0,
+    )
+    await store.append([verdict("a", 0), module])
+    seen: list[Event] = []
+    async with contextlib.aclosing(
+        store.tail(0, poll_interval=0.02, types=["KernelVerified"])
+    ) as tail:
+        async for batch in tail:
+            seen.extend(r.event for r in batch)
+            if len(seen) == 1:  # a module and a verdict committed after the tail began
+                await store.append([module.model_copy(update={"event_id": uuid.uuid4(),
+                                                              "stream_version": 1}),
+                                    verdict("a", 1)])
+            else:
+                break
+    assert [(e.stream_id, e.stream_version) for e in seen] == [("a", 0), ("a", 1)]
+    assert {e.type for e in seen} == {"KernelVerified"}
+
+
 async def test_read_all_with_payload_fields_keeps_those_fields_and_every_event(
     store: SqlEventStore,
 ) -> None:
