@@ -215,7 +215,8 @@ async def collect_verdicts(
     """Follows the store's verdicts past position ``after`` (its ``tail``: woken by each
     commit on PostgreSQL, polled every ``poll_s`` on SQLite) until every kernel has one of
     the current verifier version, or ``timeout_s`` has passed; returns those that came."""
-    waiting, new = set(kernel_ids), {}
+    waiting = set(kernel_ids)
+    new: dict[str, dict[str, Any]] = {}
     if not waiting:
         return new
     with contextlib.suppress(TimeoutError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -101,8 +101,9 @@ class EventStore(Protocol):
         batch_size: int = 1000,
         poll_interval: float = 0.5,
         types: Sequence[str] | None = None,
-    ) -> AsyncIterator[list[RecordedEvent]]:
-        """Like read_all, then waits for new commits forever (LISTEN/NOTIFY or polling)."""
+    ) -> AsyncGenerator[list[RecordedEvent], None]:
+        """Like read_all, then waits for new commits forever (LISTEN/NOTIFY or polling);
+        a generator, so ``contextlib.aclosing`` ends its wait when the reader stops."""
 
     async def last_position(self) -> int: ...
 
