@@ -388,6 +388,9 @@ class KafkaBus(Bus):
             or max(session_timeout_ms, int((revoke_timeout or 20.0) * 1000) + 10_000),
             "max_partition_fetch_bytes": max_partition_fetch_bytes,
             "fetch_max_bytes": fetch_max_bytes,
+            # Leaders and partitions known afresh every 10 s, not aiokafka's 5 min: after a
+            # broker lost its storage the fetcher otherwise waits on the old metadata.
+            "metadata_max_age_ms": 10_000,
             **(consumer_options or {}),
         }
         self._producer: Any = None
