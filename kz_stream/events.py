@@ -127,10 +127,12 @@ def source_sha256(source: str) -> str:
 class KernelGenerated(Payload):
     """A Coder sample. v1 named the backend ``language``; v2 calls it ``backend``; v3 adds
     ``module_sha256``, the ``source_sha256`` of the module source the kernel was written
-    for, so a verifier can take that source from its own cache and know it is the one."""
+    for, so a verifier can take that source from its own cache and know it is the one; v4
+    adds ``generation_s``, the wall seconds of the generation call that sampled it (one
+    call samples a group, so its samples share the figure)."""
 
     event_type: ClassVar[str] = "KernelGenerated"
-    schema_version: ClassVar[int] = 3
+    schema_version: ClassVar[int] = 4
 
     kernel_id: str
     module_id: str
@@ -143,6 +145,7 @@ class KernelGenerated(Payload):
     policy_version: int = 0
     completion: Completion | None = None
     module_sha256: str = ""  # "" in kernels generated before v3
+    generation_s: float | None = Field(default=None, ge=0)  # None before v4
 
 
 class KernelVerified(Payload):
@@ -288,12 +291,17 @@ def _kernel_generated_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
     return {"module_sha256": "", **payload}  # the module's hash was not recorded
 
 
+def _kernel_generated_v3_to_v4(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"generation_s": None, **payload}  # the generation time was not recorded
+
+
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
 # (type, from_version) -> function returning the payload at from_version + 1.
 UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("KernelGenerated", 1): _kernel_generated_v1_to_v2,
     ("KernelGenerated", 2): _kernel_generated_v2_to_v3,
+    ("KernelGenerated", 3): _kernel_generated_v3_to_v4,
 }
 
 

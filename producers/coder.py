@@ -11,6 +11,7 @@ started with.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -50,10 +51,12 @@ def kernel_event(
     correlation_id: str | None,
     causation_id: uuid.UUID | None,
     event_id: uuid.UUID | None = None,
+    generation_s: float | None = None,
 ) -> Event:
     """The ``KernelGenerated`` event of one sample: the reply's ``ModelNew`` code (the
     whole reply when it has none, so the verifier reports why), the completion, and the
-    module it answers (``module_sha256``: ``source_sha256`` of the module's source)."""
+    module it answers (``module_sha256``: ``source_sha256`` of the module's source), and
+    ``generation_s``, how long the generation call that sampled it took."""
     payload = KernelGenerated(
         kernel_id=kernel_id,
         module_id=module_id,
@@ -66,6 +69,7 @@ def kernel_event(
         sampling=sampling.as_dict(),
         policy_version=sample.policy_version,
         completion=sample.to_completion(),
+        generation_s=None if generation_s is None else round(generation_s, 3),
     )
     return new_event(
         payload,
@@ -200,12 +204,14 @@ class CoderService(Service):
         version = self.backend.policy_version
         prompt = coder_messages(module.source, backend)
         self.metrics.in_flight.inc()
+        started = time.monotonic()
         try:
             [samples] = await self.backend.generate(
                 [prompt], n=self.config.group_size, sampling=self.sampling
             )
         finally:
             self.metrics.in_flight.dec()
+        generation_s = time.monotonic() - started
         self.metrics.llm_request(sum(len(s.token_ids) for s in samples))
         group_id = uuid.uuid4().hex
         text = prompt_text(prompt)
@@ -226,6 +232,7 @@ class CoderService(Service):
                     producer=self.ctx.producer_id,
                     correlation_id=self.ctx.settings.run_id,
                     causation_id=cause.event_id,
+                    generation_s=generation_s,
                 )
             )
         # Waited out here: the bus retrying the handler would sample the group again.

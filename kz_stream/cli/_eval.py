@@ -49,7 +49,7 @@ def eval_run(
     temperature: Annotated[float | None, typer.Option(min=0.0, help="Temperature.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
     concurrency: Annotated[
-        int, typer.Option(min=1, help="Generations and verifications in flight at once.")
+        int, typer.Option(min=1, help="Problems sampled at once; kernels verified at once.")
     ] = 4,
     device: Annotated[
         str | None, typer.Option(help="Where a local model generates (cpu, cuda).")
@@ -127,7 +127,13 @@ def eval_report(
 ) -> None:
     """Prints an evaluation's metrics per level and overall, and writes report.json,
     report.md and plots (pass@k against k, speedups, the per-problem grid)."""
-    from kz_stream.evaluation import build_report, load_evaluation, table_rows, write_report
+    from kz_stream.evaluation import (
+        build_report,
+        load_evaluation,
+        table_rows,
+        throughput_line,
+        write_report,
+    )
 
     settings = _settings(config)
     out = out or Path(".kz/eval") / run_id
@@ -148,4 +154,5 @@ def eval_report(
     console.print(table)
     console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in report.statuses.items()),
                   highlight=False)
+    console.print(throughput_line(report.throughput), highlight=False)
     console.print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)

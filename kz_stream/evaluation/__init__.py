@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         build_report,
         markdown,
         table_rows,
+        throughput_line,
         write_plots,
         write_report,
     )
@@ -46,6 +47,12 @@ if TYPE_CHECKING:
         load_suite,
         problem_interface_error,
     )
+    from kz_stream.evaluation._throughput import (
+        StageTimes,
+        Throughput,
+        throughput,
+        union_seconds,
+    )
 
 _ORIGINS = {
     **dict.fromkeys(
@@ -53,12 +60,14 @@ _ORIGINS = {
          "level_name", "pass_at_k", "summarize", "summarize_levels"], "._metrics"),
     **dict.fromkeys(
         ["STATUS_COLOURS", "EvalReport", "build_report", "markdown", "table_rows",
-         "write_plots", "write_report"], "._report"),
+         "throughput_line", "write_plots", "write_report"], "._report"),
     **dict.fromkeys(
         ["EvalOptions", "EvalProgress", "EvalRecord", "kernel_id_of", "load_evaluation",
          "new_run_id", "open_policy", "run_evaluation"], "._run"),
     **dict.fromkeys(["Suite", "SuiteProblem", "load_suite", "problem_interface_error"],
                     "._suite"),
+    **dict.fromkeys(["StageTimes", "Throughput", "throughput", "union_seconds"],
+                    "._throughput"),
 }
 
 __all__ = [
@@ -70,9 +79,11 @@ __all__ = [
     "EvalRecord",
     "EvalReport",
     "ProblemResult",
+    "StageTimes",
     "Suite",
     "SuiteMetrics",
     "SuiteProblem",
+    "Throughput",
     "build_report",
     "fast_p",
     "geomean_speedup",
@@ -89,6 +100,9 @@ __all__ = [
     "summarize",
     "summarize_levels",
     "table_rows",
+    "throughput",
+    "throughput_line",
+    "union_seconds",
     "write_plots",
     "write_report",
 ]

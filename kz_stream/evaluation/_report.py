@@ -18,12 +18,14 @@ from kz_stream.evaluation._metrics import (
     summarize_levels,
 )
 from kz_stream.evaluation._run import EvalRecord, kernel_id_of
+from kz_stream.evaluation._throughput import Throughput, throughput
 
 __all__ = [
     "EvalReport",
     "build_report",
     "markdown",
     "table_rows",
+    "throughput_line",
     "write_plots",
     "write_report",
 ]
@@ -50,6 +52,7 @@ class EvalReport:
     grid: dict[str, list[str]]  # problem id -> status per sample index ("pending": none)
     metrics: dict[str, SuiteMetrics]
     statuses: dict[str, int]
+    throughput: Throughput
 
     @property
     def expected(self) -> int:
@@ -75,6 +78,7 @@ class EvalReport:
             "complete": self.verified == self.expected,
             "verifier_versions": versions,
             "statuses": self.statuses,
+            "throughput": self.throughput.as_dict(),
             "metrics": {name: m.as_dict() for name, m in self.metrics.items()},
             "problems": [
                 {
@@ -116,7 +120,8 @@ def build_report(record: EvalRecord, *, seed: int = 0) -> EvalReport:
             ))
     statuses = Counter(s for row in grid.values() for s in row)
     return EvalReport(record, tuple(results), grid,
-                      dict(summarize_levels(results, seed=seed)), dict(sorted(statuses.items())))
+                      dict(summarize_levels(results, seed=seed)), dict(sorted(statuses.items())),
+                      throughput(record.times))
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -140,6 +145,16 @@ def table_rows(report: EvalReport) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def throughput_line(t: Throughput) -> str:
+    """One sentence: kernels per active minute and each stage's time at work."""
+    rate = t.kernels_per_minute
+    return (f"Throughput: {t.kernels} kernels in {t.active_s / 60:.1f} active min"
+            + ("" if rate is None else f" ({rate:.1f} per min)")
+            + f"; at work (stages overlap): generation {t.generation_s / 60:.1f} min, "
+            f"verification {t.verification_s / 60:.1f} min, of it problem preparation "
+            f"{t.preparation_s / 60:.1f} min.")
+
+
 def markdown(report: EvalReport) -> str:
     """The report as Markdown: run, summary table, statuses, per-problem table, plots."""
     d = report.as_dict()
@@ -158,6 +173,8 @@ def markdown(report: EvalReport) -> str:
         *("| " + " | ".join(r) + " |" for r in rows),
         "",
         "Statuses: " + ", ".join(f"{k} {v}" for k, v in d["statuses"].items()),
+        "",
+        throughput_line(report.throughput),
         "",
         "| problem | statuses | speedups |",
         "|---|---|---|",

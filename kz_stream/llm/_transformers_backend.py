@@ -459,21 +459,24 @@ class _StopTracker:
         import torch
 
         step = input_ids.shape[1] - self._width  # number of generated tokens so far
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for i in range(input_ids.shape[0]):
+        # One transfer per step: reading the rows' tokens one by one synchronised with the
+        # device once per row (seen on an H200: 176 ms a step for 320 rows).
+        last = input_ids[:, -1].tolist()
+        tails: list[list[int]] | None = None
+        for i, token in enumerate(last):
             if i in self._ended:
-                done[i] = True
                 continue
-            if int(input_ids[i, -1]) in self._eos:
+            if token in self._eos:
                 self._ended[i] = (step, "stop")
-                done[i] = True
             elif self._stop:
-                tail_ids = input_ids[i, max(self._width, input_ids.shape[1] - self._window) :]
-                tail = self._tok.decode(tail_ids, skip_special_tokens=True)
+                if tails is None:
+                    start = max(self._width, input_ids.shape[1] - self._window)
+                    tails = input_ids[:, start:].tolist()
+                tail = self._tok.decode(tails[i], skip_special_tokens=True)
                 if any(s in tail for s in self._stop):
                     self._ended[i] = (step, "stop")
-                    done[i] = True
-        return done
+        done = [i in self._ended for i in range(len(last))]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
     def result(self, row: int, generated: int) -> tuple[int, str]:
         """Returns (number of tokens, finish reason) of one row."""

@@ -180,6 +180,11 @@ class Verifier:
             if f.rule == "syntax":
                 return self._verdict(Status.COMPILE_ERROR, f.message, check="python_syntax")
             return self._verdict(Status.HACK, f.message, check=f.rule)
+        if "ModelNew" not in candidate.source:
+            # What loading it would say, without preparing the problem first (minutes at
+            # KernelBench's sizes): a reply with no code at all is common from a weak policy.
+            return self._verdict(Status.RUNTIME_ERROR, "load: source does not define ModelNew",
+                                 check="load")
         # 2. CUDA builds, ahead of the GPU stage.
         builds: list[BuildResult] = []
         own_names: list[str] = []

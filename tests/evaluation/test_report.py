@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,9 @@ VERDICTS: dict[str, tuple[int, list[tuple[str, float | None] | None]]] = {
 }
 
 
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
 def run_events() -> list[Event]:
     problems = [EvaluationProblem(problem_id=pid, name=pid.split("/")[1], level=level,
                                   module_id=f"kb-{i}")
@@ -45,19 +49,26 @@ def run_events() -> list[Event]:
                                 policy={"spec": "base"}, problems=problems)
     events = [new_event(started, stream_id=f"evaluation-{RUN}", stream_version=0,
                         correlation_id=RUN)]
-    for p, (_, samples) in zip(problems, VERDICTS.values(), strict=True):
+    # Problem j is generated in [60j, 60j + 30] s and each of its samples verified in
+    # [60j + 30, 60j + 40], 2 s of it preparing the problem.
+    for j, (p, (_, samples)) in enumerate(zip(problems, VERDICTS.values(), strict=True)):
         for i, verdict in enumerate(samples):
             kid = kernel_id_of(RUN, p.problem_id, i)
             events.append(new_event(
                 KernelGenerated(kernel_id=kid, module_id=p.module_id, group_id=p.problem_id,
-                                backend="triton", source="class ModelNew: ..."),
-                stream_id=f"kernel-{kid}", stream_version=0, correlation_id=RUN))
+                                backend="triton", source="class ModelNew: ...",
+                                generation_s=30),
+                stream_id=f"kernel-{kid}", stream_version=0, correlation_id=RUN,
+                occurred_at=T0 + timedelta(seconds=60 * j + 30)))
             if verdict is not None:
                 events.append(new_event(
                     KernelVerified(kernel_id=kid, module_id=p.module_id, group_id=p.problem_id,
                                    status=VerdictStatus(verdict[0]), speedup=verdict[1],
-                                   verifier_version="kzv-test"),
-                    stream_id=f"kernel-{kid}", stream_version=1, correlation_id=RUN))
+                                   verifier_version="kzv-test",
+                                   details={"seconds": 10, "prepare_s": 2,
+                                            "kernelbench_rule": verdict[0] in ("correct", "hack")}),
+                    stream_id=f"kernel-{kid}", stream_version=1, correlation_id=RUN,
+                    occurred_at=T0 + timedelta(seconds=60 * j + 40)))
     return events
 
 
@@ -94,6 +105,11 @@ def test_report_numbers_grid_and_files(store_url: str, tmp_path: Path) -> None:
     assert overall.geomean == pytest.approx((2.0 * 0.5 * 4.0 * 1.0) ** (1 / 4))
     assert report.statuses == {"compile_error": 2, "correct": 4, "hack": 1, "incorrect": 1,
                                "pending": 1}
+    # The store gives the details back (on PostgreSQL too): the hack passes KernelBench's rule.
+    assert overall.kernelbench_only == 1
+    t = report.throughput
+    assert (t.kernels, t.generation_s, t.verification_s, t.preparation_s, t.active_s) == (
+        8, 90, 30, 6, 120)
 
     out = tmp_path / "out"
     paths = write_report(report, out)
@@ -104,6 +120,8 @@ def test_report_numbers_grid_and_files(store_url: str, tmp_path: Path) -> None:
     assert doc["metrics"]["level 2"]["fast_1.5"] == pytest.approx(1 / 3)
     assert doc["problems"][0]["speedups"] == [2.0, None, 0.5]
     md = (out / "report.md").read_text()
+    assert doc["throughput"]["kernels_per_minute"] == 4.0
+    assert "Throughput: 8 kernels in 2.0 active min (4.0 per min)" in md
     assert "incomplete" in md and "| level1/1_A | correct, incorrect, correct |" in md
 
 

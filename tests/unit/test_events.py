@@ -63,7 +63,7 @@ def test_the_wire_form_is_compact_json_with_the_envelope_fields() -> None:
         "causation_id",
         "payload",
     }
-    assert obj["type"] == "KernelGenerated" and obj["schema_version"] == 3
+    assert obj["type"] == "KernelGenerated" and obj["schema_version"] == 4
 
 
 def test_a_v1_kernel_generated_is_upcast_to_the_current_version_on_read() -> None:
@@ -75,7 +75,8 @@ def test_a_v1_kernel_generated_is_upcast_to_the_current_version_on_read() -> Non
     stored_v1 = decode_event(orjson.dumps(obj))
     assert stored_v1.schema_version == 1  # the stored form is kept as it was
     assert payload_as(stored_v1, KernelGenerated).backend == "triton"
-    assert current_payload(stored_v1) == {**event.payload, "module_sha256": ""}
+    assert current_payload(stored_v1) == {**event.payload, "module_sha256": "",
+                                          "generation_s": None}
 
 
 def test_a_v2_kernel_generated_reads_with_no_module_hash() -> None:

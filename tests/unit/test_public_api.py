@@ -44,7 +44,8 @@ PUBLIC = {
         "fast_p", "geomean_speedup", "kernel_id_of", "level_name", "load_evaluation",
         "load_suite", "markdown", "new_run_id", "open_policy", "pass_at_k",
         "problem_interface_error", "run_evaluation", "summarize", "summarize_levels",
-        "table_rows", "write_plots", "write_report",
+        "table_rows", "write_plots", "write_report", "StageTimes", "Throughput", "throughput",
+        "throughput_line", "union_seconds",
     ],
     "kz_stream.store": [
         "AppendResult", "ConcurrencyError", "EventStore", "RecordedEvent", "SqlEventStore",

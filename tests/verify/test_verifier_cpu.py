@@ -52,6 +52,15 @@ def test_syntax_error_is_compile_error(cpu_verifier: Verifier) -> None:
     assert v.status is Status.COMPILE_ERROR
 
 
+def test_a_reply_without_model_new_fails_before_the_problem_is_prepared(
+        cpu_verifier: Verifier) -> None:
+    prose = "import triton\n\n\ndef add(x):\n    return x\n"  # parses; no ModelNew
+    v = cpu_verifier.verify_sync(Problem(PROBLEMS["relu"]), Candidate(prose, "triton"))
+    assert (v.status, v.check, v.reason) == (Status.RUNTIME_ERROR, "load",
+                                             "load: source does not define ModelNew")
+    assert "prepare_s" not in v.details  # no oracle, no worker
+
+
 def test_runtime_error(cpu_verifier: Verifier) -> None:
     src = TRITON_HONEST["relu"].replace(
         "y = torch.empty_like(x)", "y = torch.empty_like(x)\n        raise RuntimeError('boom')"
