@@ -250,9 +250,11 @@ class EvaluationProblem(BaseModel):
 
 
 class EvaluationStarted(Payload):
-    """An evaluation run: the suite's problems, the policy and how it is sampled."""
+    """An evaluation run: the suite's problems, the policy and how it is sampled, and
+    whether the verifier times the reference under ``torch.compile`` too (v2)."""
 
     event_type: ClassVar[str] = "EvaluationStarted"
+    schema_version: ClassVar[int] = 2
 
     run_id: str
     suite: str
@@ -261,6 +263,7 @@ class EvaluationStarted(Payload):
     policy: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, Any] = Field(default_factory=dict)
     problems: list[EvaluationProblem]
+    compile_baseline: bool = False
 
 
 EVENT_TYPES: dict[str, type[Payload]] = {
@@ -288,12 +291,17 @@ def _kernel_generated_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
     return {"module_sha256": "", **payload}  # the module's hash was not recorded
 
 
+def _evaluation_started_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"compile_baseline": False, **payload}  # runs before it timed eager PyTorch only
+
+
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
 # (type, from_version) -> function returning the payload at from_version + 1.
 UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("KernelGenerated", 1): _kernel_generated_v1_to_v2,
     ("KernelGenerated", 2): _kernel_generated_v2_to_v3,
+    ("EvaluationStarted", 1): _evaluation_started_v1_to_v2,
 }
 
 
