@@ -253,9 +253,11 @@ class EvaluationProblem(BaseModel):
 
 
 class EvaluationStarted(Payload):
-    """An evaluation run: the suite's problems, the policy and how it is sampled."""
+    """An evaluation run: the suite's problems, the policy and how it is sampled, and
+    whether the verifier times the reference under ``torch.compile`` too (v2)."""
 
     event_type: ClassVar[str] = "EvaluationStarted"
+    schema_version: ClassVar[int] = 2
 
     run_id: str
     suite: str
@@ -264,6 +266,7 @@ class EvaluationStarted(Payload):
     policy: dict[str, Any] = Field(default_factory=dict)
     sampling: dict[str, Any] = Field(default_factory=dict)
     problems: list[EvaluationProblem]
+    compile_baseline: bool = False
 
 
 EVENT_TYPES: dict[str, type[Payload]] = {
@@ -295,6 +298,10 @@ def _kernel_generated_v3_to_v4(payload: dict[str, Any]) -> dict[str, Any]:
     return {"generation_s": None, **payload}  # the generation time was not recorded
 
 
+def _evaluation_started_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"compile_baseline": False, **payload}  # runs before it timed eager PyTorch only
+
+
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
 # (type, from_version) -> function returning the payload at from_version + 1.
@@ -302,6 +309,7 @@ UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("KernelGenerated", 1): _kernel_generated_v1_to_v2,
     ("KernelGenerated", 2): _kernel_generated_v2_to_v3,
     ("KernelGenerated", 3): _kernel_generated_v3_to_v4,
+    ("EvaluationStarted", 1): _evaluation_started_v1_to_v2,
 }
 
 

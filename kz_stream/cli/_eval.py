@@ -57,6 +57,11 @@ def eval_run(
     batch_size: Annotated[
         int, typer.Option(min=1, help="A local model's generation batch (prompt x sample).")
     ] = 8,
+    compile_baseline: Annotated[
+        bool,
+        typer.Option(help="Also time each problem's reference under torch.compile (on a "
+                          "GPU, once per problem with a timed kernel) for speedups vs compile."),
+    ] = True,
     config: ConfigOption = None,
 ) -> None:
     """Samples the policy on every problem, verifies every kernel and stores it all as
@@ -92,6 +97,7 @@ def eval_run(
         concurrency=concurrency,
         device=device,
         batch_size=batch_size,
+        compile_baseline=compile_baseline,
     )
     console.print(
         f"evaluation {options.run_id}: {len(loaded.problems)} problems × {samples} samples",

@@ -10,8 +10,10 @@ from kz_stream._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kz_stream.evaluation._metrics import (
+        COMPILE_FAST_P,
         FAST_P,
         PASS_K,
+        Baseline,
         ProblemResult,
         SuiteMetrics,
         fast_p,
@@ -56,8 +58,9 @@ if TYPE_CHECKING:
 
 _ORIGINS = {
     **dict.fromkeys(
-        ["FAST_P", "PASS_K", "ProblemResult", "SuiteMetrics", "fast_p", "geomean_speedup",
-         "level_name", "pass_at_k", "summarize", "summarize_levels"], "._metrics"),
+        ["COMPILE_FAST_P", "FAST_P", "PASS_K", "Baseline", "ProblemResult", "SuiteMetrics",
+         "fast_p", "geomean_speedup", "level_name", "pass_at_k", "summarize",
+         "summarize_levels"], "._metrics"),
     **dict.fromkeys(
         ["STATUS_COLOURS", "EvalReport", "build_report", "markdown", "table_rows",
          "throughput_line", "write_plots", "write_report"], "._report"),
@@ -71,9 +74,11 @@ _ORIGINS = {
 }
 
 __all__ = [
+    "COMPILE_FAST_P",
     "FAST_P",
     "PASS_K",
     "STATUS_COLOURS",
+    "Baseline",
     "EvalOptions",
     "EvalProgress",
     "EvalRecord",

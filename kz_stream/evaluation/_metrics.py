@@ -14,6 +14,11 @@ Definitions (``docs/evaluation.md`` says why each was chosen):
 - The geometric-mean speedup pools every correct kernel with a measured speedup; its 95%
   interval is a percentile bootstrap that resamples problems (samples of one problem are
   not independent), seeded so reports are reproducible.
+- Against ``torch.compile`` of the reference (``baseline="compile"``): the same estimators
+  on each sample's ``speedup_vs_compile`` (the verifier's speedup over eager divided by the
+  problem's compile speedup, both timed by it). A problem whose compiled baseline failed
+  (``ProblemResult.compile_failed``) has no compiled baseline: it is left out of these
+  metrics (not counted as slower). fast_1 vs compile is the mean over the other problems.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
 __all__ = [
+    "COMPILE_FAST_P",
     "FAST_P",
     "PASS_K",
+    "Baseline",
     "ProblemResult",
     "SuiteMetrics",
     "fast_p",
@@ -39,6 +47,11 @@ __all__ = [
 
 PASS_K: tuple[int, ...] = (1, 5, 10)
 FAST_P: tuple[float, ...] = (0.0, 1.0, 1.5, 2.0)
+# What a speedup is measured against: eager PyTorch (the verdict's speedup) or the
+# reference under torch.compile (details.speedup_vs_compile).
+Baseline = Literal["eager", "compile"]
+# fast_p against the compiled reference is reported for this p.
+COMPILE_FAST_P = 1.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,11 @@ class ProblemResult:
     # KernelBench's own rule per sample (its allclose at 1e-2 on its own inputs); None
     # where the verdict came before any output (static scan, build, load).
     kernelbench: tuple[bool | None, ...] = ()
+    # Speedup over the reference under torch.compile per sample (None: not measured);
+    # missing trailing samples count as None.
+    vs_compile: tuple[float | None, ...] = ()
+    # The problem's compiled baseline failed and none was measured: no compiled baseline.
+    compile_failed: bool = False
 
     @property
     def n(self) -> int:
@@ -60,6 +78,12 @@ class ProblemResult:
     @property
     def c(self) -> int:
         return sum(self.correct)
+
+    def speedups_against(self, baseline: Baseline = "eager") -> tuple[float | None, ...]:
+        """Each sample's speedup over ``baseline`` (None: not measured)."""
+        if baseline == "eager":
+            return self.speedups
+        return (*self.vs_compile[:self.n], *(None,) * (self.n - len(self.vs_compile)))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float | None:
@@ -77,32 +101,37 @@ def pass_at_k(n: int, c: int, k: int) -> float | None:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def fast_p(result: ProblemResult, p: float) -> float:
-    """The share of a problem's samples that are correct with a measured speedup > p
-    (p = 0: correct, timed or not)."""
+def fast_p(result: ProblemResult, p: float, baseline: Baseline = "eager") -> float:
+    """The share of a problem's samples that are correct with a measured speedup over
+    ``baseline`` > p (p = 0: correct, timed or not)."""
     if result.n == 0:
         return 0.0
     hits = sum(
         ok and (p == 0 or (s is not None and s > p))
-        for ok, s in zip(result.correct, result.speedups, strict=True)
+        for ok, s in zip(result.correct, result.speedups_against(baseline), strict=True)
     )
     return hits / result.n
 
 
-def _correct_log_speedups(result: ProblemResult) -> list[float]:
+def _correct_log_speedups(result: ProblemResult, baseline: Baseline = "eager") -> list[float]:
     return [
         math.log(s)
-        for ok, s in zip(result.correct, result.speedups, strict=True)
+        for ok, s in zip(result.correct, result.speedups_against(baseline), strict=True)
         if ok and s is not None and s > 0
     ]
 
 
 def geomean_speedup(
-    results: Sequence[ProblemResult], *, resamples: int = 2000, seed: int = 0
+    results: Sequence[ProblemResult], *, resamples: int = 2000, seed: int = 0,
+    baseline: Baseline = "eager",
 ) -> tuple[float | None, tuple[float, float] | None]:
-    """The geometric mean speedup of correct, timed kernels and its 95% bootstrap interval
-    (problems resampled with replacement); (None, None) when there is none."""
-    logs = [_correct_log_speedups(r) for r in results]
+    """The geometric mean speedup over ``baseline`` of correct, timed kernels and its 95%
+    bootstrap interval (problems resampled with replacement); (None, None) when there is
+    none. Against the compiled reference, problems whose compiled baseline failed are left
+    out (they have none)."""
+    if baseline == "compile":
+        results = [r for r in results if not r.compile_failed]
+    logs = [_correct_log_speedups(r, baseline) for r in results]
     pooled = [x for xs in logs for x in xs]
     if not pooled:
         return None, None
@@ -131,6 +160,12 @@ class SuiteMetrics:
     fast: dict[float, float] = field(default_factory=dict)
     geomean: float | None = None
     geomean_ci: tuple[float, float] | None = None
+    # Against the reference under torch.compile (None: no compiled baseline in the run).
+    compile_timed: int = 0  # correct kernels with a speedup vs compile
+    compile_failed: int = 0  # problems whose compiled baseline failed (left out)
+    fast_compile: float | None = None  # fast_1 vs compile
+    compile_geomean: float | None = None
+    compile_geomean_ci: tuple[float, float] | None = None
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-ready dict (keys ``pass@k``, ``fast_p``)."""
@@ -145,6 +180,12 @@ class SuiteMetrics:
             **{f"fast_{p:g}": v for p, v in self.fast.items()},
             "geomean_speedup": self.geomean,
             "geomean_speedup_ci": list(self.geomean_ci) if self.geomean_ci else None,
+            "timed_vs_compile": self.compile_timed,
+            "compile_baseline_failed": self.compile_failed,
+            f"fast_{COMPILE_FAST_P:g}_vs_compile": self.fast_compile,
+            "geomean_speedup_vs_compile": self.compile_geomean,
+            "geomean_speedup_vs_compile_ci": (list(self.compile_geomean_ci)
+                                              if self.compile_geomean_ci else None),
         }
 
 
@@ -154,8 +195,11 @@ def summarize(
     ks: Iterable[int] = PASS_K,
     ps: Iterable[float] = FAST_P,
     seed: int = 0,
+    compile_baseline: bool = True,
 ) -> SuiteMetrics:
-    """pass@k, fast_p and geomean speedup over ``results`` (means over problems)."""
+    """pass@k, fast_p and geomean speedup over ``results`` (means over problems), and,
+    unless the run had no ``compile_baseline``, fast_1 and the geomean against the
+    compiled reference over the problems whose compiled baseline did not fail."""
     pass_at: dict[int, float | None] = {}
     for k in ks:
         values = [v for r in results if (v := pass_at_k(r.n, r.c, k)) is not None]
@@ -163,6 +207,10 @@ def summarize(
     fast = {p: (sum(fast_p(r, p) for r in results) / len(results) if results else 0.0)
             for p in ps}
     geo, ci = geomean_speedup(results, seed=seed)
+    with_compile = [r for r in results if not r.compile_failed] if compile_baseline else []
+    fast_compile = (sum(fast_p(r, COMPILE_FAST_P, "compile") for r in with_compile)
+                    / len(with_compile) if with_compile else None)
+    compile_geo, compile_ci = geomean_speedup(with_compile, seed=seed, baseline="compile")
     return SuiteMetrics(
         problems=len(results),
         samples=sum(r.n for r in results),
@@ -175,6 +223,11 @@ def summarize(
         fast=fast,
         geomean=geo,
         geomean_ci=ci,
+        compile_timed=sum(len(_correct_log_speedups(r, "compile")) for r in with_compile),
+        compile_failed=sum(r.compile_failed for r in results) if compile_baseline else 0,
+        fast_compile=fast_compile,
+        compile_geomean=compile_geo,
+        compile_geomean_ci=compile_ci,
     )
 
 
@@ -184,12 +237,13 @@ def level_name(level: int | None) -> str:
 
 
 def summarize_levels(
-    results: Sequence[ProblemResult], *, seed: int = 0
+    results: Sequence[ProblemResult], *, seed: int = 0, compile_baseline: bool = True
 ) -> Mapping[str, SuiteMetrics]:
     """Metrics per level (``"level N"``, in level order) and ``"overall"``."""
     levels = sorted({r.level for r in results}, key=lambda v: (v is None, v or 0))
     out: dict[str, SuiteMetrics] = {}
     for level in levels:
-        out[level_name(level)] = summarize([r for r in results if r.level == level], seed=seed)
-    out["overall"] = summarize(results, seed=seed)
+        out[level_name(level)] = summarize([r for r in results if r.level == level], seed=seed,
+                                           compile_baseline=compile_baseline)
+    out["overall"] = summarize(results, seed=seed, compile_baseline=compile_baseline)
     return out

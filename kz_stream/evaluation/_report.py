@@ -1,5 +1,7 @@
 """``kz eval report``: an evaluation run's metrics from the store, as a table, JSON,
-Markdown and plots (pass@k against k, the speedup distribution, a per-problem grid)."""
+Markdown and plots (pass@k against k, the speedup distribution, a per-problem grid).
+Speedups are against eager PyTorch and, where the verifier timed it, against the reference
+under ``torch.compile`` (``details.speedup_vs_compile``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kz_stream.evaluation._metrics import (
+    COMPILE_FAST_P,
     PASS_K,
     ProblemResult,
     SuiteMetrics,
@@ -73,6 +76,7 @@ class EvalReport:
             "policy": started.policy,
             "sampling": started.sampling,
             "samples_per_problem": started.samples,
+            "compile_baseline": started.compile_baseline,
             "verified": self.verified,
             "expected": self.expected,
             "complete": self.verified == self.expected,
@@ -86,15 +90,23 @@ class EvalReport:
                     "level": next(p.level for p in started.problems if p.problem_id == pid),
                     "statuses": row,
                     "speedups": [self._speedup(pid, i) for i in range(len(row))],
+                    "speedups_vs_compile": [self._speedup(pid, i, "compile")
+                                            for i in range(len(row))],
                 }
                 for pid, row in self.grid.items()
             ],
         }
 
-    def _speedup(self, problem_id: str, sample: int) -> float | None:
+    def _speedup(self, problem_id: str, sample: int, baseline: str = "eager") -> float | None:
         kid = kernel_id_of(self.record.started.run_id, problem_id, sample)
-        value = self.record.verdicts.get(kid, {}).get("speedup")
-        return float(value) if value is not None else None
+        verdict = self.record.verdicts.get(kid, {})
+        if baseline == "eager":
+            return _number(verdict.get("speedup"))
+        return _number((verdict.get("details") or {}).get("speedup_vs_compile"))
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if value is not None else None
 
 
 def build_report(record: EvalRecord, *, seed: int = 0) -> EvalReport:
@@ -110,38 +122,53 @@ def build_report(record: EvalRecord, *, seed: int = 0) -> EvalReport:
         grid[p.problem_id] = [str(v["status"]) if v else "pending" for v in verdicts]
         done = [v for v in verdicts if v]
         if done:
+            details = [v.get("details") or {} for v in done]
+            vs_compile = tuple(_number(d.get("speedup_vs_compile")) for d in details)
             results.append(ProblemResult(
                 p.problem_id,
                 p.level,
                 tuple(v["status"] == "correct" for v in done),
-                tuple(float(v["speedup"]) if v.get("speedup") is not None else None
-                      for v in done),
-                tuple((v.get("details") or {}).get("kernelbench_rule") for v in done),
+                tuple(_number(v.get("speedup")) for v in done),
+                tuple(d.get("kernelbench_rule") for d in details),
+                vs_compile,
+                # Failed (cached: every timed kernel of the problem says so), none measured.
+                compile_failed=(any("compiled_baseline_error" in d for d in details)
+                                and all(x is None for x in vs_compile)),
             ))
     statuses = Counter(s for row in grid.values() for s in row)
-    return EvalReport(record, tuple(results), grid,
-                      dict(summarize_levels(results, seed=seed)), dict(sorted(statuses.items())),
-                      throughput(record.times))
+    metrics = summarize_levels(results, seed=seed, compile_baseline=started.compile_baseline)
+    return EvalReport(record, tuple(results), grid, dict(metrics),
+                      dict(sorted(statuses.items())), throughput(record.times))
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _geo(point: float | None, ci: tuple[float, float] | None) -> str:
+    text = "–" if point is None else f"{point:.2f}"
+    return text + (f" ({ci[0]:.2f}–{ci[1]:.2f})" if ci else "")
+
+
 def table_rows(report: EvalReport) -> tuple[list[str], list[list[str]]]:
-    """The summary table's header and rows (levels, then overall)."""
+    """The summary table's header and rows (levels, then overall): against eager PyTorch,
+    then against the reference under torch.compile (the kernels with a compiled baseline,
+    and the problems whose compiled baseline failed, which those columns leave out)."""
     header = ["", "problems", "samples", "correct", "KernelBench rule", "KernelBench only",
               *(f"pass@{k}" for k in PASS_K), "fast_0", "fast_1", "fast_1.5", "fast_2",
-              "geomean speedup (95% CI)"]
+              "geomean speedup (95% CI)", "timed vs compile",
+              f"fast_{COMPILE_FAST_P:g} vs compile", "geomean vs compile (95% CI)"]
     rows = []
     for name, m in report.metrics.items():
-        geo = "–" if m.geomean is None else f"{m.geomean:.2f}"
-        if m.geomean_ci:
-            geo += f" ({m.geomean_ci[0]:.2f}–{m.geomean_ci[1]:.2f})"
+        failed = m.compile_failed
+        compiled = str(m.compile_timed) + (
+            f" ({failed} problem{'s' if failed != 1 else ''} failed)" if failed else "")
         rows.append([name, str(m.problems), str(m.samples), str(m.correct),
                      str(m.kernelbench_correct), str(m.kernelbench_only),
                      *(_fmt(m.pass_at.get(k)) for k in PASS_K),
-                     *(_fmt(m.fast[p]) for p in (0.0, 1.0, 1.5, 2.0)), geo])
+                     *(_fmt(m.fast[p]) for p in (0.0, 1.0, 1.5, 2.0)),
+                     _geo(m.geomean, m.geomean_ci), compiled, _fmt(m.fast_compile),
+                     _geo(m.compile_geomean, m.compile_geomean_ci)])
     return header, rows
 
 
@@ -164,6 +191,8 @@ def markdown(report: EvalReport) -> str:
         "",
         f"- suite: `{d['suite']}`; backend: {d['backend']}; policy: `{d['policy']['spec']}`",
         f"- samples per problem: {d['samples_per_problem']}; sampling: `{d['sampling']}`",
+        "- speedups against eager PyTorch"
+        + (" and the reference under torch.compile" if d["compile_baseline"] else ""),
         f"- verified: {d['verified']} of {d['expected']}"
         + ("" if d["complete"] else " (incomplete: resume with `kz eval run --run-id`)"),
         f"- verifier versions: {', '.join(d['verifier_versions']) or '–'}",
@@ -176,12 +205,14 @@ def markdown(report: EvalReport) -> str:
         "",
         throughput_line(report.throughput),
         "",
-        "| problem | statuses | speedups |",
-        "|---|---|---|",
+        "| problem | statuses | speedups | speedups vs compile |",
+        "|---|---|---|---|",
     ]
     for p in d["problems"]:
         speeds = ", ".join(_fmt(s, 2) for s in p["speedups"])
-        lines.append(f"| {p['problem_id']} | {', '.join(p['statuses'])} | {speeds} |")
+        vs_compile = ", ".join(_fmt(s, 2) for s in p["speedups_vs_compile"])
+        lines.append(f"| {p['problem_id']} | {', '.join(p['statuses'])} | {speeds} "
+                     f"| {vs_compile} |")
     lines += ["", "![pass@k](pass_at_k.png) ![speedups](speedups.png)",
               "", "![problems](problems.png)", ""]
     return "\n".join(lines)
@@ -218,15 +249,24 @@ def write_plots(report: EvalReport, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     speedups = [s for r in report.results
                 for ok, s in zip(r.correct, r.speedups, strict=True) if ok and s]
+    vs_compile = [s for r in report.results
+                  for ok, s in zip(r.correct, r.speedups_against("compile"), strict=True)
+                  if ok and s]
     if speedups:
-        ax.hist(speedups, bins=list(np.geomspace(min(speedups), max(speedups) * 1.001, 20)))
+        both = speedups + vs_compile
+        bins = list(np.geomspace(min(both), max(both) * 1.001, 20))
+        ax.hist(speedups, bins=bins, label="vs eager PyTorch")
+        if vs_compile:
+            ax.hist(vs_compile, bins=bins, alpha=0.6, label="vs torch.compile")
+            ax.legend(fontsize=8)
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(ScalarFormatter())  # 0.5, 1, 2 rather than 10^x
         ax.axvline(1.0, color="k", lw=0.8)
     else:
         ax.text(0.5, 0.5, "no correct kernel with a measured speedup", ha="center",
                 va="center", transform=ax.transAxes)
-    ax.set(xlabel="speedup over eager PyTorch", ylabel="kernels", title="correct kernels")
+    ax.set(xlabel="speedup over the reference" if vs_compile else "speedup over eager PyTorch",
+           ylabel="kernels", title="correct kernels")
     fig.tight_layout()
     fig.savefig(paths[1], dpi=110)
     plt.close(fig)

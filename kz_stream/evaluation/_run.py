@@ -4,7 +4,8 @@ record it all as events, resumably.
 Events (correlation id: the evaluation run id, which starts with ``eval-``):
 
 - ``EvaluationStarted`` on stream ``evaluation-<run id>``: the suite's problems, the policy,
-  backend, samples and sampling;
+  backend, samples, sampling and whether the reference is also timed under
+  ``torch.compile`` (``compile_baseline``);
 - ``ModuleProposed`` per problem (stream ``module-kb-<sha of its source>``, shared by
   every run that evaluates the same source), so the verifier, ``kz audit`` and a future
   re-scoring find the reference where they find a proposed module's;
@@ -95,6 +96,9 @@ class EvalOptions:
     concurrency: int = 4  # generations (one per problem) and verifications in flight at once
     device: str | None = None  # where a local model generates (None: the CPU)
     batch_size: int = 8  # a local model's generation batch (rows of prompt x sample)
+    # The verifier also times the reference under torch.compile (on a GPU; once per
+    # problem with a timed kernel): VerifierConfig.compiled_baseline for this run.
+    compile_baseline: bool = True
 
 
 @dataclass
@@ -127,6 +131,7 @@ async def load_evaluation(store: EventStore, run_id: str) -> EvalRecord | None:
     started = payload_as(records[0].event, EvaluationStarted)
     record = EvalRecord(started)
     problem_of = {p.module_id: p.problem_id for p in started.problems}
+    # details: KernelBench's rule and the compiled baseline (speedup_vs_compile) are there.
     fields = ("kernel_id", "module_id", "status", "speedup", "check", "verifier_version",
               "speedup_ci", "reason", "details", "generation_s")
     generated: dict[str, tuple[float, float | None]] = {}
@@ -235,6 +240,7 @@ def _started(suite: Suite, options: EvalOptions) -> EvaluationStarted:
         samples=options.samples,
         policy={"spec": options.policy, "model": options.model},
         sampling=options.sampling.as_dict(),
+        compile_baseline=options.compile_baseline,
         problems=[
             EvaluationProblem(problem_id=p.problem_id, name=p.name, level=p.level,
                               module_id=_module_id(p.source), path=str(p.path))
@@ -244,7 +250,7 @@ def _started(suite: Suite, options: EvalOptions) -> EvaluationStarted:
 
 
 def _check_resumable(stored: EvaluationStarted, wanted: EvaluationStarted) -> None:
-    for name in ("backend", "samples", "policy", "sampling"):
+    for name in ("backend", "samples", "policy", "sampling", "compile_baseline"):
         if getattr(stored, name) != getattr(wanted, name):
             raise ValueError(
                 f"run {wanted.run_id} exists with {name}={getattr(stored, name)!r}; "
@@ -266,7 +272,11 @@ async def run_evaluation(
 
     if not options.run_id.startswith(EVALUATION_PREFIX):
         raise ValueError(f"an evaluation run id starts with {EVALUATION_PREFIX!r}")
-    settings = settings.model_copy(update={"run_id": options.run_id})
+    settings = settings.model_copy(update={
+        "run_id": options.run_id,
+        "verifier": settings.verifier.model_copy(
+            update={"compiled_baseline": options.compile_baseline}),
+    })
     progress = EvalProgress()
 
     def notify() -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,18 +33,22 @@ from kz_stream.verify._messages import (
     KernelEvent,
     LoadReply,
     ModelReply,
+    ModelRequest,
     ProfileReply,
     RunReply,
     TimeReply,
     TimeRequest,
     WorkerRequest,
 )
-from kz_stream.verify._pool import Lane, RefTimer
+from kz_stream.verify._pool import CompiledBaseline, Lane, RefTimer
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._timing import bootstrap_ratio_ci, physical_floor_ms, timing_set_count
 from kz_stream.verify._types import Candidate, Status
 
-__all__ = ["Reject", "Ruling", "Stage", "device_was_full"]
+__all__ = ["Interleaved", "Reject", "Ruling", "Side", "Stage", "baseline_details",
+           "device_was_full", "interleave", "measure_compiled"]
+
+log = logging.getLogger(__name__)
 
 _STRICT_PRECISION = {
     "matmul.allow_tf32": False,
@@ -188,6 +193,8 @@ class Stage:
                     self.exclusive = False
             self.details["timing_s"] = round(time.monotonic() - t0, 3)
             await self._check_timed_outputs(kept, ref_kept)
+            if cfg.compiled_baseline:
+                await self._compiled_baseline(self.ref, speedup)
         elif self.gpu:
             unchecked.append("timing")
         fin: FinishReply = await self.call({"cmd": "finish"})
@@ -355,84 +362,37 @@ class Stage:
 
     async def _timing(self, ref: RefTimer) -> tuple[float, tuple[float, float],
                                                     dict[int, list[Any]], dict[int, list[Any]]]:
-        """Interleaved timed rounds of the reference and the candidate; call it holding the
-        lane's timing lock. Returns the speedup, its interval, and the outputs both sides
-        gave for the calls kept (one per round, at random; each call's inputs are fresh
-        values, the same on both sides).
+        """The reference and the candidate in interleaved timed rounds (``interleave``);
+        call it holding the lane's timing lock. Returns the speedup, its interval, and the
+        outputs both sides gave for the calls kept (one per round, at random; each call's
+        inputs are fresh values, the same on both sides).
 
         Workers started ahead of need create CUDA contexts and warm Triton up; seen on the
         H200, that moved A/A results by several percent when it landed inside one side's
         rounds. That part of their start-up takes the shared lock (``Lane._start``), so
         none runs now; their harness warm-up (host work, microsecond kernels) may."""
         cfg, p = self.config, self.p
-        n_sets = self.n_sets
-        ref_ev: list[float] = []
-        ref_host: list[float] = []
-        c_ev: list[float] = []
-        c_host: list[float] = []
-        ref_issue: list[float] = []
-        c_issue: list[float] = []
-        rng = np.random.default_rng(p.seed ^ 0x5EED)
-        calls = 3
-        kept: dict[int, list[Any]] = {}
-        ref_kept: dict[int, list[Any]] = {}
-        start = 0
-        t_begin = time.monotonic()
-        rounds = 0
-        speed = (1.0, 0.0, float("inf"))
-        while True:
-            keep = [start + int(rng.integers(0, calls))]
-            order = [True, False] if rounds % 2 == 0 else [False, True]
-            for ref_first in order:
-                if ref_first:
-                    ask: TimeRequest = {"cmd": "time", "calls": calls, "start": start,
-                                        "keep": keep}
-                    try:
-                        reply = await asyncio.to_thread(ref.child.call, ask, cfg.call_timeout_s)
-                    except (ChildDied, ChildTimeout) as e:
-                        raise self.reject(Status.UNCHECKED, f"reference timing failed: {e}",
-                                          "problem") from e
-                    if not reply.get("ok"):
-                        raise self.reject(Status.UNCHECKED, f"reference timing failed: "
-                                          f"{reply.get('message')}", "problem")
-                    r: TimeReply = reply
-                    ref_ev += r["event_ms"]
-                    ref_host += r["host_ms"]
-                    ref_issue += r["issue_ms"]
-                    ref_kept.update({int(k): v for k, v in r["outputs"].items()})
-                else:
-                    r = await self.call({"cmd": "time", "calls": calls, "start": start,
-                                         "keep": keep, "pad_cycles": ref.pad_cycles},
-                                        stage="timing")
-                    c_ev += r["event_ms"]
-                    c_host += r["host_ms"]
-                    c_issue += r["issue_ms"]
-                    kept.update({int(k): v for k, v in r["outputs"].items()})
-            start += calls
-            rounds += 1
-            # Size rounds to about round_ms of the slower side (each call also waits out the pad).
-            slow = max(float(np.median(ref_ev)), float(np.median(c_ev)), 1e-3) + ref.pad_ms
-            calls = int(min(max(cfg.round_ms / slow, 3), 200))
-            if rounds >= 2:
-                speed = bootstrap_ratio_ci(ref_ev, c_ev, iters=500, seed=rounds)
-            spent = time.monotonic() - t_begin
-            half = (speed[2] - speed[1]) / 2 / max(speed[0], 1e-12)
-            if rounds >= cfg.max_rounds or (rounds >= cfg.min_rounds and half <= cfg.target_ci):
-                break
-            if spent > 2 * cfg.time_budget_s and rounds >= 2:
-                break
-        speed = bootstrap_ratio_ci(ref_ev, c_ev, iters=2000, seed=1)
-        med_c = float(np.median(c_ev))
-        med_r = float(np.median(ref_ev))
-        gap_c = float(np.median(np.asarray(c_host) - np.asarray(c_ev)))
-        gap_r = float(np.median(np.asarray(ref_host) - np.asarray(ref_ev)))
+
+        def ref_failed(message: str) -> Reject:
+            return self.reject(Status.UNCHECKED, f"reference timing failed: {message}",
+                               "problem")
+
+        async def candidate_round(ask: TimeRequest) -> TimeReply:
+            r: TimeReply = await self.call(_padded(ask, ref.pad_cycles), stage="timing")
+            return r
+
+        base = Side(child_round(ref.child, cfg.call_timeout_s, ref_failed))
+        cand = Side(candidate_round)
+        res = await interleave(cfg, p.seed, base, cand, ref.pad_ms)
+        med_c, med_r = cand.median_ms(), base.median_ms()
+        gap_c, gap_r = cand.host_gap_ms(), base.host_gap_ms()
         floor = physical_floor_ms(p.bytes, p.flops)
         self.details["timing"] = {
             "candidate_ms": round(med_c, 5), "reference_ms": round(med_r, 5),
-            "issue_ms": [round(float(np.median(ref_issue)), 5),
-                         round(float(np.median(c_issue)), 5)],
+            "issue_ms": [round(base.issue_median_ms(), 5), round(cand.issue_median_ms(), 5)],
             "pad_ms": round(ref.pad_ms, 4),
-            "samples": [len(ref_ev), len(c_ev)], "rounds": rounds, "sets": n_sets,
+            "samples": [len(base.event_ms), len(cand.event_ms)], "rounds": res.rounds,
+            "sets": self.n_sets,
             "host_gap_ms": [round(gap_r, 4), round(gap_c, 4)], "floor_ms": round(floor, 5),
         }
         # Side work shorter than the pad runs under it unseen, and the harness's own host
@@ -449,7 +409,20 @@ class Stage:
         if med_c < cfg.floor_margin * floor:
             raise self.reject(Status.HACK, f"{med_c:.4f} ms is below the physical floor "
                               f"{floor:.4f} ms (bytes and FLOPs at H200 peak)", "physical_floor")
-        return speed[0], (speed[1], speed[2]), kept, ref_kept
+        return res.speedup, res.ci, cand.kept, base.kept
+
+    async def _compiled_baseline(self, ref: RefTimer, speedup: float) -> None:
+        """The problem's compiled baseline into the details: measured by the first timed
+        candidate of the problem on this lane (``measure_compiled``), cached for the others.
+        Never changes the verdict."""
+        p, cfg, lane, n_sets = self.p, self.config, self.lane, self.n_sets
+        t0 = time.monotonic()
+        b = await lane.compiled_baseline(
+            (p.key, n_sets),
+            lambda: measure_compiled(cfg, lane, p, ref, n_sets, self.timing_seed))
+        spent = self.details.setdefault("stage_s", {})
+        spent["compiled baseline"] = round(time.monotonic() - t0, 3)
+        baseline_details(self.details, speedup, b)
 
     async def _check_timed_outputs(self, kept: dict[int, list[Any]],
                                    ref_kept: dict[int, list[Any]]) -> None:
@@ -469,6 +442,199 @@ class Stage:
             if not cmp.ok:
                 raise self.reject(Status.HACK, f"a timed call returned a wrong output "
                                   f"({cmp.message})", "timed_output")
+
+
+TimeRound = Callable[[TimeRequest], Awaitable[TimeReply]]
+
+
+@dataclass
+class Side:
+    """One side of interleaved timing: ``round`` times one round of calls there (a
+    ``TimeRequest``); the samples and the kept outputs of its rounds gather here."""
+
+    round: TimeRound
+    event_ms: list[float] = field(default_factory=list)
+    host_ms: list[float] = field(default_factory=list)
+    issue_ms: list[float] = field(default_factory=list)
+    kept: dict[int, list[Any]] = field(default_factory=dict)
+
+    def add(self, r: TimeReply) -> None:
+        self.event_ms += r["event_ms"]
+        self.host_ms += r["host_ms"]
+        self.issue_ms += r["issue_ms"]
+        self.kept.update({int(k): v for k, v in r["outputs"].items()})
+
+    def median_ms(self) -> float:
+        """The median event (device) time of a call."""
+        return float(np.median(self.event_ms))
+
+    def issue_median_ms(self) -> float:
+        return float(np.median(self.issue_ms))
+
+    def host_gap_ms(self) -> float:
+        """The median of host time (with a device-wide sync, less the pad) less event time."""
+        return float(np.median(np.asarray(self.host_ms) - np.asarray(self.event_ms)))
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """``speedup`` = median(base) / median(other) event time, its 95% bootstrap interval,
+    and the rounds it took."""
+
+    speedup: float
+    ci: tuple[float, float]
+    rounds: int
+
+
+async def interleave(cfg: VerifierConfig, seed: int, base: Side, other: Side,
+                     pad_ms: float) -> Interleaved:
+    """Times ``base`` against ``other`` in alternating rounds (the order flipped each
+    round) on the same call indices, so drift hits both: the protocol of every timing, a
+    candidate against the eager reference as the reference compiled against it. Rounds
+    are sized to about ``round_ms`` of the slower side's device time (each call also waits
+    out the pad, ``pad_ms``) and go on until the 95% interval of the ratio is within
+    ``target_ci`` (at least ``min_rounds``, at most ``max_rounds``) or twice
+    ``time_budget_s`` has passed. Call it holding the lane's timing lock."""
+    rng = np.random.default_rng(seed ^ 0x5EED)
+    calls = 3
+    start = 0
+    t_begin = time.monotonic()
+    rounds = 0
+    speed = (1.0, 0.0, float("inf"))
+    while True:
+        ask: TimeRequest = {"cmd": "time", "calls": calls, "start": start,
+                            "keep": [start + int(rng.integers(0, calls))]}
+        for side in (base, other) if rounds % 2 == 0 else (other, base):
+            side.add(await side.round(ask))
+        start += calls
+        rounds += 1
+        slow = max(base.median_ms(), other.median_ms(), 1e-3) + pad_ms
+        calls = int(min(max(cfg.round_ms / slow, 3), 200))
+        if rounds >= 2:
+            speed = bootstrap_ratio_ci(base.event_ms, other.event_ms, iters=500, seed=rounds)
+        spent = time.monotonic() - t_begin
+        half = (speed[2] - speed[1]) / 2 / max(speed[0], 1e-12)
+        if rounds >= cfg.max_rounds or (rounds >= cfg.min_rounds and half <= cfg.target_ci):
+            break
+        if spent > 2 * cfg.time_budget_s and rounds >= 2:
+            break
+    speed = bootstrap_ratio_ci(base.event_ms, other.event_ms, iters=2000, seed=1)
+    return Interleaved(speed[0], (speed[1], speed[2]), rounds)
+
+
+def child_round(child: Child, timeout_s: float, fail: Callable[[str], Exception],
+                pad_cycles: int | None = None) -> TimeRound:
+    """A timing round in a trusted worker (the reference, eager or compiled): its failure
+    (a crash, a timeout, an error reply) raises ``fail(message)``; ``pad_cycles`` replaces
+    the worker's own pad (the one it measured, if any)."""
+
+    async def round_(ask: TimeRequest) -> TimeReply:
+        msg = ask if pad_cycles is None else _padded(ask, pad_cycles)
+        try:
+            reply = await asyncio.to_thread(child.call, msg, timeout_s)
+        except (ChildDied, ChildTimeout) as e:
+            raise fail(str(e)) from e
+        if not reply.get("ok"):
+            raise fail(str(reply.get("message")))
+        r: TimeReply = reply
+        return r
+
+    return round_
+
+
+def _padded(ask: TimeRequest, pad_cycles: int) -> TimeRequest:
+    return {"cmd": "time", "calls": ask["calls"], "start": ask["start"], "keep": ask["keep"],
+            "pad_cycles": pad_cycles}
+
+
+class _BaselineFailed(Exception):
+    """The compiled baseline could not be measured (the message says why)."""
+
+
+async def measure_compiled(cfg: VerifierConfig, lane: Lane, p: Prepared, ref: RefTimer,
+                           n_sets: int, seed: int) -> CompiledBaseline:
+    """The reference under ``torch.compile`` timed against the eager reference ``ref``
+    (pinned by the caller): a fresh worker loads the reference, builds it with its weights
+    and wraps it (``ModelRequest.compile``); its timing warm-up compiles, under
+    ``compile_timeout_s`` and the lane's shared lock like every request that runs kernels;
+    then the two are timed as a candidate is (``interleave``, the same sets, inputs and
+    pad), under the timing lock. Every failure is the result's ``error``, never an
+    exception (but cancellation). Call it holding no GPU lock: it takes a worker."""
+    t0 = time.monotonic()
+    info: dict[str, Any] = {"mode": cfg.compile_mode or "default"}
+    stage = "worker start"
+    try:
+        child = await lane.take_worker()
+    except (ChildDied, ChildTimeout) as e:
+        return CompiledBaseline(error=_short(f"{stage}: {e}"), info=info)
+    lane.compiling.add(child)
+    try:
+        model: ModelRequest = p.model_request(p.own_model_key, p.init_args)
+        model["compile"] = True
+        model["compile_mode"] = cfg.compile_mode
+        steps: list[tuple[str, WorkerRequest, float]] = [
+            ("load", {"cmd": "load", "source": p.source + "\n\nModelNew = Model\n",
+                      "builds": []}, cfg.load_timeout_s),
+            ("construct", model, cfg.load_timeout_s),
+            ("compile", p.time_setup(cfg, seed, n_sets), cfg.compile_timeout_s),
+        ]
+        for stage, msg, timeout_s in steps:
+            t = time.monotonic()
+            async with lane.gpu.reader_lock:
+                r = await asyncio.to_thread(child.call, msg, timeout_s)
+            info[f"{stage}_s"] = round(time.monotonic() - t, 3)
+            if r.get("violations"):
+                info["violations"] = list(r["violations"])[:3]
+            if not r.get("ok"):
+                return CompiledBaseline(
+                    error=_short(f"{stage}: {r.get('error', 'error')}: {r.get('message')}"),
+                    info=info)
+        stage = "timing"
+        base = Side(child_round(ref.child, cfg.call_timeout_s,
+                                lambda m: _BaselineFailed(f"eager reference: {m}")))
+        comp = Side(child_round(child, cfg.call_timeout_s, _BaselineFailed, ref.pad_cycles))
+        async with lane.gpu.writer_lock:
+            t = time.monotonic()
+            res = await interleave(cfg, p.seed, base, comp, ref.pad_ms)
+            info["timing_s"] = round(time.monotonic() - t, 3)
+    except ChildTimeout as e:
+        return CompiledBaseline(error=_short(f"{stage}: timed out ({e})"), info=info)
+    except (ChildDied, _BaselineFailed) as e:
+        return CompiledBaseline(error=_short(f"{stage}: {e}"), info=info)
+    except Exception as e:  # ours, not the candidate's: logged, and the verdict stands
+        log.exception("verifier: the compiled baseline failed")
+        return CompiledBaseline(error=_short(f"{stage}: {type(e).__name__}: {e}"), info=info)
+    finally:
+        lane.compiling.discard(child)
+        await asyncio.shield(asyncio.to_thread(child.kill))
+    info.update(rounds=res.rounds, samples=[len(base.event_ms), len(comp.event_ms)],
+                issue_ms=[round(base.issue_median_ms(), 5), round(comp.issue_median_ms(), 5)],
+                seconds=round(time.monotonic() - t0, 3))
+    return CompiledBaseline(speedup=res.speedup, ci=res.ci, eager_ms=base.median_ms(),
+                            compiled_ms=comp.median_ms(), info=info)
+
+
+def baseline_details(details: dict[str, Any], speedup: float, b: CompiledBaseline) -> None:
+    """A timed candidate's details with the problem's compiled baseline ``b``: the
+    compiled reference's median time (``timing.compiled_reference_ms``), the reference's
+    speedup from compiling (``compile_speedup``, eager / compiled, with its interval) and
+    the candidate's against the compiled reference (``speedup_vs_compile`` = ``speedup`` /
+    ``compile_speedup``); or ``compiled_baseline_error``."""
+    details["compiled_baseline"] = dict(b.info)
+    if b.error is not None or not b.speedup or not b.compiled_ms or b.eager_ms is None:
+        details["compiled_baseline_error"] = b.error or "no compiled time"
+        return
+    details.setdefault("timing", {})["compiled_reference_ms"] = round(b.compiled_ms, 5)
+    details["compiled_baseline"]["eager_ms"] = round(b.eager_ms, 5)
+    details["compile_speedup"] = b.speedup
+    details["compile_speedup_ci"] = list(b.ci) if b.ci else None
+    details["speedup_vs_compile"] = speedup / b.speedup
+
+
+def _short(message: str, n: int = 300) -> str:
+    """A message on one line, at most ``n`` characters."""
+    one = " ".join(message.split())
+    return one if len(one) <= n else one[:n - 3] + "..."
 
 
 _FLAG_TEXT = {

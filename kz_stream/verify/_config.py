@@ -76,6 +76,16 @@ class VerifierConfig(BaseModel):
     # Candidates in their GPU stage at once, per GPU: their checks overlap (one's Triton
     # JIT and host work with another's kernels); timing is exclusive all the same.
     candidates_per_gpu: int = Field(default=3, ge=1)
+    # Also time the reference under torch.compile (GPU only), once per problem and GPU, the
+    # first time a candidate of the problem is timed: its speedup over eager and the
+    # candidate's against it go into the verdict's details (docs/verifier.md, "Compiled
+    # baseline"). A failure is noted there and never changes a verdict.
+    compiled_baseline: bool = False
+    # torch.compile's mode for it (None: torch's default); an unknown one fails the
+    # baseline of every problem (compiled_baseline_error), not the verdicts.
+    compile_mode: str | None = None
+    # The compiled reference's warm-up, where it compiles (Dynamo, Inductor, Triton).
+    compile_timeout_s: float = Field(default=300.0, gt=0)
     static_scan: bool = True  # off only to test the run-time layer on its own
     launch_checks: bool = True  # off only for the A/A timing benchmark (reference vs itself)
 

@@ -51,8 +51,8 @@ from kz_stream.verify._messages import (
 from kz_stream.verify._oplog import OpLog
 from kz_stream.verify._timing import L2Flusher, pad_for, timed_calls
 
-__all__ = ["HANDLERS", "State", "bits_equal", "classify", "overlaps", "poison", "triton",
-           "uninitialized_is_nan"]
+__all__ = ["HANDLERS", "State", "bits_equal", "classify", "compiled", "overlaps", "poison",
+           "triton", "uninitialized_is_nan"]
 
 try:
     import triton
@@ -250,9 +250,25 @@ def _model(state: State, msg: ModelRequest) -> ModelReply:
                                             for k, v in ref_sd.items()):
             model.load_state_dict({k: v.to(state.device) for k, v in ref_sd.items()})
             loaded = True
+    count = sum(p.numel() for p in model.parameters())
+    if msg.get("compile"):
+        model = compiled(model, msg.get("compile_mode"))
     state.models[msg["key"]] = model
-    return {"ok": True, "weights_loaded": loaded,
-            "param_count": sum(p.numel() for p in model.parameters())}
+    return {"ok": True, "weights_loaded": loaded, "param_count": count}
+
+
+def compiled(model: torch.nn.Module, mode: str | None = None) -> torch.nn.Module:
+    """``torch.compile(model)``, compiling in this process: Inductor's pool of compile
+    workers would start subprocesses, which the worker's audit hook refuses (only the
+    compilers Triton runs may start). Its caches go to ``TORCHINDUCTOR_CACHE_DIR`` and
+    ``TRITON_CACHE_DIR``, the worker's private folder (``_sandbox.child_env``). Compiles
+    on the first call (the timing warm-up); an unknown ``mode`` raises here."""
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # read when Inductor is imported
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1  # ... if it was imported before
+    out: torch.nn.Module = torch.compile(model, mode=mode or None)  # type: ignore[assignment]
+    return out
 
 
 def poison(specs: list[OutSpec], device: str) -> None:

@@ -145,13 +145,16 @@ class LoadReply(_Reply):
 
 class ModelRequest(TypedDict):
     """Builds ``ModelNew(*init_args)`` under the weight seed, with the reference's weights
-    when they fit."""
+    when they fit; ``compile`` wraps it in ``torch.compile`` (mode ``compile_mode``) once
+    they are loaded (the reference's compiled baseline)."""
 
     cmd: Literal["model"]
     key: str
     init_args: list[Any]
     weight_seed: int
     state_dict: dict[str, Any] | None
+    compile: NotRequired[bool]
+    compile_mode: NotRequired[str | None]
 
 
 class ModelReply(_Reply):

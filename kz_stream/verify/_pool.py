@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import aiorwlock
@@ -18,7 +20,7 @@ from kz_stream.verify._messages import PrepareRequest, WorkerRequest
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._sandbox import isolation
 
-__all__ = ["Lane", "RefTimer"]
+__all__ = ["CompiledBaseline", "Lane", "RefTimer"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,20 @@ class RefTimer(NamedTuple):
     pad_cycles: int
     pad_ms: float
     input_bytes: int = 0  # its timing sets
+
+
+@dataclass(frozen=True)
+class CompiledBaseline:
+    """The reference under ``torch.compile`` timed against the eager reference, once per
+    problem and lane: ``speedup`` is median eager / median compiled time, with its 95%
+    interval; or why there is none (``error``: a short message)."""
+
+    speedup: float | None = None
+    ci: tuple[float, float] | None = None
+    eager_ms: float | None = None
+    compiled_ms: float | None = None
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # rounds, samples, times, mode
 
 
 
@@ -75,6 +91,11 @@ class Lane:
         self.ref_workers: OrderedDict[tuple[str, int], RefTimer] = OrderedDict()
         self.ref_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self.ref_pins: dict[tuple[str, int], int] = {}
+        # The compiled reference's timing per problem (``compiled_baseline``), failures
+        # included, and the workers compiling one now.
+        self.compiled: OrderedDict[tuple[str, int], CompiledBaseline] = OrderedDict()
+        self.compiled_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self.compiling: set[Child] = set()
 
     def _env(self, fraction: float) -> dict[str, str]:
         env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),
@@ -194,6 +215,26 @@ class Lane:
             raise
         return held
 
+    async def compiled_baseline(
+            self, key: tuple[str, int],
+            measure: Callable[[], Awaitable[CompiledBaseline]]) -> CompiledBaseline:
+        """The compiled baseline of the problem ``key`` (as reference timers are keyed):
+        cached, else ``measure()``d once while other callers for it wait. ``measure``
+        reports failures in its result; the result is cached either way (a problem the
+        compiler fails once fails again). Call it holding no GPU lock."""
+        async with self.compiled_locks.setdefault(key, asyncio.Lock()):
+            held = self.compiled.get(key)
+            if held is None:
+                held = await measure()
+                self.compiled[key] = held
+                while len(self.compiled) > _COMPILED_CACHE:
+                    gone, _ = self.compiled.popitem(last=False)
+                    lock = self.compiled_locks.get(gone)
+                    if lock is not None and not lock.locked():
+                        del self.compiled_locks[gone]
+            self.compiled.move_to_end(key)
+        return held
+
     def unpin(self, key: tuple[str, int]) -> None:
         self.ref_pins[key] -= 1
         if not self.ref_pins[key]:
@@ -253,13 +294,19 @@ class Lane:
         thread reading its channel, and a reference worker may be in a timing round of a
         verification still running. No worker starts after this."""
         self.closed = True
-        for c in (self.oracle, *self.spares, *(t.child for t in self.ref_workers.values())):
+        for c in (self.oracle, *self.spares, *(t.child for t in self.ref_workers.values()),
+                  *self.compiling):
             if c is not None:
                 c.kill()
         self.oracle = None
         self.spares = []
+        self.compiling.clear()
         self.starting.clear()
         self.ref_workers.clear()
+
+
+# Problems whose compiled baseline a lane remembers (a few hundred bytes each).
+_COMPILED_CACHE = 4096
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

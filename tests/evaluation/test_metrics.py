@@ -91,3 +91,58 @@ def test_kernelbench_rule_counts_beside_the_hardened_verdict() -> None:
     assert m.kernelbench_correct == 2  # a's first two samples
     assert m.kernelbench_only == 1  # a's second: KernelBench's rule accepts, ours does not
     assert m.as_dict()["kernelbench_only"] == 1
+
+
+def test_speedups_against_the_compiled_reference_by_hand() -> None:
+    # a: correct kernels at 2.0x and 0.5x the compiled reference; its wrong 3.0x never counts.
+    a = ProblemResult("a", 1, (True, True, False), (4.0, 1.0, 6.0), vs_compile=(2.0, 0.5, 3.0))
+    # b: a correct 1.5x; its second sample has no entry (not timed): None.
+    b = ProblemResult("b", 1, (True, False), (3.0, None), vs_compile=(1.5,))
+    # c: its compiled baseline failed: left out of every vs-compile figure, not "slower".
+    c = ProblemResult("c", 2, (True,), (2.0,), vs_compile=(None,), compile_failed=True)
+    assert b.speedups_against("compile") == (1.5, None)
+    assert fast_p(a, 1.0, "compile") == pytest.approx(1 / 3)  # only the correct 2.0x
+    assert fast_p(a, 1.0) == pytest.approx(1 / 3)  # against eager: 4.0x (1.0x is not > 1)
+    m = summarize([a, b, c])
+    assert m.compile_timed == 3 and m.compile_failed == 1
+    assert m.compile_geomean == pytest.approx((2.0 * 0.5 * 1.5) ** (1 / 3))
+    assert m.fast_compile == pytest.approx((1 / 3 + 1 / 2) / 2)  # a and b; c left out
+    # Resampling a and b: the interval's ends are geomeans of a only (1.0) and b only (1.5).
+    assert m.compile_geomean_ci == pytest.approx((1.0, 1.5))
+    # Against eager nothing changes: c counts there.
+    assert m.geomean == pytest.approx((4.0 * 1.0 * 3.0 * 2.0) ** (1 / 4))
+    assert m.fast[1.0] == pytest.approx((1 / 3 + 1 / 2 + 1) / 3)
+    d = m.as_dict()
+    assert d["fast_1_vs_compile"] == m.fast_compile
+    assert d["geomean_speedup_vs_compile"] == m.compile_geomean
+    assert d["geomean_speedup_vs_compile_ci"] == list(m.compile_geomean_ci or ())
+    assert (d["timed_vs_compile"], d["compile_baseline_failed"]) == (3, 1)
+
+
+def test_one_estimator_for_both_baselines() -> None:
+    """The compiled baseline's geomean and interval are the eager code run on
+    speedup_vs_compile: the same numbers for the same speedups, seed for seed."""
+    runs = [((True, True, False), (2.0, 0.5, 3.0)), ((True, False), (1.5, None)),
+            ((False,), (None,)), ((True, True), (0.8, 1.1))]
+    on_compile = [ProblemResult(f"p{i}", 1, ok, (9.0,) * len(ok), vs_compile=s)
+                  for i, (ok, s) in enumerate(runs)]
+    as_eager = [ProblemResult(f"p{i}", 1, ok, s) for i, (ok, s) in enumerate(runs)]
+    for seed in (0, 3):
+        assert (geomean_speedup(on_compile, seed=seed, baseline="compile")
+                == geomean_speedup(as_eager, seed=seed))
+    assert summarize(on_compile).fast_compile == summarize(as_eager).fast[1.0]
+
+
+def test_no_compiled_baseline_is_not_estimated() -> None:
+    a = ProblemResult("a", 1, (True, False), (1.2, None), vs_compile=(0.9, None))
+    off = summarize([a], compile_baseline=False)  # a run without --compile-baseline
+    assert (off.fast_compile, off.compile_geomean, off.compile_geomean_ci) == (None, None, None)
+    assert (off.compile_timed, off.compile_failed) == (0, 0)
+    failed = ProblemResult("f", 1, (True,), (1.2,), compile_failed=True)
+    only_failed = summarize([failed])  # every problem's baseline failed: nothing to average
+    assert only_failed.fast_compile is None and only_failed.compile_geomean is None
+    assert only_failed.compile_failed == 1
+    # With the baseline on, a problem with no correct kernel counts as 0 (as in fast_p).
+    none_correct = summarize([ProblemResult("n", 1, (False, False), (None, None)), a])
+    assert none_correct.fast_compile == pytest.approx((0 + 0) / 2)
+    assert none_correct.compile_geomean == pytest.approx(0.9)

@@ -15,6 +15,7 @@ from kz_stream.evaluation import (
     build_report,
     kernel_id_of,
     load_evaluation,
+    table_rows,
     write_report,
 )
 from kz_stream.events import (
@@ -25,6 +26,7 @@ from kz_stream.events import (
     KernelVerified,
     VerdictStatus,
     new_event,
+    payload_as,
 )
 from kz_stream.run_state import RunState
 from kz_stream.store import open_store
@@ -36,6 +38,18 @@ VERDICTS: dict[str, tuple[int, list[tuple[str, float | None] | None]]] = {
     "level1/2_B": (1, [("compile_error", None), ("compile_error", None), None]),
     "level2/1_C": (2, [("correct", 4.0), ("correct", 1.0), ("hack", None)]),
 }
+# Verdict details of timed kernels (problem, sample): A's compiled reference is 1.25x
+# eager (so 2.0x eager is 1.6x compile); C's compiled baseline failed (and stays failed:
+# the verifier caches it per problem).
+COMPILE_FAILED = {"compiled_baseline_error": "compile: exception: Unrecognized mode"}
+DETAILS: dict[tuple[str, int], dict[str, object]] = {
+    ("level1/1_A", 0): {"compile_speedup": 1.25, "speedup_vs_compile": 1.6,
+                        "timing": {"compiled_reference_ms": 0.8}},
+    ("level1/1_A", 2): {"compile_speedup": 1.25, "speedup_vs_compile": 0.4,
+                        "timing": {"compiled_reference_ms": 0.8}},
+    ("level2/1_C", 0): COMPILE_FAILED,
+    ("level2/1_C", 1): COMPILE_FAILED,
+}
 
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -46,7 +60,8 @@ def run_events() -> list[Event]:
                                   module_id=f"kb-{i}")
                 for i, (pid, (level, _)) in enumerate(VERDICTS.items())]
     started = EvaluationStarted(run_id=RUN, suite="/suite", backend="triton", samples=3,
-                                policy={"spec": "base"}, problems=problems)
+                                policy={"spec": "base"}, problems=problems,
+                                compile_baseline=True)
     events = [new_event(started, stream_id=f"evaluation-{RUN}", stream_version=0,
                         correlation_id=RUN)]
     # Problem j is generated in [60j, 60j + 30] s and each of its samples verified in
@@ -66,10 +81,15 @@ def run_events() -> list[Event]:
                                    status=VerdictStatus(verdict[0]), speedup=verdict[1],
                                    verifier_version="kzv-test",
                                    details={"seconds": 10, "prepare_s": 2,
-                                            "kernelbench_rule": verdict[0] in ("correct", "hack")}),
+                                            "kernelbench_rule": verdict[0] in ("correct", "hack"),
+                                            **DETAILS.get((p.problem_id, i), {})}),
                     stream_id=f"kernel-{kid}", stream_version=1, correlation_id=RUN,
                     occurred_at=T0 + timedelta(seconds=60 * j + 40)))
     return events
+
+
+def payload_of(event: Event) -> EvaluationStarted:
+    return payload_as(event, EvaluationStarted)
 
 
 def load(url: str) -> EvalRecord:
@@ -123,6 +143,46 @@ def test_report_numbers_grid_and_files(store_url: str, tmp_path: Path) -> None:
     assert doc["throughput"]["kernels_per_minute"] == 4.0
     assert "Throughput: 8 kernels in 2.0 active min (4.0 per min)" in md
     assert "incomplete" in md and "| level1/1_A | correct, incorrect, correct |" in md
+
+
+def test_report_against_the_compiled_reference(store_url: str, tmp_path: Path) -> None:
+    """Speedups vs torch.compile from the verdicts' details, beside those vs eager: the
+    store gives the details back (PostgreSQL trims payloads to the keys asked for)."""
+    report = build_report(load(store_url))
+    assert report.record.started.compile_baseline
+    l1, l2, overall = (report.metrics[k] for k in ("level 1", "level 2", "overall"))
+    # Overall: A's 1.6x and 0.4x; C failed and is left out; B has no correct kernel (0).
+    assert overall.compile_timed == 2 and overall.compile_failed == 1
+    assert overall.compile_geomean == pytest.approx((1.6 * 0.4) ** 0.5)
+    assert overall.fast_compile == pytest.approx((1 / 3 + 0) / 2)
+    assert overall.compile_geomean_ci == pytest.approx((0.8, 0.8))  # one problem has any
+    assert l1.fast_compile == overall.fast_compile
+    assert (l2.compile_timed, l2.compile_failed, l2.fast_compile, l2.compile_geomean) == (
+        0, 1, None, None)
+    # Against eager, C still counts.
+    assert overall.geomean == pytest.approx((2.0 * 0.5 * 4.0 * 1.0) ** (1 / 4))
+
+    header, rows = table_rows(report)
+    row = dict(zip(header, rows[-1], strict=True))
+    assert rows[-1][0] == "overall"
+    assert row["timed vs compile"] == "2 (1 problem failed)"
+    assert row["fast_1 vs compile"] == "0.167"
+    assert row["geomean vs compile (95% CI)"] == "0.80 (0.80–0.80)"
+    assert dict(zip(header, rows[1], strict=True))["geomean vs compile (95% CI)"] == "–"
+
+    out = tmp_path / "out"
+    write_report(report, out)
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["compile_baseline"] is True
+    m = doc["metrics"]["overall"]
+    assert m["geomean_speedup_vs_compile"] == pytest.approx(0.8)
+    assert m["fast_1_vs_compile"] == pytest.approx(1 / 6)
+    assert (m["timed_vs_compile"], m["compile_baseline_failed"]) == (2, 1)
+    assert doc["problems"][0]["speedups_vs_compile"] == [1.6, None, 0.4]
+    md = (out / "report.md").read_text()
+    assert "and the reference under torch.compile" in md
+    assert "| level1/1_A | correct, incorrect, correct | 2.00, –, 0.50 | 1.60, –, 0.40 |" in md
+    assert "geomean vs compile (95% CI)" in md and "0.80 (0.80–0.80)" in md
 
 
 def test_evaluation_events_never_reach_training_state() -> None:

@@ -105,6 +105,13 @@ def test_eval_run_resume_and_report(tmp_path: Path) -> None:
     assert resumed.exit_code == 0, resumed.output[-3000:]
     assert f"{len(first_verdicts)} before" in resumed.stdout, resumed.output
 
+    # The run times against torch.compile (the default); it resumes only with that.
+    other = cli.invoke(app, [
+        "eval", "run", str(suite_dir), "--run-id", RUN, "--samples", str(SAMPLES),
+        "--max-new-tokens", str(TOKENS), "--seed", "0", "--temperature", "1.0",
+        "--no-compile-baseline"], env=env)
+    assert other.exit_code != 0 and "compile_baseline=True" in other.output, other.output
+
     records = asyncio.run(stored(url))
     kinds = [r.event.type for r in records]
     pairs = len(PROBLEMS) * SAMPLES
@@ -133,6 +140,7 @@ def test_eval_run_resume_and_report(tmp_path: Path) -> None:
     assert "pass@1" in report.stdout and f"{pairs}/{pairs} kernels verified" in report.stdout
     doc = json.loads((out / "report.json").read_text())
     assert doc["complete"] and doc["verified"] == pairs
+    assert doc["throughput"]["kernels"] == pairs and doc["throughput"]["generation_minutes"] > 0
     correct = sum(e.payload["status"] == "correct" for e in verdicts)
     assert doc["metrics"]["overall"]["correct"] == correct
     assert doc["metrics"]["overall"]["pass@1"] == pytest.approx(correct / pairs)

@@ -11,6 +11,8 @@ import pytest
 
 from kz_stream.events import (
     Completion,
+    EvaluationProblem,
+    EvaluationStarted,
     EventDecodeError,
     KernelGenerated,
     KernelVerified,
@@ -86,6 +88,20 @@ def test_a_v2_kernel_generated_reads_with_no_module_hash() -> None:
     obj["schema_version"] = 2
     del obj["payload"]["module_sha256"]
     assert payload_as(decode_event(orjson.dumps(obj)), KernelGenerated).module_sha256 == ""
+
+
+def test_a_v1_evaluation_started_reads_as_a_run_without_the_compiled_baseline() -> None:
+    started = EvaluationStarted(
+        run_id="eval-x", suite="/s", backend="triton", samples=2, compile_baseline=True,
+        problems=[EvaluationProblem(problem_id="level1/1_A", name="1_A", module_id="kb-1")])
+    obj = orjson.loads(encode_event(new_event(started, stream_id="evaluation-eval-x",
+                                              stream_version=0)))
+    assert obj["schema_version"] == 2 and obj["payload"]["compile_baseline"] is True
+    obj["schema_version"] = 1
+    del obj["payload"]["compile_baseline"]
+    old = payload_as(decode_event(orjson.dumps(obj)), EvaluationStarted)
+    assert old.compile_baseline is False  # it timed eager PyTorch only
+    assert old.problems == started.problems
 
 
 def test_a_payload_is_validated_once_per_envelope() -> None:

@@ -45,7 +45,7 @@ PUBLIC = {
         "load_suite", "markdown", "new_run_id", "open_policy", "pass_at_k",
         "problem_interface_error", "run_evaluation", "summarize", "summarize_levels",
         "table_rows", "write_plots", "write_report", "StageTimes", "Throughput", "throughput",
-        "throughput_line", "union_seconds",
+        "throughput_line", "union_seconds", "Baseline", "COMPILE_FAST_P",
     ],
     "kz_stream.store": [
         "AppendResult", "ConcurrencyError", "EventStore", "RecordedEvent", "SqlEventStore",

@@ -112,3 +112,56 @@ def test_timed_calls_hold_at_most_a_gibibyte_of_outputs() -> None:
 
     timed_calls(call, sets, 8, L2Flusher(torch.device("cuda")))
     assert len(seen) == 2  # one held (4 would be 2.4 GiB), one new
+
+
+# ---- the compiled baseline (VerifierConfig.compiled_baseline) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_verifier_compiled() -> Iterator[Verifier]:
+    v = Verifier(VerifierConfig(compiled_baseline=True))
+    yield v
+    v.close_sync()
+
+
+def test_compiled_baseline_on_an_honest_triton_kernel(gpu_verifier_compiled: Verifier) -> None:
+    """The first timed candidate of a problem has the reference compiled and timed against
+    eager; the next candidate of the problem gets the same (cached) baseline."""
+    name = "gelu_scale"  # init args (the scale) and a fusion for Inductor
+    problem, candidate = Problem(PROBLEMS[name]), Candidate(TRITON_HONEST[name], "triton")
+    v = gpu_verifier_compiled.verify_sync(problem, candidate)
+    d = v.details
+    print(f"\nRESULT compiled baseline {name}: {v.status.value} speedup={v.speedup} "
+          f"compile_speedup={d.get('compile_speedup')} ci={d.get('compile_speedup_ci')} "
+          f"vs_compile={d.get('speedup_vs_compile')} timing={d.get('timing')} "
+          f"baseline={d.get('compiled_baseline')} error={d.get('compiled_baseline_error')} "
+          f"stage_s={d.get('stage_s')}")
+    assert v.status is Status.CORRECT, _show(v)
+    assert "compiled_baseline_error" not in d, d.get("compiled_baseline_error")
+    assert d["timing"]["compiled_reference_ms"] > 0
+    assert d["compile_speedup"] > 0
+    lo, hi = d["compile_speedup_ci"]
+    assert 0 < lo <= hi
+    assert v.speedup is not None and d["speedup_vs_compile"] > 0
+    assert d["speedup_vs_compile"] == pytest.approx(v.speedup / d["compile_speedup"])
+    again = gpu_verifier_compiled.verify_sync(problem, candidate)
+    assert again.status is Status.CORRECT, _show(again)
+    assert again.details["compile_speedup"] == d["compile_speedup"]  # measured once
+    assert again.details["timing"]["compiled_reference_ms"] == d["timing"]["compiled_reference_ms"]
+
+
+def test_compiled_baseline_failure_keeps_the_verdict() -> None:
+    """A reference torch.compile refuses (here: a mode it does not know) leaves the verdict
+    and its speedup over eager as they are, with compiled_baseline_error beside them."""
+    v = Verifier(VerifierConfig(compiled_baseline=True, compile_mode="no-such-mode"))
+    try:
+        r = v.verify_sync(Problem(PROBLEMS["relu"]), Candidate(TRITON_HONEST["relu"], "triton"))
+    finally:
+        v.close_sync()
+    print(f"\nRESULT compiled baseline failure: {r.status.value} speedup={r.speedup} "
+          f"error={r.details.get('compiled_baseline_error')}")
+    assert r.status is Status.CORRECT, _show(r)
+    assert r.speedup is not None and r.speedup_ci is not None
+    assert "no-such-mode" in r.details["compiled_baseline_error"]
+    assert "speedup_vs_compile" not in r.details and "compile_speedup" not in r.details
+    assert "compiled_reference_ms" not in r.details["timing"]
