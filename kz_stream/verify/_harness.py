@@ -252,15 +252,21 @@ def _model(state: State, msg: ModelRequest) -> ModelReply:
             loaded = True
     count = sum(p.numel() for p in model.parameters())
     if msg.get("compile"):
+        # Only the verifier asks for this, in a worker that runs the reference (the
+        # semi-trusted side, as in the oracle) and never a candidate. Inductor starts tools
+        # of its own on the GPU path (seen on the H200, torch 2.11: ``nvcc --version``), so
+        # the hook lets this worker start programs; the boundary (no network, the jail's
+        # filesystem) still holds.
+        if state.guard is not None:
+            state.guard.allow_subprocess = True
         model = compiled(model, msg.get("compile_mode"))
     state.models[msg["key"]] = model
     return {"ok": True, "weights_loaded": loaded, "param_count": count}
 
 
 def compiled(model: torch.nn.Module, mode: str | None = None) -> torch.nn.Module:
-    """``torch.compile(model)``, compiling in this process: Inductor's pool of compile
-    workers would start subprocesses, which the worker's audit hook refuses (only the
-    compilers Triton runs may start). Its caches go to ``TORCHINDUCTOR_CACHE_DIR`` and
+    """``torch.compile(model)``, compiling in this process (no pool of compile workers
+    to start and leave behind). Its caches go to ``TORCHINDUCTOR_CACHE_DIR`` and
     ``TRITON_CACHE_DIR``, the worker's private folder (``_sandbox.child_env``). Compiles
     on the first call (the timing warm-up); an unknown ``mode`` raises here."""
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # read when Inductor is imported
