@@ -33,6 +33,10 @@ class Finding:
 
 # Ops that only view, allocate or move data: a candidate may call these freely.
 BENIGN_OPS = frozenset({
+    # Random tensors: how parameters are initialised (a KernelBench reference's
+    # ``nn.Parameter(torch.randn(shape))``), not the computation being replaced; a
+    # candidate that initialises its own the same way was judged a fallback (kzv-1.3).
+    "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
     "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like",
     "full", "full_like", "new_empty", "new_zeros", "new_ones", "new_full", "arange",
     "tensor", "as_tensor", "from_numpy", "view", "reshape", "contiguous", "clone", "copy",

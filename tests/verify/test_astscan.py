@@ -37,6 +37,17 @@ def test_computed_getattr_on_torch_is_obfuscation() -> None:
     assert "obfuscated_access" in rules("n = chr(114) + 'elu'\ny = getattr(torch, n)(x)")
 
 
+def test_initialising_parameters_like_the_reference_is_no_fallback() -> None:
+    reference = HEAD + (
+        "class Model(nn.Module):\n  def __init__(self, shape):\n    super().__init__()\n"
+        "    self.bias = nn.Parameter(torch.randn(shape))\n"
+        "  def forward(self, x):\n    return torch.relu(x + self.bias)\n")
+    candidate = ("class ModelNew(nn.Module):\n  def __init__(self, shape):\n"
+                 "    super().__init__()\n    self.bias = nn.Parameter(torch.randn(shape))\n")
+    assert "randn" not in reference_ops(reference)
+    assert rules(candidate, tuple(reference_ops(reference))) == set()
+
+
 def test_holding_parameters_in_nn_modules_is_fine() -> None:
     src = ("class M(nn.Module):\n  def __init__(self):\n    super().__init__()\n"
            "    self.lin = nn.Linear(4, 4)\n  def forward(self, x):\n    return self.lin.weight\n")
