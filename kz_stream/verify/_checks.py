@@ -78,6 +78,13 @@ class Reject(Exception):
         self.ruling = ruling
 
 
+def interpreter_fault(defect: str | None, message: str) -> bool:
+    """Whether a candidate's error is the one the worker's interpreter self-check raised
+    (``defect``: its last line), i.e. the host's fault and not the candidate's."""
+    lines = (defect or "").strip().splitlines()
+    return bool(lines) and lines[-1] in message
+
+
 class Stage:
     """The GPU (or CPU-interpreter) stage for one candidate in one worker: load,
     correctness, launch evidence, timing and integrity checks. A failed check raises
@@ -165,6 +172,14 @@ class Stage:
                                                              or "no nvidia" in message.lower())):
             raise self.reject(Status.UNCHECKED, f"{stage}: the candidate needs a GPU: {message}",
                               "no_gpu", unchecked=("correctness", "timing"))
+        defect = self.w.wait_ready().get("interpreter_defect")
+        if interpreter_fault(defect, message):
+            # The host's interpreter fails honest kernels this way (the worker's self-check
+            # did): no verdict on the candidate, and no reward taken from it.
+            raise self.reject(Status.INFRA_ERROR, f"{stage}: this host's Triton interpreter "
+                              f"cannot run the kernel ({defect}); the worker's self-check "
+                              "fails the same way. Verify on a GPU, or with a Triton and "
+                              f"NumPy that pass it: {message}", "interpreter")
         raise self.reject(Status.RUNTIME_ERROR, f"{stage}: {message}", stage)
 
     async def run(self) -> Ruling:

@@ -75,6 +75,8 @@ class ReadyReply(TypedDict):
     start_s: NotRequired[dict[str, float]]
     gpu: NotRequired[str]
     warming: NotRequired[bool]
+    # The CPU path's Triton interpreter failed the worker's self-check: the error it raised.
+    interpreter_defect: NotRequired[str]
     ok: NotRequired[bool]
     error: NotRequired[str]
     message: NotRequired[str]

@@ -11,7 +11,8 @@ from typing import Any, Literal
 # them, so verdicts of 1.0 and 1.1 are different verdicts).
 # 1.2: fresh input values for every timed call, a sign-mixed set for non-negative inputs,
 # the memory plan and the input-set policy (verdicts can flip from 1.1: re-score).
-# 1.3: random tensor creation (parameter initialisation) is no torch fallback.
+# 1.3: random tensor creation (parameter initialisation) is no torch fallback; on the CPU
+# path, an error the host's Triton interpreter also raises on its self-check is infra_error.
 VERIFIER_VERSION = "kzv-1.3"
 
 Backend = Literal["cuda", "triton"]

@@ -71,6 +71,7 @@ class Verifier:
         self._lanes: list[Lane] = []
         self._builder: Builder | None = None
         self._prepared: OrderedDict[str, Prepared] = OrderedDict()
+        self._warned_interpreter = False
         self._prepare_locks: dict[str, asyncio.Lock] = {}
         self._loop_thread: _LoopThread | None = None
 
@@ -338,8 +339,17 @@ class Verifier:
             return self._verdict(Status.UNCHECKED, f"verifier: no worker could start ({e})",
                                  check="infrastructure")
         details["worker_wait_s"] = round(time.monotonic() - t0, 3)
+        ready = worker.wait_ready()
         details["worker_start_s"] = {k: round(float(v), 3) for k, v in
-                                     (worker.wait_ready().get("start_s") or {}).items()}
+                                     (ready.get("start_s") or {}).items()}
+        if ready.get("interpreter_defect"):
+            details["interpreter_defect"] = ready["interpreter_defect"]
+            if not self._warned_interpreter:
+                self._warned_interpreter = True
+                log.warning("verifier: this host's Triton interpreter fails the worker's "
+                            "self-check (a loop over a run-time bound); kernels that fail "
+                            "the same way get infra_error, not runtime_error: %s",
+                            ready["interpreter_defect"])
         try:
             ruling = await Stage(self.config, lane, worker, p, candidate, builds, own_names,
                                  details).run()

@@ -57,6 +57,44 @@ def kz_warm_copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 """
 
 
+# A loop whose bound is a run-time argument, as every tiled matmul has. Triton 3.6's
+# interpreter with NumPy 2.5 cannot run it (``int()`` of a one-element array: "only
+# 0-dimensional arrays can be converted to Python scalars"), so on such a host every honest
+# kernel of that shape fails, and the failure is the host's, not the kernel's.
+_RUNTIME_BOUND = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kz_check_loop(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(y_ptr + tl.arange(0, BLOCK), acc)
+"""
+
+
+def interpreter_defect() -> str | None:
+    """Runs a loop over a run-time bound through the Triton interpreter; returns the error
+    it raises (a defect of this host's Triton and NumPy), or None when it is right."""
+    from kz_stream.verify._ipc import error_text
+    from kz_stream.verify._loader import load_source
+
+    try:
+        mod = load_source(_RUNTIME_BOUND, "kz_check", os.getcwd())
+        x = torch.arange(48, dtype=torch.float32)
+        y = torch.empty(16)
+        mod.kz_check_loop[(1,)](x, y, 48, BLOCK=16)
+        expected = x.view(3, 16).sum(0)
+        if not torch.equal(y, expected):
+            return f"wrong result: {y[:4].tolist()} instead of {expected[:4].tolist()}"
+    except Exception as e:
+        return error_text(e)
+    return None
+
+
 def _warm_triton() -> None:
     """Builds Triton's driver helpers before a candidate arrives (the worker is started
     ahead of need, so this time is hidden)."""
@@ -132,6 +170,10 @@ def main() -> None:
         t = time.monotonic()
         if triton is not None and state.cuda:
             _warm_triton()
+        elif triton is not None:
+            defect = interpreter_defect()
+            if defect:
+                info["interpreter_defect"] = defect
         phases["triton"] = time.monotonic() - t
         info["warming"] = state.cuda
         torch.set_num_threads(int(os.environ.get("KZ_WORKER_THREADS", "2")))

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -14,6 +17,7 @@ from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST
 from kz_stream.testing.corpus.problems import PROBLEMS
 from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
 from kz_stream.verify import Candidate, Problem, Status, Verifier
+from kz_stream.verify._checks import interpreter_fault
 
 # Every cheat the CPU path can catch (statically, or at run time through the interpreter).
 CPU_CHEATS = [n for n, c in CHEATS.items() if c[4] == "cpu"]
@@ -59,6 +63,27 @@ def test_a_reply_without_model_new_fails_before_the_problem_is_prepared(
     assert (v.status, v.check, v.reason) == (Status.RUNTIME_ERROR, "load",
                                              "load: source does not define ModelNew")
     assert "prepare_s" not in v.details  # no oracle, no worker
+
+
+def test_the_interpreter_self_check_passes_on_a_sound_interpreter() -> None:
+    # The worker's check, run as a CPU worker runs it (the interpreter is chosen at import).
+    code = ("import os; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from kz_stream.verify._worker import interpreter_defect\n"
+            "print(repr(interpreter_defect()))\n")
+    out = subprocess.run([sys.executable, "-c", code, "0", "cpu"], capture_output=True,
+                         text=True, timeout=300, cwd=tempfile.mkdtemp())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "None", out.stdout
+
+
+def test_only_the_self_checks_own_error_is_the_hosts_fault() -> None:
+    # As seen on the H200 host's CPU path (Triton 3.6, NumPy 2.5).
+    defect = "TypeError: only 0-dimensional arrays can be converted to Python scalars"
+    seen = ("run on input set 0 (own): TypeError: only 0-dimensional arrays can be "
+            "converted to Python scalars")
+    assert interpreter_fault(defect, seen)
+    assert not interpreter_fault(defect, "run on input set 0 (own): IndexError: out of range")
+    assert not interpreter_fault(None, seen) and not interpreter_fault("", seen)
 
 
 def test_runtime_error(cpu_verifier: Verifier) -> None:
