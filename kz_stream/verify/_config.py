@@ -60,6 +60,11 @@ class VerifierConfig(BaseModel):
     # takes seconds to start, and each candidate uses a fresh one), one on the CPU.
     prewarm: int | None = Field(default=None, ge=0)
     problem_cache: int = Field(default=16, ge=1)
+    # A Triton candidate of a problem not yet prepared is imported and built on the meta
+    # device in a CPU sandbox first (``_preflight``): a load or constructor error decides
+    # its verdict without the preparation. None: on a GPU only (where preparing costs).
+    preflight: bool | None = None
+    preflight_timeout_s: float = Field(default=60.0, gt=0)
     # Host bytes the prepared problems may hold together (least recently used dropped;
     # the newest is always kept), and the memory plan's budget for one problem's sets at
     # its own shapes (oracle.Oracle.prepare): a KernelBench ReLU's set holds 26 GB.

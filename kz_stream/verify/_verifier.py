@@ -72,6 +72,7 @@ class Verifier:
         self._builder: Builder | None = None
         self._prepared: OrderedDict[str, Prepared] = OrderedDict()
         self._warned_interpreter = False
+        self._init_args: dict[str, list[Any]] = {}  # problem key -> get_init_inputs()
         self._prepare_locks: dict[str, asyncio.Lock] = {}
         self._loop_thread: _LoopThread | None = None
 
@@ -199,7 +200,13 @@ class Verifier:
                     Status.UNCHECKED, "no GPU here: the CUDA source compiles (nvcc, "
                     f"sm_{self.builder.toolchain.arch}); correctness and speed are unchecked",
                     check="no_gpu", unchecked=("correctness", "anti_cheat_runtime", "timing"))
-        # 3. Problem preparation (cached) and the GPU stage.
+        # 3. Problem preparation (cached) and the GPU stage; a first look before the
+        # first preparation of a problem.
+        if (candidate.backend == "triton" and problem.key not in self._prepared
+                and (self.gpu if self.config.preflight is None else self.config.preflight)):
+            early = await self._preflight(problem, candidate, details)
+            if early is not None:
+                return early
         lane = min(self._lanes, key=lambda ln: ln.busy)
         lane.busy += 1
         try:
@@ -289,6 +296,34 @@ class Verifier:
                 raise Reject(Ruling(Status.COMPILE_ERROR, tail(r.log, 3000),
                                     {"check": "nvcc"}))
         return results
+
+    async def _preflight(self, problem: Problem, candidate: Candidate,
+                         details: dict[str, Any]) -> Verdict | None:
+        """The candidate's verdict when importing it or building it on the meta device fails
+        decisively (``_preflight``), else None. Any failure of the preflight itself is no
+        verdict: the full verification decides."""
+        t0 = time.monotonic()
+        timeout = self.config.preflight_timeout_s
+        init = self._init_args.get(problem.key)
+        if init is None:
+            got = await asyncio.to_thread(
+                run_in_sandbox, "kz_stream.verify._preflight:reference_init_args",
+                (problem.source,), timeout_s=timeout, memory_mb=4096)
+            if not got.ok:
+                return None  # the preparation will say what is wrong with the reference
+            init = self._init_args[problem.key] = list(got.value)
+            while len(self._init_args) > 4 * self.config.problem_cache:
+                self._init_args.pop(next(iter(self._init_args)))
+        out = await asyncio.to_thread(
+            run_in_sandbox, "kz_stream.verify._preflight:candidate_preflight",
+            (candidate.source, init), timeout_s=timeout, memory_mb=4096)
+        details["preflight_s"] = round(time.monotonic() - t0, 3)
+        if not out.ok or out.value is None:
+            return None
+        stage, error = out.value
+        return self._verdict(Status.RUNTIME_ERROR, f"{stage}: {error} (found before the "
+                             "problem was prepared: the module imported and built on the "
+                             "meta device)", check=stage)
 
     async def _prepare(self, lane: Lane, problem: Problem) -> Prepared | Verdict:
         key = problem.key

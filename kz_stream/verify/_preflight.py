@@ -1,0 +1,77 @@
+"""A Triton candidate's first look, before its problem is prepared.
+
+Preparing a problem at KernelBench's sizes (the float64 oracle on every input set) takes up
+to minutes on an H200, and a weak policy's kernels mostly fail long before they would need
+it: a name that is not defined, a constructor called with the wrong arguments, no
+``forward``. The preflight imports the candidate and builds ``ModelNew`` on the meta device
+(no memory, no kernel) in a sandboxed child on the CPU, with the arguments the reference's
+``get_init_inputs()`` gives (computed in a child of its own: the candidate never sees the
+reference). Only errors that cannot depend on the device or the data decide a verdict
+(``DECISIVE``): the same ``runtime_error`` the GPU stage would give, without the
+preparation. Anything else, a timeout or a sandbox failure included, lets the candidate go
+on to the full verification.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+__all__ = ["Finding", "candidate_preflight", "reference_init_args"]
+
+# (stage, "Type: message") of a decisive failure, or None.
+Finding = tuple[str, str] | None
+
+# What a TypeError says when a constructor is called with arguments that do not fit it.
+_SIGNATURE = re.compile(r"__init__\(\) (missing \d+ required|takes \d+ positional|takes from "
+                        r"\d+ to \d+ positional|got an unexpected keyword|got multiple values)")
+
+
+def reference_init_args(source: str) -> list[Any]:
+    """The reference's ``get_init_inputs()`` (run in a sandboxed child)."""
+    from kz_stream.verify._reference import load_reference
+
+    return list(load_reference(source, os.getcwd()).get_init_inputs())
+
+
+def _decisive_at_load(e: BaseException) -> bool:
+    if isinstance(e, (NameError, ImportError, SyntaxError)):
+        return True
+    # ``tl.log_density``: a module attribute that does not exist, whatever the device.
+    return isinstance(e, AttributeError) and str(e).startswith("module ")
+
+
+def _decisive_at_construct(e: BaseException) -> bool:
+    if isinstance(e, NameError):
+        return True
+    return isinstance(e, TypeError) and bool(_SIGNATURE.search(str(e)))
+
+
+def candidate_preflight(source: str, init_args: list[Any]) -> Finding:
+    """Imports ``source`` and builds ``ModelNew(*init_args)`` on the meta device; returns the
+    stage ("load", "construct", "run") and error of a decisive failure, or None (run in a
+    sandboxed child)."""
+    import torch
+
+    from kz_stream.verify._ipc import error_text
+    from kz_stream.verify._loader import InterfaceError, load_source, require
+
+    try:
+        module = load_source(source, "kz_candidate", os.getcwd())
+        (model_cls,) = require(module, "ModelNew")
+    except InterfaceError as e:
+        return "load", error_text(e)
+    except Exception as e:
+        return ("load", error_text(e)) if _decisive_at_load(e) else None
+    try:
+        with torch.device("meta"):
+            model = model_cls(*init_args)
+    except Exception as e:
+        return ("construct", error_text(e)) if _decisive_at_construct(e) else None
+    if not isinstance(model, torch.nn.Module):
+        return "construct", "TypeError: ModelNew(...) is not a torch.nn.Module"
+    if type(model).forward is torch.nn.Module.forward:
+        return "run", ('NotImplementedError: Module [ModelNew] is missing the required '
+                       '"forward" function')
+    return None
