@@ -16,6 +16,12 @@ from kz_stream.cli._output import _one_line_errors, console, err_console
 verify_app = typer.Typer(help="The kernel verifier on its own.")
 
 
+def _slowest(phase_s: dict[str, float], n: int = 2) -> str:
+    """The ``n`` phases a preparation spent most in ("float64 31.2, reply 9.8")."""
+    parts = sorted(((v, k) for k, v in phase_s.items() if k != "oracle"), reverse=True)[:n]
+    return ", ".join(f"{k} {v:.1f}" for v, k in parts) or "-"
+
+
 @verify_app.command("audit-suite")
 @_one_line_errors
 def verify_audit_suite(
@@ -38,7 +44,7 @@ def verify_audit_suite(
         raise typer.BadParameter(f"no problem files (*.py) in {path}", param_hint="PATH")
     table = Table(title=f"{path}: {len(files)} problems")
     for col in ("problem", "admission", "input sets", "dropped", "memory plan",
-                "oracle GiB", "input GiB", "prepare s"):
+                "oracle GiB", "input GiB", "prepare s", "slowest phases (s)"):
         table.add_column(col)
     rows: list[dict[str, Any]] = []
 
@@ -60,7 +66,7 @@ def verify_audit_suite(
                         "; ".join(f"{d['label']}: {d['reason'][:60]}" for d in row.dropped)
                         or "-", str(len(row.memory_plan)) if row.memory_plan else "-",
                         f"{row.oracle_peak_gb:.1f}", f"{row.input_gb:.2f}",
-                        f"{row.prepare_s:.1f}")
+                        f"{row.prepare_s:.1f}", _slowest(row.phase_s))
                     bar.advance(task, 1)
                     if json_out is not None:  # rewritten as it goes: a cut run keeps its rows
                         json_out.write_text(json.dumps(rows, indent=1))

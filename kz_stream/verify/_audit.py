@@ -36,6 +36,7 @@ class ProblemAudit:
     oracle_peak_gb: float = 0.0
     input_gb: float = 0.0
     prepare_s: float = 0.0
+    phase_s: dict[str, float] = field(default_factory=dict)  # where prepare_s went
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,4 +74,5 @@ async def audit_suite(
         row.too_few_sets = str(info.get("too_few_sets", ""))
         row.oracle_peak_gb = round(int(info.get("oracle_peak_bytes", 0)) / 2**30, 2)
         row.input_gb = round(int(info.get("input_bytes", 0)) / 2**30, 3)
+        row.phase_s = dict(info.get("phase_s") or {})
         yield row

@@ -321,6 +321,9 @@ class PrepareReply(TypedDict):
     plan_notes: list[str]
     dropped: list[dict[str, str]]
     device_peak_bytes: int
+    # Seconds per phase (load, build, inputs, honest, float64, calibrate, inputs_to_host,
+    # op_log_and_flops; summed over the sets) and in all ("oracle").
+    phase_s: NotRequired[dict[str, float]]
 
 
 OracleRequest = PrepareRequest

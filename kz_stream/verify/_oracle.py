@@ -11,7 +11,10 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Callable, Mapping
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
@@ -54,10 +57,25 @@ from kz_stream.verify._reference import (
 
 
 class Oracle:
+    # Seconds per phase of the preparation in progress (``phase_s`` of the reply): where a
+    # problem's preparation goes, summed over its input sets.
+    phases: defaultdict[str, float]
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        t = time.monotonic()
+        try:
+            yield
+        finally:
+            if self.device != "cpu":
+                torch.cuda.synchronize()  # the device's work counts where it was issued
+            self.phases[name] += time.monotonic() - t
+
     """Evaluates reference problems: input sets, float64 expected outputs, tolerances."""
 
     def __init__(self, device: str) -> None:
         self.device = device
+        self.phases = defaultdict(float)
 
     def prepare(self, msg: PrepareRequest) -> PrepareReply:
         """Input sets, expected and honest outputs, tolerances and cost figures.
@@ -69,18 +87,21 @@ class Oracle:
         cannot hold runs on the host. A set that fails anyway is listed in ``dropped``
         with its reason."""
         key, seed = str(msg["key"]), int(msg["seed"])
+        self.phases = defaultdict(float)
+        started = time.monotonic()
         if self.device != "cpu":
             torch.cuda.reset_peak_memory_stats()
         budget = int(msg.get("full_set_budget") or 0)
         directory = os.path.join(os.getcwd(), key[:16])
         os.makedirs(directory, exist_ok=True)
-        ref = load_reference(msg["source"], directory)
-        weight_seed = seed % (2**31)
-        init = list(ref.get_init_inputs())
-        torch.manual_seed(seed)
-        own = list(ref.get_inputs())
-        specs = [InputSpec.of(v) for v in own]
-        model = build_model(ref, init, weight_seed, self.device)
+        with self._phase("load"):
+            ref = load_reference(msg["source"], directory)
+            weight_seed = seed % (2**31)
+            init = list(ref.get_init_inputs())
+            torch.manual_seed(seed)
+            own = list(ref.get_inputs())
+            specs = [InputSpec.of(v) for v in own]
+            model = build_model(ref, init, weight_seed, self.device)
         sets: list[InputSet] = []
         notes: list[str] = []
         plan_notes: list[str] = []
@@ -131,20 +152,23 @@ class Oracle:
         from torch.utils.flop_counter import FlopCounterMode
 
         flops = 0
-        with torch.no_grad(), oplog:
-            model(*own_args)
-        try:
-            with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with self._phase("op_log_and_flops"):
+            with torch.no_grad(), oplog:
+                model(*own_args)
+            try:
+                with torch.no_grad(), FlopCounterMode(display=False) as counter:
+                    out = model(*own_args)
+                flops = int(counter.get_total_flops())
+            except Exception:
                 out = model(*own_args)
-            flops = int(counter.get_total_flops())
-        except Exception:
-            out = model(*own_args)
         input_bytes = nbytes(own_args)
         moved = input_bytes + nbytes(flatten(out))
         del own_args, out, model
         self._free()  # the oracle shares the device with the candidates: keep no cache
         peak = torch.cuda.max_memory_allocated() if self.device != "cpu" else 0
-        return {"ok": True, "sets": sets, "specs": [asdict(s) for s in specs],
+        phase_s = {k: round(v, 3) for k, v in self.phases.items()}
+        phase_s["oracle"] = round(time.monotonic() - started, 3)
+        return {"ok": True, "sets": sets, "phase_s": phase_s, "specs": [asdict(s) for s in specs],
                 "ref_ops": sorted(oplog.ops), "flops": flops, "bytes": moved,
                 "input_bytes": input_bytes, "weight_seed": weight_seed,
                 "init_args": init, "own_model_key": repr(list(init)), "notes": notes,
@@ -179,24 +203,31 @@ class Oracle:
                  plan: InputPlan, seed: int, weight_seed: int,
                  notes: list[str]) -> InputSet:
         init_i = map_init(init, plan.size_map) if plan.scale_init else list(init)
-        model = build_model(ref, init_i, weight_seed, self.device)
+        with self._phase("build"):
+            model = build_model(ref, init_i, weight_seed, self.device)
         # Drawn on the device (fast); shipped to the candidate as CPU tensors.
-        inputs = make_inputs(specs, plan, seed, ref.get_inputs, device=self.device)
-        honest = [h.to("cpu") if isinstance(h, torch.Tensor) else torch.as_tensor(h)
-                  for h in self._outputs(model, inputs, None, plan.label, notes)]
-        expected = [e.to("cpu") if isinstance(e, torch.Tensor) else torch.as_tensor(e)
-                    for e in self._outputs(float64_copy(model), inputs, torch.float64,
-                                           plan.label, notes)]
+        with self._phase("inputs"):
+            inputs = make_inputs(specs, plan, seed, ref.get_inputs, device=self.device)
+        with self._phase("honest"):
+            honest = [h.to("cpu") if isinstance(h, torch.Tensor) else torch.as_tensor(h)
+                      for h in self._outputs(model, inputs, None, plan.label, notes)]
+        with self._phase("float64"):
+            expected = [e.to("cpu") if isinstance(e, torch.Tensor) else torch.as_tensor(e)
+                        for e in self._outputs(float64_copy(model), inputs, torch.float64,
+                                               plan.label, notes)]
         if len(honest) != len(expected):
             raise RuntimeError("float64 run returns a different number of outputs")
-        tols = [calibrate(e, h, self.device) for e, h in zip(expected, honest, strict=True)]
+        with self._phase("calibrate"):
+            tols = [calibrate(e, h, self.device)
+                    for e, h in zip(expected, honest, strict=True)]
         worst = max((t.honest_rel_norm for t in tols), default=0.0)
         drop = ""
         if worst > unstable_limit(honest) or any(t.dont_care_fraction > 0.01 for t in tols):
             drop = "honest error too large to calibrate"
         elif plan.signed and not all_finite(expected):
             drop = "the reference is not defined on inputs of both signs (non-finite outputs)"
-        cpu_inputs = [v.to("cpu") if isinstance(v, torch.Tensor) else v for v in inputs]
+        with self._phase("inputs_to_host"):
+            cpu_inputs = [v.to("cpu") if isinstance(v, torch.Tensor) else v for v in inputs]
         del inputs
         return {
             "label": plan.label,

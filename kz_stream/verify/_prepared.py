@@ -41,14 +41,21 @@ class Prepared:
     dropped: list[dict[str, str]]
     device_peak_bytes: int
     host_bytes: int
+    # Where the preparation's time went: the oracle's phases, and "reply" (the wall time of
+    # the oracle call beyond the oracle's own: the sets' trip to this process).
+    phase_s: dict[str, float] = field(default_factory=dict)
     # Expected and honest outputs per (set, device), kept on a comparison device.
     on_device: dict[tuple[int, str], tuple[list[Any], list[Any]]] = field(
         default_factory=dict, repr=False)
 
     @staticmethod
     def from_reply(key: str, source: str, seed: int, static_ops: frozenset[str],
-                   r: PrepareReply) -> Prepared:
-        """The oracle's ``r`` for the problem ``key`` (drawn from ``seed``)."""
+                   r: PrepareReply, call_s: float = 0.0) -> Prepared:
+        """The oracle's ``r`` for the problem ``key`` (drawn from ``seed``), which took
+        ``call_s`` seconds to come back."""
+        phases = dict(r.get("phase_s") or {})
+        if call_s and "oracle" in phases:
+            phases["reply"] = round(max(call_s - phases["oracle"], 0.0), 3)
         return Prepared(
             key=key, source=source, seed=seed, sets=r["sets"],
             tolerances=[[Tolerance(**t) for t in s["tolerances"]] for s in r["sets"]],
@@ -58,7 +65,7 @@ class Prepared:
             init_args=list(r["init_args"]), notes=list(r["notes"]),
             plan_notes=list(r.get("plan_notes", [])), dropped=list(r.get("dropped", [])),
             device_peak_bytes=int(r.get("device_peak_bytes", 0)),
-            host_bytes=sum(int(s.get("bytes", 0)) for s in r["sets"]))
+            host_bytes=sum(int(s.get("bytes", 0)) for s in r["sets"]), phase_s=phases)
 
     def set_summary(self) -> list[dict[str, Any]]:
         """Each input set checked: its label and input shapes."""

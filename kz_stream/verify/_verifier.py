@@ -211,10 +211,13 @@ class Verifier:
         lane.busy += 1
         try:
             t0 = time.monotonic()
+            fresh = problem.key not in self._prepared
             prepared = await self._prepare(lane, problem)
             details["prepare_s"] = round(time.monotonic() - t0, 3)
             if isinstance(prepared, Verdict):
                 return prepared
+            if fresh:  # this verification waited for the preparation: say where it went
+                details["prepare_phases"] = prepared.phase_s
             details["problem_notes"] = prepared.notes
             details["input_sets"] = prepared.set_summary()
             details["input_sets_dropped"] = prepared.dropped
@@ -259,6 +262,7 @@ class Verifier:
                 "memory_plan": prepared.plan_notes, "notes": prepared.notes,
                 "too_few_sets": self._too_few_sets(prepared),
                 "oracle_peak_bytes": prepared.device_peak_bytes,
+                "phase_s": prepared.phase_s,
                 "host_bytes": prepared.host_bytes, "input_bytes": prepared.input_bytes,
                 "seconds": seconds}
 
@@ -347,7 +351,9 @@ class Verifier:
                                "full_set_budget": self.config.full_set_budget_bytes}
         try:
             async with lane.oracle_lock, lane.gpu.reader_lock:
+                t0 = time.monotonic()
                 r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
+                call_s = time.monotonic() - t0
         except (ChildDied, ChildTimeout) as e:
             return self._verdict(Status.UNCHECKED, f"problem: the reference could not be "
                                  f"evaluated ({e})", check="problem")
@@ -355,7 +361,7 @@ class Verifier:
             return self._verdict(Status.UNCHECKED, f"problem: {r.get('message')}",
                                  check="problem")
         prepared = Prepared.from_reply(key, problem.source, seed,
-                                       astscan.reference_ops(problem.source), r)
+                                       astscan.reference_ops(problem.source), r, call_s)
         self._prepared[key] = prepared
         while len(self._prepared) > 1 and (
                 len(self._prepared) > self.config.problem_cache

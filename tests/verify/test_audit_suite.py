@@ -33,6 +33,12 @@ def test_audit_suite_reports_every_problem(tmp_path: Path) -> None:
     assert rows["1_ReLU"]["admitted"] is True
     assert "small-signed" in rows["1_ReLU"]["input_sets"]
     assert rows["2_Hinge"]["admitted"] is True and rows["2_Hinge"]["error"] is None
+    # Where each preparation went: the oracle's phases, within its own total, and the reply.
+    phases = rows["1_ReLU"]["phase_s"]
+    assert {"load", "build", "inputs", "honest", "float64", "calibrate", "inputs_to_host",
+            "op_log_and_flops", "oracle", "reply"} <= set(phases), phases
+    parts = sum(v for k, v in phases.items() if k not in ("oracle", "reply"))
+    assert 0 < parts <= phases["oracle"] + 0.01 <= rows["1_ReLU"]["prepare_s"] + 0.02
     assert [d["label"] for d in rows["3_Picky"]["dropped"]] == ["small-heavy"]
     assert rows["10_Broken"]["admitted"] is False and rows["10_Broken"]["reason"] == "interface"
     assert rows["10_Broken"]["error"]
