@@ -272,10 +272,14 @@ async def run_evaluation(
 
     if not options.run_id.startswith(EVALUATION_PREFIX):
         raise ValueError(f"an evaluation run id starts with {EVALUATION_PREFIX!r}")
+    verifier_update: dict[str, Any] = {"compiled_baseline": options.compile_baseline}
+    if "preflight" not in settings.verifier.model_fields_set:
+        # Weak policies' kernels mostly fail at import or construction: on a GPU, where a
+        # KernelBench problem's preparation takes up to minutes, find out first.
+        verifier_update["preflight"] = "gpu"
     settings = settings.model_copy(update={
         "run_id": options.run_id,
-        "verifier": settings.verifier.model_copy(
-            update={"compiled_baseline": options.compile_baseline}),
+        "verifier": settings.verifier.model_copy(update=verifier_update),
     })
     progress = EvalProgress()
 

@@ -62,8 +62,10 @@ class VerifierConfig(BaseModel):
     problem_cache: int = Field(default=16, ge=1)
     # A Triton candidate of a problem not yet prepared is imported and built on the meta
     # device in a CPU sandbox first (``_preflight``): a load or constructor error decides
-    # its verdict without the preparation. None: on a GPU only (where preparing costs).
-    preflight: bool | None = None
+    # its verdict without the preparation. "gpu": on a GPU only, where preparing costs
+    # (``kz eval run`` chooses it unless set); off by default, since a training loop's
+    # small modules prepare in about the time the preflight's two sandboxes take.
+    preflight: Literal["off", "gpu", "on"] = "off"
     preflight_timeout_s: float = Field(default=60.0, gt=0)
     # Host bytes the prepared problems may hold together (least recently used dropped;
     # the newest is always kept), and the memory plan's budget for one problem's sets at

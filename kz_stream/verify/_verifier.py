@@ -202,8 +202,9 @@ class Verifier:
                     check="no_gpu", unchecked=("correctness", "anti_cheat_runtime", "timing"))
         # 3. Problem preparation (cached) and the GPU stage; a first look before the
         # first preparation of a problem.
-        if (candidate.backend == "triton" and problem.key not in self._prepared
-                and (self.gpu if self.config.preflight is None else self.config.preflight)):
+        preflight = self.config.preflight == "on" or (self.config.preflight == "gpu"
+                                                      and self.gpu)
+        if preflight and candidate.backend == "triton" and problem.key not in self._prepared:
             early = await self._preflight(problem, candidate, details)
             if early is not None:
                 return early

@@ -16,7 +16,7 @@ HEAD = "import torch\nimport torch.nn as nn\nimport triton\nimport triton.langua
 
 @pytest.fixture(scope="module")
 def verifier() -> Iterator[Verifier]:
-    v = Verifier(VerifierConfig(devices=[], prewarm=0, preflight=True))
+    v = Verifier(VerifierConfig(devices=[], prewarm=0, preflight="on"))
     yield v
     v.close_sync()
 
