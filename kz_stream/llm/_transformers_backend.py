@@ -107,6 +107,9 @@ class TransformersBackend(ServingBackend):
         self._worker: asyncio.Task[None] | None = None
         # Serialises every use and mutation of the torch modules across worker threads.
         self._model_lock = threading.Lock()
+        # Set by close: a generation in flight ends at its next step (its thread would
+        # otherwise run to max_tokens after the caller is gone, and hold up the exit).
+        self._closing = threading.Event()
 
     @classmethod
     def from_pretrained(
@@ -169,6 +172,7 @@ class TransformersBackend(ServingBackend):
         await self._release_if_idle(old)
 
     async def _close(self) -> None:
+        self._closing.set()
         if self._worker is not None:
             self._worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -246,6 +250,11 @@ class TransformersBackend(ServingBackend):
                     for row, sample in zip(live, samples, strict=True):
                         if not row.future.done():
                             row.future.set_result(sample)
+            except asyncio.CancelledError:  # closed mid-batch: its callers get an answer too
+                for row in live:
+                    if not row.future.done():
+                        row.future.set_exception(BackendError("backend closed"))
+                raise
             except Exception as e:
                 log.exception("generation failed")
                 for row in live:
@@ -300,7 +309,7 @@ class TransformersBackend(ServingBackend):
                 processors.append(TopPLogitsWarper(sp.top_p))
         recorder = _LogprobRecorder()
         processors.append(recorder)
-        tracker = _StopTracker(self.tokenizer, width, self._eos_ids, sp.stop)
+        tracker = _StopTracker(self.tokenizer, width, self._eos_ids, sp.stop, self._closing)
         # Neutral values switch transformers' own warpers off (its default top_k is 50);
         # greedy search must not be given them at all (it warns that they are ignored).
         neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampled else {}
@@ -445,6 +454,7 @@ class _StopTracker:
         prompt_width: int,
         eos_ids: list[int],
         stop: tuple[str, ...],
+        abort: threading.Event | None = None,
     ) -> None:
         self._tok = tokenizer
         self._width = prompt_width
@@ -454,6 +464,7 @@ class _StopTracker:
         # plus slack for tokens that decode to nothing.
         self._window = max((len(s) for s in stop), default=0) + 4
         self._ended: dict[int, tuple[int, str]] = {}
+        self._abort = abort
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         import torch
@@ -462,6 +473,10 @@ class _StopTracker:
         # One transfer per step: reading the rows' tokens one by one synchronised with the
         # device once per row (seen on an H200: 176 ms a step for 320 rows).
         last = input_ids[:, -1].tolist()
+        if self._abort is not None and self._abort.is_set():
+            for i in range(len(last)):
+                self._ended.setdefault(i, (step, "abort"))
+            return torch.ones(len(last), dtype=torch.bool, device=input_ids.device)
         tails: list[list[int]] | None = None
         for i, token in enumerate(last):
             if i in self._ended:

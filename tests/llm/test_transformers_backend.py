@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kz_stream.llm import SamplingParams, TransformersBackend
+from kz_stream.llm import BackendError, SamplingParams, TransformersBackend
 from tests.llm.prompts_data import CHAT, TEXT
 
 pytest.importorskip("transformers")
@@ -89,6 +89,21 @@ async def test_concurrent_calls_are_batched(
     results = await asyncio.gather(*(backend.generate([TEXT], n=2, sampling=sp) for _ in range(4)))
     assert all(len(r[0]) == 2 for r in results)
     assert sum(calls) == 8 and len(calls) < 4  # rows of different calls shared a batch
+
+
+async def test_close_ends_a_generation_in_flight(smollm2_path: Path) -> None:
+    backend = TransformersBackend.from_pretrained(smollm2_path)
+    # Greedy, with room for minutes of tokens on this CPU: only close can end it soon.
+    long = SamplingParams(max_tokens=4000, temperature=0)
+    counting = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,"  # goes on and on
+    inflight = asyncio.create_task(backend.generate([counting], sampling=long))
+    await asyncio.sleep(2)  # its batch is in the generation thread
+    await backend.close()
+    with pytest.raises(BackendError, match="backend closed"):
+        await inflight
+    # The generation thread ends at its next step, so the executor can shut down (without
+    # the stop it ran on to 4,000 tokens: minutes here).
+    await asyncio.wait_for(asyncio.get_running_loop().shutdown_default_executor(), 60)
 
 
 async def test_lora_hot_swap_mid_stream(smollm2_path: Path, lora_path: Path) -> None:
