@@ -40,7 +40,7 @@ from kz_stream.verify._messages import PrepareRequest
 from kz_stream.verify._pool import Lane
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._rewrite import kernel_names
-from kz_stream.verify._sandbox import isolation, run_in_sandbox
+from kz_stream.verify._sandbox import SandboxOutcome, isolation, run_in_sandbox
 from kz_stream.verify._timing import check_flush
 from kz_stream.verify._types import VERIFIER_VERSION, Candidate, Problem, Status, Verdict
 
@@ -72,7 +72,8 @@ class Verifier:
         self._builder: Builder | None = None
         self._prepared: OrderedDict[str, Prepared] = OrderedDict()
         self._warned_interpreter = False
-        self._init_args: dict[str, list[Any]] = {}  # problem key -> get_init_inputs()
+        # problem key -> the sandboxed get_init_inputs() of the preflight
+        self._init_args: dict[str, asyncio.Future[SandboxOutcome]] = {}
         self._prepare_locks: dict[str, asyncio.Lock] = {}
         self._loop_thread: _LoopThread | None = None
 
@@ -309,16 +310,18 @@ class Verifier:
         verdict: the full verification decides."""
         t0 = time.monotonic()
         timeout = self.config.preflight_timeout_s
-        init = self._init_args.get(problem.key)
-        if init is None:
-            got = await asyncio.to_thread(
+        # One reference child per problem, shared by the candidates that arrive together.
+        pending = self._init_args.get(problem.key)
+        if pending is None or pending.get_loop() is not asyncio.get_running_loop():
+            pending = self._init_args[problem.key] = asyncio.ensure_future(asyncio.to_thread(
                 run_in_sandbox, "kz_stream.verify._preflight:reference_init_args",
-                (problem.source,), timeout_s=timeout, memory_mb=4096)
-            if not got.ok:
-                return None  # the preparation will say what is wrong with the reference
-            init = self._init_args[problem.key] = list(got.value)
+                (problem.source,), timeout_s=timeout, memory_mb=4096))
             while len(self._init_args) > 4 * self.config.problem_cache:
                 self._init_args.pop(next(iter(self._init_args)))
+        got = await asyncio.shield(pending)
+        if not got.ok:
+            return None  # the preparation will say what is wrong with the reference
+        init = list(got.value)
         out = await asyncio.to_thread(
             run_in_sandbox, "kz_stream.verify._preflight:candidate_preflight",
             (candidate.source, init), timeout_s=timeout, memory_mb=4096)

@@ -238,14 +238,18 @@ async def test_concurrent_processes_appending_overlapping_batches_store_every_ev
 # -- ordered, gap-free reading --------------------------------------------------------------
 
 
-async def test_read_all_yields_ordered_batches_after_a_position_and_filters_types(
-    store: SqlEventStore,
-) -> None:
-    module = new_event(
+def proposed_module() -> Event:
+    return new_event(
         ModuleProposed(module_id="m", api_set=["torch.relu"], source="",
                        validation=ModuleValidation(valid=True)),
         stream_id="module-m", stream_version=0,
     )
+
+
+async def test_read_all_yields_ordered_batches_after_a_position_and_filters_types(
+    store: SqlEventStore,
+) -> None:
+    module = proposed_module()
     events = [verdict("a", v) for v in range(5)] + [module] + [verdict("a", v) for v in (5, 6)]
     await store.append(events)
     stored = await read_everything(store)
@@ -265,11 +269,7 @@ async def test_read_all_yields_ordered_batches_after_a_position_and_filters_type
 async def test_a_tail_of_some_types_yields_those_alone_as_they_commit(
     store: SqlEventStore,
 ) -> None:
-    module = new_event(
-        ModuleProposed(module_id="m", api_set=["torch.relu"], source="",
-                       validation=ModuleValidation(valid=True)),
-        stream_id="module-m", stream_version=0,
-    )
+    module = proposed_module()
     await store.append([verdict("a", 0), module])
     seen: list[Event] = []
     async with contextlib.aclosing(
