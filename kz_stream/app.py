@@ -129,7 +129,9 @@ def _backend(settings: Settings, role: Role) -> LLMBackend:
 
     llm = settings.coder.llm if role == "coder" else settings.proposer.llm
     adapter = warm_adapter(settings, role)
-    extra = {"adapter": str(adapter)} if adapter is not None else {}
+    extra: dict[str, Any] = {"adapter": str(adapter)} if adapter is not None else {}
+    if llm.kind == "transformers":
+        extra |= {"device": llm.device, "max_batch_size": llm.batch_size}
     return create_backend(llm.kind, model=llm.model, base_url=llm.base_url, **extra)
 
 
@@ -179,7 +181,7 @@ class RunOptions:
 
     - The size below (``kz run``'s own options) replaces the settings' values: proposals
       per prompt, group size, groups per step, steps per turn, rounds, order, and both
-      generators' ``max_tokens`` (and ``temperature`` when given).
+      generators' ``max_tokens`` (and ``temperature`` and ``device`` when given).
     - The learner needs values of its own for a short CPU run (``learner_defaults``:
       learning rate 1e-4 and LoRA rank 8, so one step moves the policy; one completion per
       micro-batch with gradient checkpointing, so a step fits in memory). Each is used
@@ -195,6 +197,9 @@ class RunOptions:
     max_new_tokens: int = 640  # most warm-Coder kernels fit (p50 504 tokens); CPU time
     # Both generators' (and so the learner's) sampling temperature; None: the settings'.
     temperature: float | None = None
+    # Where both generators' models run (cpu, cuda, cuda:1); None: the settings'. The
+    # learner takes a visible GPU by itself, the verifier every visible GPU.
+    device: str | None = None
     order: tuple[Role, ...] = ("coder", "proposer")
     time_limit_s: float = 3600.0
 
@@ -217,6 +222,8 @@ class RunOptions:
         llm: dict[str, Any] = {"max_tokens": self.max_new_tokens}
         if self.temperature is not None:
             llm["temperature"] = self.temperature
+        if self.device is not None:
+            llm["device"] = self.device
         unset = {k: v for k, v in self.learner_defaults().items()
                  if k not in s.learner.model_fields_set}
         return s.model_copy(

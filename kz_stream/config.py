@@ -94,6 +94,13 @@ class LLMConfig(_Section):
     kind: Literal["transformers", "vllm-server", "vllm-engine"] = "transformers"
     model: str | None = Field(default=None, description="Model dir; None: embedded SmolLM2.")
     base_url: str | None = Field(default=None, description="vLLM server URL (vllm-server).")
+    device: str | None = Field(
+        default=None,
+        description="Where a transformers model generates (cpu, cuda, cuda:1); None: the CPU.",
+    )
+    batch_size: int = Field(
+        default=8, ge=1, description="A transformers model's rows (prompt x sample) per call."
+    )
     max_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     seed: int | None = Field(

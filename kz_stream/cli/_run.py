@@ -102,6 +102,11 @@ def run_loop(
         typer.Option(help="Sampling temperature of both generators (and so of the learner's "
                           "importance ratios); default: the settings' (1.0)."),
     ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(help="Where both generators' models run (cpu, cuda, cuda:1); default: "
+                          "the settings' (the CPU). The learner and verifier use a visible GPU."),
+    ] = None,
     time_limit: Annotated[float, typer.Option(help="Stop after this many seconds.")] = 3600.0,
 ) -> None:
     """Runs the whole co-evolution loop in one process (embedded default: in-memory bus,
@@ -116,6 +121,7 @@ def run_loop(
         groups_per_step=groups_per_step,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        device=device,
         time_limit_s=time_limit,
     )
     try:
@@ -180,7 +186,7 @@ def _rerun_command(options: RunOptions, config: Path | None) -> str:
     for name, flag in (("rounds", "--rounds"), ("steps_per_turn", "--steps-per-turn"),
                        ("group_size", "--group-size"), ("groups_per_step", "--groups-per-step"),
                        ("max_new_tokens", "--max-new-tokens"), ("temperature", "--temperature"),
-                       ("time_limit_s", "--time-limit")):
+                       ("device", "--device"), ("time_limit_s", "--time-limit")):
         value = getattr(options, name)
         if value != getattr(default, name):
             parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")

@@ -50,6 +50,7 @@ from kz_stream.events import (
     source_sha256,
 )
 from kz_stream.llm import LLMBackend, SamplingParams
+from kz_stream.logging import configure_logging
 from kz_stream.modules import coder_messages, normalized_hash, prompt_text
 from kz_stream.producers.coder import kernel_event
 from kz_stream.runtime import first_error
@@ -194,13 +195,16 @@ async def open_policy(
         published = await _published_policy(store, run_id, int(version) if version else None)
         # The base the learner trained on, unless --model names another.
         base = options.model or published.base_model or None
+        if published.kind == "lora":
+            # A policy under evaluation never changes: its adapter is merged (decodes faster).
+            return create_backend("transformers", model=base, adapter=published.uri,
+                                  merge_adapter=True, policy_version=published.version, **local)
         backend = create_backend("transformers", model=base, **local)
         await backend.load_policy(published.version, published.uri, kind=published.kind)
         return backend
     if _is_adapter(spec):
-        backend = create_backend("transformers", model=options.model, **local)
-        await backend.load_policy(1, spec, kind="lora")
-        return backend
+        return create_backend("transformers", model=options.model, adapter=spec,
+                              merge_adapter=True, policy_version=1, **local)
     return create_backend("transformers", model=spec, **local)
 
 
@@ -272,6 +276,7 @@ async def run_evaluation(
 
     if not options.run_id.startswith(EVALUATION_PREFIX):
         raise ValueError(f"an evaluation run id starts with {EVALUATION_PREFIX!r}")
+    configure_logging(settings.log_level, json=settings.log_json)
     verifier_update: dict[str, Any] = {"compiled_baseline": options.compile_baseline}
     if "preflight" not in settings.verifier.model_fields_set:
         # Weak policies' kernels mostly fail at import or construction: on a GPU, where a

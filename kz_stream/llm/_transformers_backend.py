@@ -77,9 +77,16 @@ class TransformersBackend(ServingBackend):
         num_threads: int | None = None,
         device: str | None = None,
         adapter: str | None = None,
+        merge_adapter: bool = False,
     ) -> None:
         """``adapter``: a LoRA adapter folder that policy version ``policy_version`` is (a
-        warm start); None: that version is the bare model."""
+        warm start); None: that version is the bare model.
+
+        ``merge_adapter``: fold the adapter into the weights, for a policy that never changes
+        (an evaluation). peft's unmerged LoRA adds kernels to every adapted layer, and
+        decoding is launch-bound: on an H200 a 640-row call of the warm start took 474 s
+        against 346 s for the bare model beside it. Such a backend serves only that policy.
+        """
         import torch
 
         super().__init__(policy_version)
@@ -101,7 +108,12 @@ class TransformersBackend(ServingBackend):
             name = f"v{policy_version}"
             wrapped = PeftModel.from_pretrained(model, uri_to_path(adapter), adapter_name=name)
             wrapped.eval()
-            self._policies[policy_version] = _Policy(wrapped, name)
+            if merge_adapter:
+                merged = wrapped.merge_and_unload()
+                self._policies[policy_version] = _Policy(merged, None)
+            else:
+                self._policies[policy_version] = _Policy(wrapped, name)
+        self._frozen = bool(adapter) and merge_adapter
         self._queue: deque[_Row] = deque()
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
@@ -120,16 +132,38 @@ class TransformersBackend(ServingBackend):
         dtype: Any = None,
         **kwargs: Any,
     ) -> TransformersBackend:
-        """Loads a causal LM and its tokenizer from a local directory (no downloads)."""
-        import torch
+        """Loads a causal LM and its tokenizer from a local directory (no downloads).
+
+        ``dtype`` None: ``default_dtype`` of the ``device`` it will generate on."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         extra = {"gguf_file": gguf_file} if gguf_file else {}
-        tokenizer = AutoTokenizer.from_pretrained(str(path), **extra)
+        # No clean-up of spaces before punctuation: it would change code, vLLM does not do
+        # it, and transformers 5 ignores it for BPE tokenizers with a warning per load.
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(path), clean_up_tokenization_spaces=False, **extra
+        )
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype or torch.float32, **extra
+            str(path), dtype=dtype or cls.default_dtype(kwargs.get("device")), **extra
         )
         return cls(model, tokenizer, **kwargs)
+
+    @staticmethod
+    def default_dtype(device: str | None) -> torch.dtype:
+        """bfloat16 on a CUDA device that has it, else float32.
+
+        On an H200, SmolLM2-135M decoding 320 rows of a 1,147-token KernelBench prompt took
+        134 ms a step in float32 and 67 ms in bfloat16 (``model.generate``, 128 steps): the
+        step is dominated by the KV cache's concatenation and kernel launches, and bfloat16
+        halves the bytes. The CPU keeps float32 (its bfloat16 matmuls are slow, and the tests
+        compare stored logprobs with a float32 recomputation).
+        """
+        import torch
+
+        if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
+            if torch.cuda.is_bf16_supported():
+                return torch.bfloat16
+        return torch.float32
 
     @classmethod
     def smollm2(cls, **kwargs: Any) -> TransformersBackend:
@@ -164,6 +198,9 @@ class TransformersBackend(ServingBackend):
         return [list(await asyncio.gather(*fs)) for fs in futures]
 
     async def _load_policy(self, version: int, path: str, kind: str) -> None:
+        if self._frozen:
+            raise ValueError("this backend merged its adapter into the weights: it serves "
+                             "that one policy (merge_adapter=False to load others)")
         if version in self._policies:
             raise ValueError(f"policy version {version} is still draining; cannot reload it")
         policy = await asyncio.to_thread(self._load_policy_sync, path, kind, f"v{version}")
@@ -362,10 +399,11 @@ class TransformersBackend(ServingBackend):
         with self._model_lock:
             current = self._policies[self._version].model
             if kind == "full":
-                import torch
                 from transformers import AutoModelForCausalLM
 
-                model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                # A full policy keeps the dtype its version 0 was loaded in.
+                dtype = next(current.parameters()).dtype
+                model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
                 model.to(self.device)
                 model.eval()
                 return _Policy(model, None)

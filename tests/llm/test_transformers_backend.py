@@ -162,6 +162,39 @@ async def test_a_warm_start_adapter_is_version_zero(smollm2_path: Path, lora_pat
         await warm.close()
 
 
+async def test_a_merged_adapter_decodes_as_the_adapter_and_serves_only_it(
+    smollm2_path: Path, lora_path: Path
+) -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    warm = TransformersBackend.from_pretrained(smollm2_path, adapter=str(lora_path))
+    merged = TransformersBackend.from_pretrained(
+        smollm2_path, adapter=str(lora_path), merge_adapter=True, policy_version=3
+    )
+    try:
+        ((tuned,),) = await warm.generate([TEXT], sampling=greedy)
+        ((folded,),) = await merged.generate([TEXT], sampling=greedy)
+        assert folded.policy_version == 3
+        assert folded.token_ids == tuned.token_ids
+        assert folded.logprobs == pytest.approx(tuned.logprobs, abs=TOL)
+        assert not hasattr(merged._policies[3].model, "peft_config")  # no LoRA layers left
+        with pytest.raises(ValueError, match="merged its adapter"):
+            await merged.load_policy(4, str(lora_path))
+    finally:
+        await warm.close()
+        await merged.close()
+
+
+def test_generation_dtype_follows_the_device() -> None:
+    import torch
+
+    default_dtype = TransformersBackend.default_dtype
+    assert default_dtype(None) == default_dtype("cpu") == torch.float32
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        assert default_dtype("cuda") == default_dtype("cuda:0") == torch.bfloat16
+    else:
+        assert default_dtype("cuda") == torch.float32
+
+
 async def test_full_weight_version(smollm2_path: Path) -> None:
     backend = TransformersBackend.from_pretrained(smollm2_path)
     greedy = SamplingParams(max_tokens=6, temperature=0)

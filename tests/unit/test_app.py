@@ -124,3 +124,29 @@ def test_every_value_a_run_changes_is_logged_and_a_replaced_setting_warned() -> 
     assert by_key["learner.learning_rate"]["run"] == 1e-4
     assert "default where none is set" in by_key["learner.learning_rate"]["reason"]
     assert "learner.lora_r" not in by_key  # the user's 4 stands: nothing changed
+
+
+def test_a_run_device_reaches_both_generators_and_only_them() -> None:
+    applied = RunOptions(device="cuda:1").apply(Settings())
+    assert applied.coder.llm.device == applied.proposer.llm.device == "cuda:1"
+    assert RunOptions().apply(Settings()).coder.llm.device is None  # the settings' (CPU)
+
+
+async def test_a_transformers_generator_gets_its_device_and_batch_size(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from kz_stream.llm import TransformersBackend
+
+    settings = Settings(
+        database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
+        bus_url=f"memory://{uuid.uuid4().hex}",
+        coder=CoderSettings(llm=LLMConfig(device="cpu", batch_size=3)),
+        warm_start=False,
+        log_level="WARNING",
+    )
+    async with open_context(settings) as ctx:
+        coder = service_by_name("coder", ctx)
+        assert isinstance(coder.backend, TransformersBackend)
+        try:
+            assert (coder.backend.device.type, coder.backend._max_batch) == ("cpu", 3)
+        finally:
+            await coder.backend.close()
