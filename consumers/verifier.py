@@ -67,10 +67,13 @@ def rescore_group(verifier_version: str = VERIFIER_VERSION) -> str:
     return f"kz-verifier-rescore-{verifier_version}"
 
 
-def verdict_event_id(kernel_event_id: uuid.UUID, verifier_version: str = VERIFIER_VERSION
-                     ) -> uuid.UUID:
-    """The event id of the verdict on one kernel event by one verifier version."""
-    return uuid.uuid5(_VERDICT_NAMESPACE, f"{kernel_event_id}/{verifier_version}")
+def verdict_event_id(kernel_event_id: uuid.UUID, verifier_version: str = VERIFIER_VERSION,
+                     attempt: int = 0) -> uuid.UUID:
+    """The event id of the verdict on one kernel event by one verifier version; ``attempt``
+    numbers the verifications after an infrastructure failure (an evaluation's resume
+    verifies such kernels again)."""
+    name = f"{kernel_event_id}/{verifier_version}" + (f"/{attempt}" if attempt else "")
+    return uuid.uuid5(_VERDICT_NAMESPACE, name)
 
 
 async def verdict_event(
@@ -80,18 +83,20 @@ async def verdict_event(
     *,
     producer: str,
     stream_version: int | None = None,
+    attempt: int = 0,
 ) -> Event:
     """Verifies a ``KernelGenerated`` event against its module's source and returns the
     ``KernelVerified`` event in the kernel's stream, with its deterministic id, at
     ``stream_version`` (default: the kernel event's plus one; a re-score, which adds a
-    verdict beside earlier ones, passes the stream's next version)."""
+    verdict beside earlier ones, passes the stream's next version, and so does a new
+    ``attempt`` after an infrastructure failure)."""
     kernel = payload_as(event, KernelGenerated)
     verdict = await verifier.verify(
         Problem(module_source), Candidate(kernel.source, backend=kernel.backend)
     )
     return new_event(
         KernelVerified.from_verdict(verdict, kernel),
-        event_id=verdict_event_id(event.event_id, verdict.verifier_version),
+        event_id=verdict_event_id(event.event_id, verdict.verifier_version, attempt),
         stream_id=event.stream_id,
         stream_version=event.stream_version + 1 if stream_version is None else stream_version,
         producer=producer,

@@ -41,6 +41,7 @@ from kz_stream.events import (
     EvaluationProblem,
     EvaluationStarted,
     Event,
+    KernelGenerated,
     KernelVerified,
     ModuleProposed,
     ModuleValidation,
@@ -121,6 +122,8 @@ class EvalRecord:
     started: EvaluationStarted
     kernels: dict[str, str] = field(default_factory=dict)  # kernel id -> problem id
     verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)  # kernel id -> payload
+    # kernel id -> (stream version, attempt) of its newest verdict
+    verdict_at: dict[str, tuple[int, int]] = field(default_factory=dict)
     times: dict[str, StageTimes] = field(default_factory=dict)  # kernel id -> its stages
 
 
@@ -151,6 +154,8 @@ async def load_evaluation(store: EventStore, run_id: str) -> EvalRecord | None:
                 generated[kid] = (at, e.payload.get("generation_s"))
             else:
                 record.verdicts[kid] = e.payload  # the newest wins
+                tries = record.verdict_at[kid][1] + 1 if kid in record.verdict_at else 0
+                record.verdict_at[kid] = (e.stream_version, tries)
                 verified[kid] = (at, e.payload.get("details") or {})
     for kid in generated.keys() | verified.keys():
         gen_at, gen_s = generated.get(kid, (None, None))
@@ -307,7 +312,9 @@ async def run_evaluation(
         for p in wanted.problems:
             for i in range(options.samples):
                 kid = kernel_id_of(options.run_id, p.problem_id, i)
-                if kid in record.verdicts:
+                if kid in record.verdicts and record.verdicts[kid]["status"] == "infra_error":
+                    unverified.append(kid)  # the verifier's failure, not the kernel's: again
+                elif kid in record.verdicts:
                     progress.resumed += 1
                 elif kid in record.kernels:
                     unverified.append(kid)
@@ -327,9 +334,13 @@ async def run_evaluation(
         verifying = asyncio.Semaphore(options.concurrency)
 
         async def verify(event: Event, problem_id: str) -> None:
+            again = record.verdict_at.get(payload_as(event, KernelGenerated).kernel_id)
             async with verifying:
-                verdict = await verdict_event(verifier, event, sources[problem_id],
-                                              producer=producer)
+                verdict = await verdict_event(
+                    verifier, event, sources[problem_id], producer=producer,
+                    stream_version=None if again is None else again[0] + 1,
+                    attempt=0 if again is None else again[1] + 1,
+                )
             await store.append([verdict])
             progress.verified += 1
             progress.correct += payload_as(verdict, KernelVerified).status == "correct"

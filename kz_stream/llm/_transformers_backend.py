@@ -372,12 +372,20 @@ class TransformersBackend(ServingBackend):
                 logits_processor=processors,
                 stopping_criteria=StoppingCriteriaList([tracker]),
             )
-        logprobs = recorder.finish(sequences[:, width:])
+        # On the host before the rows are read element by element (each read of a device
+        # tensor's element waits for the device).
+        logprobs = recorder.finish(sequences[:, width:]).cpu()
+        sequences = sequences.cpu()
+        if self.device.type == "cuda":
+            # The KV cache of a big call stays in torch's cache otherwise: two 640-row calls
+            # on an H200 held 61 and 65 GB between calls, and the verifier beside them ran
+            # out of device memory (infra_error, and problems left unchecked).
+            torch.cuda.empty_cache()
         samples = []
         for i, row in enumerate(rows):
             gen = sequences[i, width:]
             length, reason = tracker.result(i, int(gen.shape[0]))
-            token_ids = [int(t) for t in gen[:length]]
+            token_ids = [int(t) for t in gen[:length].tolist()]
             text = str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
             if reason == "stop" and sp.stop:
                 cut = [text.find(s) for s in sp.stop if s in text]
@@ -387,7 +395,7 @@ class TransformersBackend(ServingBackend):
                 Sample(
                     text=text,
                     token_ids=token_ids,
-                    logprobs=[float(x) for x in logprobs[i, :length]],
+                    logprobs=[float(x) for x in logprobs[i, :length].tolist()],
                     finish_reason=reason,
                     policy_version=version,
                     prompt_token_ids=list(row.prompt_ids),

@@ -30,7 +30,7 @@ import torch
 from kz_stream.verify import _astscan as astscan
 from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._build import Builder, BuildResult
-from kz_stream.verify._checks import Reject, Ruling, Stage
+from kz_stream.verify._checks import Reject, Ruling, Stage, device_was_full
 from kz_stream.verify._config import VerifierConfig
 from kz_stream.verify._extract import InlineCall, extract_inline_calls
 from kz_stream.verify._hardware import manifest
@@ -48,6 +48,21 @@ __all__ = ["Verifier", "VerifierConfig"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def preparation_failure(message: str) -> tuple[Status, str, str]:
+    """Status, reason and check of a problem whose preparation failed with ``message``.
+
+    A device that others' memory filled (``device_was_full``) says nothing about the
+    problem: on the H200, two generation processes beside the verifier held 126 GB and
+    two problems came back ``unchecked`` for it. That is an infrastructure failure, which
+    the learner ignores and an evaluation's resume verifies again; anything else is the
+    problem's own failure.
+    """
+    if device_was_full(message):
+        return (Status.INFRA_ERROR, f"problem: the device had no room (other processes "
+                f"held it): {message}", "device_memory")
+    return Status.UNCHECKED, f"problem: {message}", "problem"
 
 
 class Verifier:
@@ -362,8 +377,8 @@ class Verifier:
             return self._verdict(Status.UNCHECKED, f"problem: the reference could not be "
                                  f"evaluated ({e})", check="problem")
         if not r.get("ok"):
-            return self._verdict(Status.UNCHECKED, f"problem: {r.get('message')}",
-                                 check="problem")
+            status, reason, check = preparation_failure(str(r.get("message")))
+            return self._verdict(status, reason, check=check)
         prepared = Prepared.from_reply(key, problem.source, seed,
                                        astscan.reference_ops(problem.source), r, call_s)
         self._prepared[key] = prepared

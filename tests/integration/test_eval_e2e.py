@@ -1,7 +1,8 @@
 """`kz eval run` + `kz eval report` on the CPU: the embedded SmolLM2, the real verifier
 (Triton interpreter path) and a SQLite store, on three small KernelBench-format problems
 written here. The first run is cut short after its first verdict; the second resumes it
-without sampling or verifying a stored pair again."""
+without sampling or verifying a stored pair again, except one whose verdict was the
+verifier's own failure (``infra_error``), which it verifies again."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from typer.testing import CliRunner
 
 from kz_stream.cli import app
 from kz_stream.config import Settings, TopicsConfig
+from kz_stream.consumers.verifier import verdict_event_id
 from kz_stream.evaluation import EvalOptions, EvalProgress, kernel_id_of, load_suite, run_evaluation
+from kz_stream.events import KernelGenerated, KernelVerified, new_event, payload_as
 from kz_stream.llm import SamplingParams
 from kz_stream.run_state import RunState
 from kz_stream.store import open_store
-from kz_stream.verify import VerifierConfig
+from kz_stream.verify import Status, Verdict, VerifierConfig
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +76,19 @@ async def stored(url: str) -> list[Any]:
         return [r for b in [b async for b in store.read_all(0)] for r in b]
 
 
+async def store_infra_failure(url: str, kernel: Any) -> Any:
+    """Stores the verdict a verifier gives when the device was full of others' memory."""
+    failed = Verdict(Status.INFRA_ERROR, "the device had no room", check="device_memory")
+    event = new_event(
+        KernelVerified.from_verdict(failed, payload_as(kernel, KernelGenerated)),
+        event_id=verdict_event_id(kernel.event_id), stream_id=kernel.stream_id,
+        stream_version=kernel.stream_version + 1, correlation_id=RUN,
+    )
+    async with open_store(url, create_schema=False) as store:
+        await store.append([event])
+    return event
+
+
 def test_eval_run_resume_and_report(tmp_path: Path) -> None:
     suite_dir = write_suite(tmp_path / "KernelBench")
     url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
@@ -94,6 +110,10 @@ def test_eval_run_resume_and_report(tmp_path: Path) -> None:
     first = asyncio.run(stored(url))
     first_verdicts = {r.event.event_id for r in first if r.event.type == "KernelVerified"}
     assert first_verdicts and len(first_verdicts) < len(PROBLEMS) * SAMPLES
+    judged = {r.event.payload["kernel_id"] for r in first if r.event.type == "KernelVerified"}
+    [unjudged, *_] = [r.event for r in first if r.event.type == "KernelGenerated"
+                      and r.event.payload["kernel_id"] not in judged]
+    infra = asyncio.run(store_infra_failure(url, unjudged))
 
     # The CLI in this process (CliRunner): a second interpreter would import torch again.
     cli = CliRunner()
@@ -119,7 +139,13 @@ def test_eval_run_resume_and_report(tmp_path: Path) -> None:
     # Every pair sampled once and judged once, across the cut: nothing stored twice.
     kernels = [r.event for r in records if r.event.type == "KernelGenerated"]
     verdicts = [r.event for r in records if r.event.type == "KernelVerified"]
-    assert len(kernels) == len(verdicts) == pairs
+    # ... but the one the verifier itself failed on: a second verdict, beside the first.
+    assert len(kernels) == pairs and len(verdicts) == pairs + 1
+    [again] = [e for e in verdicts if e.causation_id == unjudged.event_id
+               and e.event_id != infra.event_id]
+    assert again.stream_version == infra.stream_version + 1
+    assert again.event_id == verdict_event_id(unjudged.event_id, attempt=1)
+    assert again.payload["status"] != "infra_error"
     expected = {kernel_id_of(RUN, f"level1/{n[:-3]}", i) for n in PROBLEMS for i in range(SAMPLES)}
     assert {e.payload["kernel_id"] for e in kernels} == expected
     assert {e.payload["kernel_id"] for e in verdicts} == expected
@@ -146,7 +172,7 @@ def test_eval_run_resume_and_report(tmp_path: Path) -> None:
     assert doc["metrics"]["overall"]["pass@1"] == pytest.approx(correct / pairs)
     assert doc["metrics"]["overall"]["pass@5"] is None  # two samples cannot estimate it
     assert [p["problem_id"] for p in doc["problems"]] == [f"level1/{n[:-3]}" for n in PROBLEMS]
-    assert sum(doc["statuses"].values()) == pairs
+    assert sum(doc["statuses"].values()) == pairs and "infra_error" not in doc["statuses"]
     assert "| overall |" in (out / "report.md").read_text()
     for plot in ("pass_at_k.png", "speedups.png", "problems.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
