@@ -241,7 +241,11 @@ def write_plots(report: EvalReport, out: Path) -> list[Path]:
             ax.plot(*zip(*defined, strict=True), marker="o", label=name)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="k", ylabel="pass@k", ylim=(-0.02, 1.02), title="pass@k")
-    ax.legend(fontsize=8)
+    if ax.get_lines():
+        ax.legend(fontsize=8)
+    else:  # a run just started: no problem has its samples verified yet
+        ax.text(0.5, 0.5, "no problem verified yet", ha="center", va="center",
+                transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(paths[0], dpi=110)
     plt.close(fig)
@@ -284,8 +288,10 @@ def write_plots(report: EvalReport, out: Path) -> list[Path]:
     shown = sorted({s for row in report.grid.values() for s in row}, key=names.index)
     ax.legend(handles=[Patch(facecolor=STATUS_COLOURS[s], edgecolor="k", label=s)
                        for s in shown], fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
-    fig.tight_layout()
-    fig.savefig(paths[2], dpi=110)
+    # The legend sits outside the axes, and 200 problem names may be wider than the
+    # figure: tight_layout warns it cannot fit them ("Tight layout not applied", seen on
+    # KernelBench levels 1+2); a tight bounding box at save time takes them all in.
+    fig.savefig(paths[2], dpi=110, bbox_inches="tight")
     plt.close(fig)
     return paths
 

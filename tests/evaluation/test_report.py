@@ -202,3 +202,19 @@ def test_every_verdict_status_has_a_colour_in_the_grid() -> None:
     from kz_stream.verify import Status
 
     assert {s.value for s in Status} | {"pending"} == set(STATUS_COLOURS)
+
+
+def test_plots_of_a_whole_suite_draw_without_warnings(tmp_path: Path) -> None:
+    import warnings
+
+    # KernelBench's levels 1 and 2: 200 problems with names as long as its longest (66
+    # characters there), nothing verified yet.
+    name = "Conv3d_GroupNorm_Softmax_Dropout_Mean_BiasAdd_Scaling_Sum_ResidualAdd"
+    problems = [EvaluationProblem(problem_id=f"level{1 + i // 100}/{i}_{name}", name=str(i),
+                                  level=1 + i // 100, module_id=f"kb-{i}") for i in range(200)]
+    started = EvaluationStarted(run_id=RUN, suite="/suite", backend="triton", samples=10,
+                                policy={"spec": "base"}, problems=problems)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Tight layout not applied" was one
+        paths = write_report(build_report(EvalRecord(started)), tmp_path)
+    assert all(p.stat().st_size for p in paths)
