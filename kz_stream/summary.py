@@ -265,8 +265,8 @@ async def load_run_summary(
     from kz_stream.warmstart import packaged_adapter
 
     records: list[RecordedEvent] = []
-    async for batch in store.read_all(0, types=SUMMARY_TYPES):
-        records.extend(r for r in batch if r.event.correlation_id == run_id)
+    async for batch in store.read_all(0, types=SUMMARY_TYPES, correlation_id=run_id):
+        records.extend(batch)
     packaged: dict[str, str] = {
         role: path.resolve().as_uri() for role in ROLES if (path := packaged_adapter(role))
     }

@@ -140,13 +140,13 @@ async def load_evaluation(store: EventStore, run_id: str) -> EvalRecord | None:
               "speedup_ci", "reason", "details", "generation_s")
     generated: dict[str, tuple[float, float | None]] = {}
     verified: dict[str, tuple[float, dict[str, Any]]] = {}
+    # Only this run's events: a store kept for days holds far more of training runs'.
     async for batch in store.read_all(
-        0, types=["KernelGenerated", "KernelVerified"], payload_fields=fields
+        0, types=["KernelGenerated", "KernelVerified"], payload_fields=fields,
+        correlation_id=run_id,
     ):
         for r in batch:
             e = r.event
-            if e.correlation_id != run_id:
-                continue
             kid = e.payload["kernel_id"]
             at = e.occurred_at.timestamp()
             if e.type == "KernelGenerated":
@@ -227,10 +227,12 @@ async def _published_policy(
     store: EventStore, run_id: str, version: int | None
 ) -> PolicyVersionPublished:
     found: dict[int, PolicyVersionPublished] = {}
-    async for batch in store.read_all(0, types=["PolicyVersionPublished"]):
+    async for batch in store.read_all(
+        0, types=["PolicyVersionPublished"], correlation_id=run_id
+    ):
         for r in batch:
             p = payload_as(r.event, PolicyVersionPublished)
-            if r.event.correlation_id == run_id and p.role == "coder":
+            if p.role == "coder":
                 found[p.version] = p
     if not found:
         raise LookupError(f"run {run_id!r} published no Coder policy in this store")

@@ -89,10 +89,13 @@ class EventStore(Protocol):
         batch_size: int = 1000,
         types: Sequence[str] | None = None,
         payload_fields: Sequence[str] | None = None,
+        correlation_id: str | None = None,
     ) -> AsyncIterator[list[RecordedEvent]]:
         """Batches of events with global_position > from_position, in order, to the current end.
 
-        ``payload_fields`` is a hint: an adapter may drop other payload keys, or not."""
+        ``types`` and ``correlation_id`` (one run's events; None: every run's) filter in the
+        store, so a reader of one run does not read the others'. ``payload_fields`` is a
+        hint: an adapter may drop other payload keys, or not."""
 
     def tail(
         self,

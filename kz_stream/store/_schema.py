@@ -6,7 +6,7 @@ matches this metadata exactly.
 
 Envelope metadata lives in typed columns rather than a ``metadata`` JSON blob: producer,
 correlation and causation ids and occurred-at are fixed by the envelope, and as columns
-they are cheap to filter on, to index later (audit by correlation id) and to COPY.
+they are cheap to filter on, to index (one run's events by correlation id) and to COPY.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from sqlalchemy import (
     DateTime,
     Dialect,
     Identity,
+    Index,
     Integer,
     MetaData,
     PrimaryKeyConstraint,
@@ -80,6 +81,9 @@ events = Table(
     PrimaryKeyConstraint("global_position", name="pk_events"),
     UniqueConstraint("event_id", name="uq_events_event_id"),
     UniqueConstraint("stream_id", "stream_version", name="uq_events_stream"),
+    # One run's events in position order (read_all(correlation_id=...)): a report of one
+    # run reads its own rows, not every run's in the store (revision 0002).
+    Index("ix_events_correlation", "correlation_id", "global_position"),
     # AUTOINCREMENT: SQLite never reuses a position, even one whose row is gone.
     sqlite_autoincrement=True,
 )

@@ -57,16 +57,22 @@ async def store(store_url: str) -> AsyncIterator[SqlEventStore]:
 
 
 def verdict(
-    stream: str, version: int, *, kernel: str = "k", rng: random.Random | None = None
+    stream: str,
+    version: int,
+    *,
+    kernel: str = "k",
+    rng: random.Random | None = None,
+    run: str | None = "run-1",
 ) -> Event:
-    """A small KernelVerified at (stream, version); ids random, or drawn from ``rng``."""
+    """A small KernelVerified of ``run`` at (stream, version); ids random, or drawn from
+    ``rng``."""
     event_id = uuid.UUID(int=rng.getrandbits(128), version=4) if rng else uuid.uuid4()
     return new_event(
         KernelVerified(kernel_id=kernel, module_id="m", group_id="g",
                        status=VerdictStatus.CORRECT, speedup=1.25),
         stream_id=stream, stream_version=version, event_id=event_id,
         occurred_at=T0 + timedelta(microseconds=version), producer="test",
-        correlation_id="run-1",
+        correlation_id=run,
     )
 
 
@@ -305,6 +311,61 @@ async def test_read_all_with_payload_fields_keeps_those_fields_and_every_event(
         assert {f: h.event.payload[f] for f in fields} == {f: w.event.payload[f] for f in fields}
 
 
+def two_runs_interleaved() -> list[Event]:
+    """Verdicts of run-a, run-b and of no run in turn, and a module of run-a among them."""
+    runs = ("run-a", "run-b", None)
+    events = [verdict(f"s{i % 4}", i // 4, kernel=f"k{i}", run=runs[i % 3]) for i in range(24)]
+    module = proposed_module().model_copy(update={"correlation_id": "run-a"})
+    return [*events[:10], module, *events[10:]]
+
+
+async def test_read_all_of_a_correlation_id_yields_that_run_alone_in_order(
+    store: SqlEventStore,
+) -> None:
+    events = two_runs_interleaved()
+    await store.append(events)
+    run_a = [e for e in events if e.correlation_id == "run-a"]
+    run_b = [e for e in events if e.correlation_id == "run-b"]
+
+    # Pages smaller than a run: every page boundary falls among the other runs' events.
+    a_batches = [b async for b in store.read_all(0, batch_size=2, correlation_id="run-a")]
+    b_batches = [b async for b in store.read_all(0, batch_size=3, correlation_id="run-b")]
+
+    assert [r.event for b in a_batches for r in b] == run_a
+    assert [len(b) for b in a_batches] == [2, 2, 2, 2, 1]
+    assert [r.event for b in b_batches for r in b] == run_b
+    positions = [r.global_position for b in a_batches + b_batches for r in b]
+    assert len(set(positions)) == len(positions) == len(run_a) + len(run_b)
+    assert [b async for b in store.read_all(0, correlation_id="run-c")] == []
+
+
+async def test_a_correlation_id_combines_with_types_position_and_payload_fields(
+    store: SqlEventStore,
+) -> None:
+    events = two_runs_interleaved()
+    await store.append(events)
+    run_a = [r for r in await read_everything(store) if r.event.correlation_id == "run-a"]
+    verdicts_a = [r.event for r in run_a if r.event.type == "KernelVerified"]
+    fields = ("kernel_id", "status")
+
+    typed = [r.event async for b in store.read_all(0, batch_size=2, types=["KernelVerified"],
+                                                   correlation_id="run-a") for r in b]
+    later = [r.event async for b in store.read_all(run_a[3].global_position, batch_size=2,
+                                                   correlation_id="run-a") for r in b]
+    hinted = [r.event async for b in store.read_all(0, batch_size=3, types=["KernelVerified"],
+                                                    payload_fields=fields,
+                                                    correlation_id="run-a") for r in b]
+    modules = [r.event async for b in store.read_all(0, types=["ModuleProposed"],
+                                                     correlation_id="run-b") for r in b]
+
+    assert typed == verdicts_a
+    assert later == [r.event for r in run_a[4:]]
+    assert [e.event_id for e in hinted] == [e.event_id for e in verdicts_a]
+    for h, e in zip(hinted, verdicts_a, strict=True):
+        assert {f: h.payload[f] for f in fields} == {f: e.payload[f] for f in fields}
+    assert modules == []
+
+
 async def test_a_tailing_reader_never_skips_an_event_committed_by_concurrent_writers(
     store: SqlEventStore,
 ) -> None:
@@ -495,5 +556,5 @@ def test_alembic_upgrade_of_an_empty_database_yields_exactly_the_schema_metadata
     # cannot report the Identity() the metadata declares for Postgres.
     diffs = [d for d in diffs if not (conn.dialect.name == "sqlite" and "Identity()" in repr(d))]
     assert diffs == []
-    assert head == "0001"
+    assert head == "0002"
     assert {"events", "tracking", "alembic_version"} <= tables

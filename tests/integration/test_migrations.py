@@ -1,6 +1,7 @@
 """Alembic's own command line finds the event store as the services do: through
 ``load_settings`` (``KZ_*`` variables over the TOML file of ``-x config=`` or
-``KZ_CONFIG_FILE``), not through a variable of its own."""
+``KZ_CONFIG_FILE``), not through a variable of its own. A store written at an earlier
+revision keeps its events through an upgrade, and each revision's downgrade undoes it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import create_engine, inspect, text
+
 import kz_stream.migrations
+from kz_stream.database_url import sync_url
+from kz_stream.events import Event, KernelVerified, VerdictStatus, new_event
+from kz_stream.store import SqlEventStore, upgrade
 
 INI = Path(kz_stream.migrations.__file__).with_name("alembic.ini")
+CORRELATION_INDEX = "ix_events_correlation"
 
 
 def alembic(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -53,3 +62,68 @@ def test_a_bad_setting_is_named_as_the_services_name_it(tmp_path: Path) -> None:
     out = alembic("-x", f"config={config}", "upgrade", "head", cwd=tmp_path)
     assert out.returncode != 0
     assert f"databse_url = 'sqlite:///x.sqlite3' (in {config}): unknown key" in out.stderr
+
+
+# -- revisions ------------------------------------------------------------------------------
+
+
+def downgrade(url: str, revision: str) -> None:
+    cfg = Config(str(INI))
+    cfg.set_main_option("sqlalchemy.url", sync_url(url).replace("%", "%%"))
+    command.downgrade(cfg, revision)
+
+
+def event_indexes(url: str) -> dict[str, list[str | None]]:
+    """The events table's indexes by name, with their columns."""
+    engine = create_engine(sync_url(url))
+    try:
+        with engine.connect() as conn:
+            return {str(i["name"]): list(i["column_names"])
+                    for i in inspect(conn).get_indexes("events")}
+    finally:
+        engine.dispose()
+
+
+def revision(url: str) -> str:
+    engine = create_engine(sync_url(url))
+    try:
+        with engine.connect() as conn:
+            return str(conn.scalar(text("SELECT version_num FROM alembic_version")))
+    finally:
+        engine.dispose()
+
+
+def verdicts_of_two_runs() -> list[Event]:
+    return [
+        new_event(KernelVerified(kernel_id=f"k{i}", module_id="m", group_id="g",
+                                 status=VerdictStatus.CORRECT),
+                  stream_id=f"kernel-k{i}", stream_version=1,
+                  correlation_id="run-a" if i % 2 else "run-b")
+        for i in range(6)
+    ]
+
+
+async def test_upgrading_a_0001_store_indexes_its_events_by_correlation_id(
+    store_url: str,
+) -> None:
+    upgrade(store_url, "0001")
+    events = verdicts_of_two_runs()
+    async with SqlEventStore(store_url) as store:  # written before the index existed
+        await store.append(events)
+    assert CORRELATION_INDEX not in event_indexes(store_url)
+
+    upgrade(store_url)
+
+    assert event_indexes(store_url)[CORRELATION_INDEX] == ["correlation_id", "global_position"]
+    async with SqlEventStore(store_url) as store:
+        run_a = [r.event async for b in store.read_all(correlation_id="run-a") for r in b]
+    assert run_a == [e for e in events if e.correlation_id == "run-a"]
+
+
+def test_downgrading_to_0001_drops_the_correlation_index(store_url: str) -> None:
+    upgrade(store_url)
+
+    downgrade(store_url, "0001")
+
+    assert CORRELATION_INDEX not in event_indexes(store_url)
+    assert revision(store_url) == "0001"
