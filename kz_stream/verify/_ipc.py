@@ -4,20 +4,31 @@ A child is started as ``python -m <module> <fd>`` in its own process group, with
 working directory and HOME, inside the sandbox's isolation (``_sandbox.isolation``: the
 filesystem boundary and namespaces where the host allows them, a network namespace or
 nothing where it does not).
-Messages (``_messages``: typed dicts) are pickled over a socketpair; replies carry CPU
-tensors only. A call
-that exceeds its deadline kills the whole process group. The child kills its group when
-the verifier's end of the socket closes, and the group is in the verifier's registry
+Messages (``_messages``: typed dicts) are pickled over a socketpair (protocol 5), each CPU
+tensor's bytes as an out-of-band buffer after the pickle; replies carry CPU tensors only.
+A child made with ``spill=True`` (the oracle, whose replies hold GBs of input sets and
+expected outputs) sends each buffer of at least ``SPILL_MIN_BYTES`` through a file in a
+folder the verifier made for it instead (under /dev/shm where it can, else in the child's
+private folder): the socket moved 0.2–0.45 GB/s here, and on the H200 a reply's trip took
+longer than all of the oracle's work. The verifier reads such a file only by a name of
+the fixed pattern, opened without following links inside that folder and of the size
+announced, then deletes it; anything else is a ``SpillError``, and the child is killed.
+A call that exceeds its deadline kills the whole process group. The child kills its group
+when the verifier's end of the socket closes, and the group is in the verifier's registry
 (``kz_stream.verify._lifeline``).
 """
 
 from __future__ import annotations
 
+import errno
 import io
+import itertools
 import os
 import pickle
+import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -98,29 +109,216 @@ class _Pickler(pickle.Pickler):
                                  tuple(t.shape))
 
 
-def send(conn: Connection, obj: Any) -> None:
+# A buffer of at least this many bytes travels through a file of the receiver's spill
+# folder (``send``'s ``spill_dir``); smaller ones are not worth a file's open and unlink.
+SPILL_MIN_BYTES = 16 << 20
+# The one name a spilled buffer's file may have: no separator, no "..", nothing the
+# receiver could be pointed elsewhere with.
+_SPILL_NAME = re.compile(r"spill-[0-9]{1,10}-[0-9]{1,20}")
+_spill_count = itertools.count()
+# A verifier's spill folders under /dev/shm: "kz-spill-<its pid>-<its start time>-<random>",
+# so that one left by a verifier that was killed can be found and removed (``reap_spill``).
+_SPILL_FOLDER = re.compile(r"kz-spill-([0-9]+)-([0-9]+)-[A-Za-z0-9_]+")
+SHM = "/dev/shm"
+
+
+class SpillError(RuntimeError):
+    """A message's spilled buffer is not what its sender announced (a name of another
+    pattern, a link, not a regular file, another size), or the receiver takes none."""
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])  # at most ~2 GiB a call on Linux
+
+
+def _spill(spill_dir: str, data: memoryview) -> str | None:
+    """Writes ``data`` to a new file of ``spill_dir`` and returns its name, or None when it
+    cannot (a full tmpfs, say): the buffer then goes through the socket as before."""
+    name = f"spill-{os.getpid()}-{next(_spill_count)}"
+    path = os.path.join(spill_dir, name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        _write_all(fd, data)
+    except OSError:
+        os.close(fd)
+        _unlink(path)
+        return None
+    os.close(fd)
+    return name
+
+
+def _unlink(name: str, dir_fd: int | None = None) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def send(conn: Connection, obj: Any, spill_dir: str | None = None, *,
+         spill_min: int = SPILL_MIN_BYTES) -> None:
+    """Sends ``obj``: a list that says, per out-of-band buffer, its size (it follows on the
+    socket) or ``(file name, size)`` (spilled to ``spill_dir``, when given, for a buffer of
+    at least ``spill_min`` bytes), then the pickle, then the inline buffers."""
     buffers: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
     _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
-    sizes = [memoryview(b).nbytes for b in buffers]
-    conn.send_bytes(pickle.dumps(sizes))
+    sizes: list[int | tuple[str, int]] = []
+    spilled: list[str] = []
+    try:
+        for b in buffers:
+            n = memoryview(b).nbytes
+            name = (_spill(spill_dir, b.raw()) if spill_dir is not None and n >= spill_min
+                    else None)
+            if name is None:
+                sizes.append(n)
+            else:
+                spilled.append(name)
+                sizes.append((name, n))
+        conn.send_bytes(pickle.dumps(sizes))
+    except BaseException:
+        for name in spilled:  # no receiver will hear of them
+            assert spill_dir is not None
+            _unlink(os.path.join(spill_dir, name))
+        raise
     conn.send_bytes(f.getbuffer())
-    for b in buffers:
-        conn.send_bytes(b.raw())
+    for b, size in zip(buffers, sizes, strict=True):
+        if isinstance(size, int):
+            conn.send_bytes(b.raw())
 
 
-def recv(conn: Connection) -> Any:
-    sizes: list[int] = pickle.loads(conn.recv_bytes())
-    head = conn.recv_bytes()
-    bufs = []
-    for n in sizes:
-        buf = bytearray(n)
-        if n:
-            conn.recv_bytes_into(buf)
-        else:
-            conn.recv_bytes()
-        bufs.append(buf)
-    return pickle.loads(head, buffers=bufs)
+def _spilled_names(sizes: Any) -> list[str]:
+    """The file names of a size list's spilled entries; raises SpillError for an entry of
+    any other form."""
+    if not isinstance(sizes, list):
+        raise SpillError(f"the size list is a {type(sizes).__name__}")
+    names = []
+    for entry in sizes:
+        if isinstance(entry, int):
+            continue
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], int) and entry[1] >= 0):
+            raise SpillError(f"a spilled entry is not (name, size): {entry!r:.200}")
+        names.append(entry[0])
+    return names
+
+
+def _read_spilled(dir_fd: int, name: str, size: int) -> bytearray:
+    """The bytes of the spilled file ``name`` in the folder ``dir_fd``, which is removed."""
+    if not _SPILL_NAME.fullmatch(name):
+        raise SpillError(f"a spilled buffer's name is not of the spill pattern: {name!r:.200}")
+    try:
+        # O_NOFOLLOW: a link in the file's place is refused; O_NONBLOCK: a FIFO there
+        # cannot hang the receiver (it is refused as not a regular file below).
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError as e:
+        why = "a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        raise SpillError(f"spilled buffer {name}: cannot open it ({why})") from e
+    try:
+        _unlink(name, dir_fd)  # gone whatever happens next; the descriptor keeps the bytes
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpillError(f"spilled buffer {name} is not a regular file")
+        if st.st_size != size:
+            raise SpillError(f"spilled buffer {name} holds {st.st_size} bytes, "
+                             f"announced {size}")
+        buf = bytearray(size)
+        view = memoryview(buf)
+        done = 0
+        while done < size:  # at most ~2 GiB a call on Linux
+            n = os.readv(fd, [view[done:]])
+            if n == 0:
+                raise SpillError(f"spilled buffer {name} ended after {done} of {size} "
+                                 "bytes")
+            done += n
+        return buf
+    finally:
+        os.close(fd)
+
+
+def recv(conn: Connection, spill_dir: str | None = None) -> Any:
+    """Receives what ``send`` sent; spilled buffers are read from ``spill_dir`` and their
+    files removed (on a failure too). A spilled buffer with no ``spill_dir``, or one not
+    as announced, raises SpillError; the channel is then out of step (kill the sender)."""
+    sizes = pickle.loads(conn.recv_bytes())
+    names = _spilled_names(sizes)
+    dir_fd = None
+    if names:
+        if spill_dir is None:
+            raise SpillError(f"the message spilled {len(names)} buffer(s) to files, but "
+                             "this receiver takes none")
+        try:
+            dir_fd = os.open(spill_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                             | os.O_CLOEXEC)
+        except OSError as e:
+            raise SpillError(f"the spill folder cannot be opened: {e}") from e
+    try:
+        head = conn.recv_bytes()
+        bufs = []
+        for n in sizes:
+            if not isinstance(n, int):
+                assert dir_fd is not None
+                bufs.append(_read_spilled(dir_fd, *n))
+                continue
+            buf = bytearray(n)
+            if n:
+                conn.recv_bytes_into(buf)
+            else:
+                conn.recv_bytes()
+            bufs.append(buf)
+        return pickle.loads(head, buffers=bufs)
+    except BaseException:
+        if dir_fd is not None:
+            for name in names:  # those read are gone already; never touch another name
+                if _SPILL_NAME.fullmatch(name):
+                    _unlink(name, dir_fd)
+        raise
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
+
+
+def spill_folder(private: str, jailed: bool) -> str:
+    """A new folder for a child's spilled buffers: under /dev/shm (RAM) where it is
+    writable and the child sees the host's (not in the jail, which mounts a fresh one),
+    else inside the child's private folder. Named after this verifier (``reap_spill``)."""
+    if not jailed and os.path.isdir(SHM) and os.access(SHM, os.W_OK | os.X_OK):
+        pid = os.getpid()
+        try:
+            return tempfile.mkdtemp(prefix=f"kz-spill-{pid}-{lifeline.start_time(pid)}-",
+                                    dir=SHM)
+        except OSError:
+            pass
+    path = os.path.join(private, "spill")
+    os.mkdir(path, 0o700)
+    return path
+
+
+def reap_spill(root: str = SHM) -> list[str]:
+    """Removes the spill folders under ``root`` of verifiers that are gone (killed before
+    their children's folders were removed) and returns their paths: tmpfs holds RAM."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _SPILL_FOLDER.fullmatch(entry.name)
+        if m is None or lifeline.start_time(int(m[1])) == int(m[2]):
+            continue  # not a spill folder, or its verifier is alive (this one included)
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
 
 
 class Child:
@@ -129,22 +327,28 @@ class Child:
     def __init__(self, module: str, args: list[str], *, env: dict[str, str] | None = None,
                  isolate: bool = True, strong: bool = False, gated: bool = False,
                  start_timeout_s: float = 180.0, gpu: bool = False,
-                 read_only: tuple[str, ...] = ()) -> None:
+                 read_only: tuple[str, ...] = (), spill: bool = False) -> None:
         """``strong`` asks for the jail (``_sandbox.isolation``), else a network namespace;
-        ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths."""
+        ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths.
+        ``spill`` gives the child a folder for its replies' big buffers (``spill_folder``),
+        named by ``KZ_SPILL_DIR``: only for a child that runs no candidate code."""
         self.private = tempfile.mkdtemp(prefix="kz-child-")
         work = os.path.join(self.private, "work")
         os.mkdir(work)
+        self.isolation = isolation(strong) if isolate else Isolation("none")
+        self.spill_dir = spill_folder(self.private, self.isolation.level == "jail") \
+            if spill else None
         parent_sock, child_sock = socket.socketpair()
         self.conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()
         self._stderr_path = os.path.join(self.private, "stderr.log")
-        self.isolation = isolation(strong) if isolate else Isolation("none")
         cmd = jail_command([sys.executable, "-m", module, str(child_sock.fileno()), *args],
                            self.private, self.isolation, gpu=gpu, read_only=read_only,
                            cwd=work)
         e = child_env(self.private, env)
         e["KZ_PRIVATE_DIR"] = self.private
+        if self.spill_dir is not None:
+            e["KZ_SPILL_DIR"] = self.spill_dir
         if gated:
             e["KZ_GATED_START"] = "1"
         with open(self._stderr_path, "wb") as err:
@@ -233,7 +437,11 @@ class Child:
                 raise ChildTimeout(f"no answer within {timeout_s:g} s")
             try:
                 if self.conn.poll(min(left, 0.5)):
-                    return recv(self.conn)
+                    return recv(self.conn, self.spill_dir)
+            except SpillError as e:
+                self.kill()  # the rest of the message is still in the channel
+                raise ChildDied(f"the child's reply is unreadable: {e}", self.stderr_tail(),
+                                self.proc.returncode) from e
             except (EOFError, ConnectionResetError, OSError) as e:
                 rc = self.proc.poll()
                 self.kill()
@@ -242,8 +450,8 @@ class Child:
                 # Drain a reply written just before exit.
                 if self.conn.poll(0):
                     try:
-                        return recv(self.conn)
-                    except (EOFError, OSError):
+                        return recv(self.conn, self.spill_dir)
+                    except (EOFError, OSError, SpillError):
                         pass
                 rc = self.proc.returncode
                 self.kill()
@@ -264,7 +472,8 @@ class Child:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        """Kills the process group and removes the private directory."""
+        """Kills the process group and removes the private directory and the spill
+        folder."""
         kill_group(self.proc.pid)
         try:
             self.proc.wait(timeout=10)
@@ -276,3 +485,5 @@ class Child:
         except OSError:
             pass
         shutil.rmtree(self.private, ignore_errors=True)
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
