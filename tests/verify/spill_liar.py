@@ -19,6 +19,7 @@ def main() -> None:
     os.symlink(sys.argv[2], os.path.join(spill, "spill-1-1"))
     conn.send_bytes(pickle.dumps([("spill-1-1", os.path.getsize(sys.argv[2]))]))
     conn.send_bytes(pickle.dumps([pickle.PickleBuffer(b"")], protocol=5))
+    conn.send_bytes(b"")  # "the file is written"
     recv(conn)  # until the verifier hangs up
 
 

@@ -83,10 +83,14 @@ def spill_one(pair: tuple[Connection, Connection], folder: Path,
     return name
 
 
-def forge(conn: Connection, sizes: list[Any]) -> None:
-    """A message whose size list says ``sizes``, from a sender that lies."""
+def forge(conn: Connection, sizes: list[Any], frame: bytes = b"") -> None:
+    """A message whose size list says ``sizes``, from a sender that lies; ``frame`` stands
+    for each spilled buffer (empty: "its file is written")."""
     conn.send_bytes(pickle.dumps(sizes))
-    conn.send_bytes(pickle.dumps([pickle.PickleBuffer(b"x" * 8)], protocol=5))
+    conn.send_bytes(pickle.dumps([pickle.PickleBuffer(bytearray(8))] * len(sizes),
+                                 protocol=5))
+    for size in sizes:
+        conn.send_bytes(frame if isinstance(size, tuple) else b"x" * size)
 
 
 def test_tensors_arrive_byte_identical_inline(pair: tuple[Connection, Connection]) -> None:
@@ -169,9 +173,11 @@ def test_a_missing_file_is_refused(pair: tuple[Connection, Connection],
         recv(pair[1], str(folder))
 
 
-def test_a_malformed_entry_is_refused(pair: tuple[Connection, Connection],
-                                      folder: Path) -> None:
-    forge(pair[0], [("spill-1-1", -8)])
+@pytest.mark.parametrize("entry", [("spill-1-1", -8), ("spill-1-1", 0), ("spill-1-1",),
+                                   ["spill-1-1", 8], (b"spill-1-1", 8)])
+def test_a_malformed_entry_is_refused(pair: tuple[Connection, Connection], folder: Path,
+                                      entry: Any) -> None:
+    pair[0].send_bytes(pickle.dumps([entry]))
     with pytest.raises(SpillError, match="not \\(name, size\\)"):
         recv(pair[1], str(folder))
 
@@ -189,11 +195,28 @@ def test_a_failed_message_leaves_none_of_its_files(pair: tuple[Connection, Conne
     assert os.listdir(folder) == ["spill-1-4"]
 
 
-def test_a_sender_that_cannot_spill_sends_inline(pair: tuple[Connection, Connection],
-                                                 tmp_path: Path) -> None:
-    msg = {"t": torch.arange(SMALL)}
-    send(pair[0], msg, str(tmp_path / "gone"), spill_min=SMALL)
-    assert same(msg, recv(pair[1]))
+def test_a_buffer_that_cannot_be_spilled_goes_through_the_socket(
+        pair: tuple[Connection, Connection], folder: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full tmpfs, say: the sender announced a file, and sends the bytes instead."""
+    monkeypatch.setattr(ipc, "_spill", lambda path, data: False)
+    msg = {"t": torch.arange(SMALL), "u": torch.ones(SMALL * 8, dtype=torch.bool)}
+    send(pair[0], msg, str(folder), spill_min=SMALL)
+    assert same(msg, recv(pair[1], str(folder)))
+
+
+def test_more_bytes_than_announced_are_refused(pair: tuple[Connection, Connection],
+                                               folder: Path) -> None:
+    forge(pair[0], [("spill-1-1", 8)], frame=b"x" * 9)
+    with pytest.raises(SpillError, match="more bytes came than announced"):
+        recv(pair[1], str(folder))
+
+
+def test_a_name_announced_twice_is_refused(pair: tuple[Connection, Connection],
+                                           folder: Path) -> None:
+    forge(pair[0], [("spill-1-1", 8), ("spill-1-1", 8)])
+    with pytest.raises(SpillError, match="comes twice"):
+        recv(pair[1], str(folder))
 
 
 def test_spill_folders_of_gone_verifiers_are_reaped(tmp_path: Path) -> None:
@@ -235,7 +258,7 @@ class Model(nn.Module):
         return torch.relu(x)
 
 def get_inputs():
-    return [torch.randn(2048, 1100)]  # 9 MB of float32, 18 MB of float64 outputs
+    return [torch.randn(2048, 2100)]  # 17.2 MB, past SPILL_MIN_BYTES (16.8 MB)
 
 def get_init_inputs():
     return []
@@ -261,7 +284,7 @@ def count_spill_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real oracle child, started as the verifier starts it, on a problem whose float64
-    outputs pass the threshold: they come through files, which are gone afterwards."""
+    input passes the threshold: it comes through a file, which is gone afterwards."""
     read = count_spill_reads(monkeypatch)
     lane = Lane(VerifierConfig(devices=[]), None)
     try:
@@ -269,8 +292,10 @@ def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyP
         assert reply["ok"], reply
         assert lane.oracle is not None and lane.oracle.spill_dir is not None
         spill_dir = lane.oracle.spill_dir
-        assert read and os.listdir(spill_dir) == []
         own = next(s for s in reply["sets"] if s["label"] == "own")
+        # Each full-size set's input and its float64 and honest outputs.
+        full = sum(1 for s in reply["sets"] if s["inputs"][0].numel() == 2048 * 2100)
+        assert full >= 3 and len(read) >= 3 * full and os.listdir(spill_dir) == []
         assert own["expected"][0].dtype == torch.float64
         assert torch.equal(own["expected"][0], torch.relu(own["inputs"][0].double()))
     finally:
