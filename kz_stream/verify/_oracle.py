@@ -262,16 +262,20 @@ def main() -> None:
             float(os.environ.get("KZ_ORACLE_MEMORY_FRACTION", "0.45")))
     from kz_stream.verify._guard import Guard
 
+    # Where the replies' big buffers go (``_ipc.send``): the verifier made it for this
+    # process alone.
+    spill = os.environ.get("KZ_SPILL_DIR") or None
     # The reference is the Proposer's code: no network, processes or writes outside here.
     Guard(allowed_programs=frozenset({"ptxas", "cc", "gcc", "ldconfig"}),
-          write_roots=(os.environ.get("KZ_PRIVATE_DIR", os.getcwd()), "/dev/shm")).install()
+          write_roots=(os.environ.get("KZ_PRIVATE_DIR", os.getcwd()), "/dev/shm",
+                       *([spill] if spill else []))).install()
     oracle = Oracle(device)
     # Each takes its request (``_messages``) and returns its reply.
     handlers: dict[str, Callable[[Any], Mapping[str, Any]]] = {
         "prepare": oracle.prepare,
     }
     ready: ReadyReply = {"ready": True, "pid": os.getpid(), "device": device}
-    send(conn, ready)
+    send(conn, ready, spill)
     for msg in requests(conn):
         reply: Mapping[str, Any]
         try:
@@ -281,9 +285,9 @@ def main() -> None:
             if _sticky_cuda_error(e):
                 # Seen on the H200: one problem's device-side assert failed every later
                 # problem in 2 ms. Exiting makes the verifier start a fresh oracle.
-                send(conn, reply)
+                send(conn, reply, spill)
                 os._exit(3)
-        send(conn, reply)
+        send(conn, reply, spill)
     os._exit(0)
 
 

@@ -179,7 +179,7 @@ class Lane:
                 raise ChildDied("the verifier is closed")
             self.oracle = Child("kz_stream.verify._oracle", [self.device],
                                 env=self._env(self.config.oracle_memory_fraction),
-                                isolate=True, strong=False)
+                                isolate=True, strong=False, spill=True)
         oracle = self.oracle
         try:
             return await asyncio.to_thread(oracle.call, msg, timeout_s)

@@ -1,0 +1,330 @@
+"""The verifier's channel to its children: tensors arrive byte for byte, inline or through
+spill files; the receiver reads a spill file only as announced and leaves none behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import socket
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kz_stream.verify import VerifierConfig
+from kz_stream.verify import _ipc as ipc
+from kz_stream.verify._ipc import SpillError, reap_spill, recv, send
+from kz_stream.verify._lifeline import start_time
+from kz_stream.verify._messages import PrepareRequest
+from kz_stream.verify._pool import Lane
+from kz_stream.verify._sandbox import isolation
+
+# Small enough that the tests' tensors of a few KB spill.
+SMALL = 1024
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Connection, Connection]]:
+    a, b = socket.socketpair()
+    ends = Connection(os.dup(a.fileno())), Connection(os.dup(b.fileno()))
+    a.close()
+    b.close()
+    yield ends
+    for end in ends:
+        end.close()
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    d = tmp_path / "spill"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def tensors() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(64, 48, generator=g)
+    return {
+        "f32": torch.randn(37, 29, generator=g),
+        "f64": torch.randn(513, generator=g, dtype=torch.float64),
+        "bf16": torch.randn(8, 300, generator=g).to(torch.bfloat16),
+        "i64": torch.randint(-(2**40), 2**40, (3, 5, 70), generator=g),
+        "u8": torch.randint(0, 256, (2000,), generator=g, dtype=torch.uint8),
+        "bool": torch.rand(41, 43, generator=g) > 0.5,
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 7),
+        "strided": big.t(),  # not contiguous
+        "sliced": big[::3, 5:40],
+        "list": [torch.arange(600, dtype=torch.int32), "text", 7],
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.contiguous().view(-1).view(torch.uint8).tolist()
+                == b.contiguous().view(-1).view(torch.uint8).tolist())
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def spill_one(pair: tuple[Connection, Connection], folder: Path,
+              t: torch.Tensor | None = None) -> str:
+    """Sends one spilled tensor; returns its file's name (the message waits unread)."""
+    send(pair[0], {"t": torch.ones(SMALL) if t is None else t}, str(folder), spill_min=SMALL)
+    (name,) = os.listdir(folder)
+    return name
+
+
+def forge(conn: Connection, sizes: list[Any], frame: bytes = b"") -> None:
+    """A message whose size list says ``sizes``, from a sender that lies; ``frame`` stands
+    for each spilled buffer (empty: "its file is written")."""
+    conn.send_bytes(pickle.dumps(sizes))
+    conn.send_bytes(pickle.dumps([pickle.PickleBuffer(bytearray(8))] * len(sizes),
+                                 protocol=5))
+    for size in sizes:
+        conn.send_bytes(frame if isinstance(size, tuple) else b"x" * size)
+
+
+def test_tensors_arrive_byte_identical_inline(pair: tuple[Connection, Connection]) -> None:
+    msg = tensors()
+    send(pair[0], msg)
+    assert same(msg, recv(pair[1]))
+
+
+def test_tensors_arrive_byte_identical_through_spill_files(
+        pair: tuple[Connection, Connection], folder: Path) -> None:
+    msg = tensors()
+    send(pair[0], msg, str(folder), spill_min=SMALL)
+    assert len(os.listdir(folder)) >= 6  # the buffers of at least SMALL bytes
+    assert same(msg, recv(pair[1], str(folder)))
+    assert os.listdir(folder) == []
+
+
+def test_spill_files_are_private_to_their_owner(pair: tuple[Connection, Connection],
+                                                folder: Path) -> None:
+    name = spill_one(pair, folder)
+    assert (folder / name).stat().st_mode & 0o777 == 0o600
+
+
+def test_small_buffers_stay_on_the_socket(pair: tuple[Connection, Connection],
+                                          folder: Path) -> None:
+    msg = {"t": torch.ones(16)}
+    send(pair[0], msg, str(folder))
+    assert os.listdir(folder) == []
+    assert same(msg, recv(pair[1], str(folder)))
+
+
+def test_a_spilled_entry_needs_a_receiver_folder(pair: tuple[Connection, Connection],
+                                                 folder: Path) -> None:
+    spill_one(pair, folder)
+    with pytest.raises(SpillError, match="takes none"):
+        recv(pair[1])
+
+
+@pytest.mark.parametrize("name", ["../spill-1-1", "sub/spill-1-1", "spill-1-1/..",
+                                  "/etc/passwd", "spill-1-1\n", ".."])
+def test_a_name_off_the_pattern_is_refused(pair: tuple[Connection, Connection],
+                                           folder: Path, name: str) -> None:
+    forge(pair[0], [(name, 8)])
+    with pytest.raises(SpillError, match="not of the spill pattern"):
+        recv(pair[1], str(folder))
+
+
+def test_a_symlink_in_place_of_the_file_is_refused(pair: tuple[Connection, Connection],
+                                                   folder: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 8)
+    (folder / "spill-1-1").symlink_to(secret)
+    forge(pair[0], [("spill-1-1", 8)])
+    with pytest.raises(SpillError, match="symbolic link"):
+        recv(pair[1], str(folder))
+    assert secret.read_bytes() == b"s" * 8 and os.listdir(folder) == []
+
+
+def test_a_fifo_in_place_of_the_file_is_refused_without_blocking(
+        pair: tuple[Connection, Connection], folder: Path) -> None:
+    os.mkfifo(folder / "spill-1-1")
+    forge(pair[0], [("spill-1-1", 8)])
+    with pytest.raises(SpillError, match="not a regular file"):
+        recv(pair[1], str(folder))
+
+
+def test_a_size_other_than_announced_is_refused(pair: tuple[Connection, Connection],
+                                                folder: Path) -> None:
+    (folder / "spill-1-1").write_bytes(b"x" * 7)
+    forge(pair[0], [("spill-1-1", 8)])
+    with pytest.raises(SpillError, match="holds 7 bytes, announced 8"):
+        recv(pair[1], str(folder))
+    assert os.listdir(folder) == []
+
+
+def test_a_missing_file_is_refused(pair: tuple[Connection, Connection],
+                                   folder: Path) -> None:
+    forge(pair[0], [("spill-1-1", 8)])
+    with pytest.raises(SpillError, match="cannot open"):
+        recv(pair[1], str(folder))
+
+
+@pytest.mark.parametrize("entry", [("spill-1-1", -8), ("spill-1-1", 0), ("spill-1-1",),
+                                   ["spill-1-1", 8], (b"spill-1-1", 8)])
+def test_a_malformed_entry_is_refused(pair: tuple[Connection, Connection], folder: Path,
+                                      entry: Any) -> None:
+    pair[0].send_bytes(pickle.dumps([entry]))
+    with pytest.raises(SpillError, match="not \\(name, size\\)"):
+        recv(pair[1], str(folder))
+
+
+def test_a_failed_message_leaves_none_of_its_files(pair: tuple[Connection, Connection],
+                                                   folder: Path) -> None:
+    # Two good files, then one that is not as announced: all three go.
+    for name in ("spill-1-1", "spill-1-2"):
+        (folder / name).write_bytes(b"x" * 8)
+    (folder / "spill-1-3").write_bytes(b"x" * 9)
+    (folder / "spill-1-4").write_bytes(b"x" * 8)  # not in the message: stays
+    forge(pair[0], [("spill-1-1", 8), ("spill-1-3", 8), ("spill-1-2", 8)])
+    with pytest.raises(SpillError):
+        recv(pair[1], str(folder))
+    assert os.listdir(folder) == ["spill-1-4"]
+
+
+def test_a_buffer_that_cannot_be_spilled_goes_through_the_socket(
+        pair: tuple[Connection, Connection], folder: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full tmpfs, say: the sender announced a file, and sends the bytes instead."""
+    monkeypatch.setattr(ipc, "_spill", lambda path, data: False)
+    msg = {"t": torch.arange(SMALL), "u": torch.ones(SMALL * 8, dtype=torch.bool)}
+    send(pair[0], msg, str(folder), spill_min=SMALL)
+    assert same(msg, recv(pair[1], str(folder)))
+
+
+def test_more_bytes_than_announced_are_refused(pair: tuple[Connection, Connection],
+                                               folder: Path) -> None:
+    forge(pair[0], [("spill-1-1", 8)], frame=b"x" * 9)
+    with pytest.raises(SpillError, match="more bytes came than announced"):
+        recv(pair[1], str(folder))
+
+
+def test_a_name_announced_twice_is_refused(pair: tuple[Connection, Connection],
+                                           folder: Path) -> None:
+    forge(pair[0], [("spill-1-1", 8), ("spill-1-1", 8)])
+    with pytest.raises(SpillError, match="comes twice"):
+        recv(pair[1], str(folder))
+
+
+def test_spill_folders_of_gone_verifiers_are_reaped(tmp_path: Path) -> None:
+    gone = tmp_path / "kz-spill-999999999-1-abc"  # no such pid
+    mine = tmp_path / f"kz-spill-{os.getpid()}-{start_time(os.getpid())}-x"
+    other = tmp_path / "kz-child-123"
+    for d in (gone, mine, other):
+        d.mkdir()
+    (gone / "spill-1-1").write_bytes(b"x")
+    assert reap_spill(str(tmp_path)) == [str(gone)]
+    assert sorted(os.listdir(tmp_path)) == sorted([mine.name, other.name])
+
+
+def test_only_a_spill_child_gets_a_folder_and_it_goes_with_the_child() -> None:
+    plain = ipc.Child("kz_stream.verify._oracle", ["cpu"], isolate=False)
+    spilling = ipc.Child("kz_stream.verify._oracle", ["cpu"], isolate=False, spill=True)
+    try:
+        assert plain.spill_dir is None
+        assert spilling.spill_dir is not None and os.path.isdir(spilling.spill_dir)
+        if os.access(ipc.SHM, os.W_OK):
+            assert spilling.spill_dir.startswith(ipc.SHM + "/kz-spill-")
+    finally:
+        plain.kill()
+        spilling.kill()
+    assert not os.path.exists(spilling.spill_dir)
+
+
+def test_a_jailed_childs_folder_is_in_its_private_folder(tmp_path: Path) -> None:
+    assert ipc.spill_folder(str(tmp_path), jailed=True) == str(tmp_path / "spill")
+    assert (tmp_path / "spill").stat().st_mode & 0o777 == 0o700
+
+
+RELU = """
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+def get_inputs():
+    return [torch.randn(2048, 2100)]  # 17.2 MB, past SPILL_MIN_BYTES (16.8 MB)
+
+def get_init_inputs():
+    return []
+"""
+
+
+PREPARE: PrepareRequest = {"cmd": "prepare", "source": RELU, "key": "relu-spill" * 4,
+                           "seed": 1, "small_only": False, "full_set_budget": 0}
+
+
+def count_spill_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the spill files the verifier's side reads from now on."""
+    read: list[str] = []
+    real = ipc._read_spilled
+
+    def counted(dir_fd: int, name: str, size: int) -> bytearray:
+        read.append(name)
+        return real(dir_fd, name, size)
+
+    monkeypatch.setattr(ipc, "_read_spilled", counted)
+    return read
+
+
+def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real oracle child, started as the verifier starts it, on a problem whose float64
+    input passes the threshold: it comes through a file, which is gone afterwards."""
+    read = count_spill_reads(monkeypatch)
+    lane = Lane(VerifierConfig(devices=[]), None)
+    try:
+        reply = asyncio.run(lane.oracle_call(PREPARE, 300))
+        assert reply["ok"], reply
+        assert lane.oracle is not None and lane.oracle.spill_dir is not None
+        spill_dir = lane.oracle.spill_dir
+        own = next(s for s in reply["sets"] if s["label"] == "own")
+        # Each full-size set's input and its float64 and honest outputs.
+        full = sum(1 for s in reply["sets"] if s["inputs"][0].numel() == 2048 * 2100)
+        assert full >= 3 and len(read) >= 3 * full and os.listdir(spill_dir) == []
+        assert own["expected"][0].dtype == torch.float64
+        assert torch.equal(own["expected"][0], torch.relu(own["inputs"][0].double()))
+    finally:
+        lane.close()
+    assert not os.path.exists(spill_dir)
+
+
+@pytest.mark.skipif(isolation().level != "jail",
+                    reason=f"this host allows no filesystem boundary: {isolation().describe()}")
+def test_a_jailed_child_spills_into_its_private_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jail mounts a fresh /dev/shm, so a jailed child's folder is in its scratch,
+    which it sees at the same path."""
+    read = count_spill_reads(monkeypatch)
+    child = ipc.Child("kz_stream.verify._oracle", ["cpu"], strong=True, spill=True)
+    try:
+        assert child.strong and child.spill_dir == os.path.join(child.private, "spill")
+        reply = child.call(PREPARE, 300)
+        assert reply["ok"], reply
+        assert read and os.listdir(child.spill_dir) == []
+    finally:
+        child.kill()
+
+
+def test_a_child_that_lies_about_a_spill_file_is_killed(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 64)
+    child = ipc.Child("tests.verify.spill_liar", [str(secret)], isolate=False, spill=True)
+    assert child.spill_dir is not None
+    with pytest.raises(ipc.ChildDied, match=r"reply is unreadable: .*symbolic link"):
+        child.call(PREPARE, 60)
+    assert not child.alive and not os.path.exists(child.spill_dir)
+    assert secret.read_bytes() == b"s" * 64
