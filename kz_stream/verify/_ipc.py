@@ -86,7 +86,7 @@ def requests(conn: Connection) -> Iterator[Any]:
     "exit"."""
     while True:
         try:
-            msg = recv(conn)
+            msg = recv(conn, trusted=True)  # the verifier's own requests
         except (EOFError, OSError):
             return
         if msg.get("cmd") == "exit":
@@ -97,11 +97,67 @@ def requests(conn: Connection) -> Iterator[Any]:
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
     import torch
 
+    kind = getattr(torch, str(dtype), None)
+    if not isinstance(kind, torch.dtype):  # the name comes from the child's message
+        raise UnreadableReply(f"a tensor of dtype {dtype!r}, which torch does not have")
     if not len(buf):
         raw = torch.empty(0, dtype=torch.uint8)
     else:
         raw = torch.frombuffer(buf, dtype=torch.uint8)
-    return raw.view(getattr(torch, dtype)).reshape(shape)
+    return raw.view(kind).reshape(shape)
+
+
+class UnreadableReply(RuntimeError):
+    """A child's message that the verifier does not read: one that names code or classes no
+    reply holds (``_ReplyUnpickler``), or whose spilled buffer is not as announced
+    (``SpillError``). The channel is then out of step: kill the child."""
+
+
+# What a child's message may name besides plain data (None, bool, int, float, str, bytes,
+# list, tuple, dict, set): CPU tensors (``_rebuild_tensor``) and a few data types.
+_REPLY_GLOBALS = frozenset({
+    (__name__, "_rebuild_tensor"),
+    ("builtins", "complex"), ("builtins", "slice"), ("builtins", "range"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
+    ("collections", "OrderedDict"), ("torch", "Size"),
+    ("numpy", "dtype"), ("numpy", "ndarray"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+})
+
+
+class _ReplyUnpickler(pickle.Unpickler):
+    """Reads a child's message with no globals but ``_REPLY_GLOBALS`` and torch's dtypes.
+
+    Candidate code runs in the worker, and reference code in the oracle; either can write
+    to its end of the socket (the fd is in its argv), and a plain ``pickle.loads`` would
+    call whatever the pickle names (``os.system``) in the verifier, outside every sandbox.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _REPLY_GLOBALS or _is_torch_dtype(module, name):
+            return super().find_class(module, name)
+        raise UnreadableReply(f"the message names {module}.{name}, which no reply holds")
+
+
+def _is_torch_dtype(module: str, name: str) -> bool:
+    torch = sys.modules.get("torch")
+    return module == "torch" and torch is not None and isinstance(
+        getattr(torch, name, None), torch.dtype)
+
+
+def _loads(data: Any, trusted: bool, buffers: Any = ()) -> Any:
+    """Unpickles a message: the verifier's own requests as they are (``trusted``), a
+    child's through ``_ReplyUnpickler``, any failure an ``UnreadableReply``."""
+    if trusted:
+        return pickle.loads(data, buffers=buffers)
+    try:
+        return _ReplyUnpickler(io.BytesIO(data), buffers=buffers).load()
+    except UnreadableReply:
+        raise
+    except Exception as e:  # a truncated or malformed pickle, a tensor of another size
+        raise UnreadableReply(f"the message cannot be read: {error_text(e)}") from e
 
 
 class _Pickler(pickle.Pickler):
@@ -133,7 +189,7 @@ _SPILL_FOLDER = re.compile(r"kz-spill-([0-9]+)-([0-9]+)-[A-Za-z0-9_]+")
 SHM = "/dev/shm"
 
 
-class SpillError(RuntimeError):
+class SpillError(UnreadableReply):
     """A message's spilled buffer is not what its sender announced (a name of another
     pattern, a link, not a regular file, another size), or the receiver takes none."""
 
@@ -216,7 +272,7 @@ def _spilled_names(sizes: Any) -> list[str]:
         raise SpillError(f"the size list is a {type(sizes).__name__}")
     names = []
     for entry in sizes:
-        if isinstance(entry, int):
+        if isinstance(entry, int) and entry >= 0:
             continue
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
                 and isinstance(entry[1], int) and entry[1] > 0):
@@ -279,11 +335,13 @@ def _read_spilled(dir_fd: int, name: str, buf: bytearray | mmap.mmap) -> None:
         os.close(fd)
 
 
-def recv(conn: Connection, spill_dir: str | None = None) -> Any:
+def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = False) -> Any:
     """Receives what ``send`` sent; spilled buffers are read from ``spill_dir`` and their
     files removed (on a failure too). A spilled buffer with no ``spill_dir``, or one not
-    as announced, raises SpillError; the channel is then out of step (kill the sender)."""
-    sizes = pickle.loads(conn.recv_bytes())
+    as announced, raises SpillError; the channel is then out of step (kill the sender).
+    ``trusted``: the message is the verifier's own (a child reading its requests); else
+    it may name no code (``_ReplyUnpickler``), or it raises UnreadableReply."""
+    sizes = _loads(conn.recv_bytes(), trusted)
     names = _spilled_names(sizes)
     dir_fd = None
     if names:
@@ -309,7 +367,7 @@ def recv(conn: Connection, spill_dir: str | None = None) -> Any:
             else:
                 conn.recv_bytes()
             bufs.append(buf)
-        return pickle.loads(head, buffers=bufs)
+        return _loads(head, trusted, bufs)
     except BaseException:
         if dir_fd is not None:
             for name in names:  # those read are gone already
@@ -492,7 +550,7 @@ class Child:
             try:
                 if self.conn.poll(min(left, 0.5)):
                     return recv(self.conn, self.spill_dir)
-            except SpillError as e:
+            except UnreadableReply as e:
                 self.kill()  # the rest of the message is still in the channel
                 raise ChildDied(f"the child's reply is unreadable: {e}", self.stderr_tail(),
                                 self.proc.returncode) from e
@@ -505,7 +563,7 @@ class Child:
                 if self.conn.poll(0):
                     try:
                         return recv(self.conn, self.spill_dir)
-                    except (EOFError, OSError, SpillError):
+                    except (EOFError, OSError, UnreadableReply):
                         pass
                 rc = self.proc.returncode
                 self.kill()

@@ -328,3 +328,41 @@ def test_a_child_that_lies_about_a_spill_file_is_killed(tmp_path: Path) -> None:
         child.call(PREPARE, 60)
     assert not child.alive and not os.path.exists(child.spill_dir)
     assert secret.read_bytes() == b"s" * 64
+
+
+def test_a_reply_that_names_code_is_refused_and_never_run(tmp_path: Path) -> None:
+    # Candidate code in a worker can write to its end of the socket (the fd is in argv).
+    planted = tmp_path / "planted"
+    child = ipc.Child("tests.verify.pickle_liar", [str(planted)], isolate=False)
+    with pytest.raises(ipc.ChildDied, match=r"reply is unreadable: the message names "
+                                            r"(posix|os)\.mkdir"):
+        child.call(PREPARE, 60)
+    assert not child.alive and not planted.exists()
+
+
+def test_a_reply_may_hold_data_tensors_and_dtypes_but_no_other_global(
+    pair: tuple[Connection, Connection],
+) -> None:
+    import numpy as np
+
+    parent, child = pair
+    reply = {"t": torch.arange(6).reshape(2, 3), "dtype": torch.float16, "size": torch.Size([2]),
+             "n": np.float64(1.5), "a": np.arange(3), "c": 1 + 2j, "s": {1, 2}}
+    send(child, reply)
+    got = recv(parent)
+    assert torch.equal(got["t"], reply["t"]) and got["dtype"] is torch.float16
+    assert (got["size"], got["n"], got["c"], got["s"]) == (torch.Size([2]), 1.5, 1 + 2j, {1, 2})
+    assert list(got["a"]) == [0, 1, 2]
+    # A tensor whose dtype names another attribute of torch (a function) is refused too.
+    child.send_bytes(pickle.dumps([]))
+    child.send_bytes(pickle.dumps(_TensorOfDtype("load"), protocol=5))
+    with pytest.raises(ipc.UnreadableReply, match="dtype 'load'"):
+        recv(parent)
+
+
+class _TensorOfDtype:
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return ipc._rebuild_tensor, (b"", self.dtype, (0,))
