@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -362,6 +363,7 @@ class TransformersBackend(ServingBackend):
         with self._model_lock:
             # Looked up under the lock: a LoRA load may have re-wrapped this version's model.
             policy = self._policies[version]
+        started = time.monotonic()
         with self._model_lock, torch.inference_mode(), self._activated(policy):
             if sp.seed is not None:
                 torch.manual_seed(sp.seed)
@@ -401,6 +403,13 @@ class TransformersBackend(ServingBackend):
                     prompt_token_ids=list(row.prompt_ids),
                 )
             )
+        steps = int(sequences.shape[1]) - width
+        seconds = time.monotonic() - started
+        # Where a generator's time goes (a GPU kz run produced no kernel in 3 minutes and
+        # said nothing of why): rows, prompt width, steps and time of each call.
+        log.info("generate: %d rows, prompt width %d, %d steps in %.1f s (%.0f ms a step) "
+                 "on %s", len(rows), width, steps, seconds,
+                 1000 * seconds / max(steps, 1), self.device)
         return samples
 
     def _load_policy_sync(self, path: str, kind: str, name: str) -> _Policy:
