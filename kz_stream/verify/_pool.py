@@ -179,13 +179,20 @@ class Lane:
                 raise ChildDied("the verifier is closed")
             self.oracle = Child("kz_stream.verify._oracle", [self.device],
                                 env=self._env(self.config.oracle_memory_fraction),
-                                isolate=True, strong=False, spill=True)
+                                isolate=True, strong=False, spill=self._may_spill())
         oracle = self.oracle
         try:
             return await asyncio.to_thread(oracle.call, msg, timeout_s)
         except (ChildDied, ChildTimeout):
             self.oracle = None
             raise
+
+    def _may_spill(self) -> bool:
+        """Whether the oracle's replies may travel through spill files: only while the
+        candidates' workers are jailed. Spilled expected outputs sit in /dev/shm (or the
+        oracle's private folder) for a moment, and a worker outside the jail runs under
+        the verifier's uid and sees both: its candidate could read the answers there."""
+        return self.config.strong_isolation and isolation(True).level == "jail"
 
     async def reference_timer(self, p: Prepared, n_sets: int, seed: int,
                               timeout_s: float) -> RefTimer:

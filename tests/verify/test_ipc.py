@@ -282,6 +282,11 @@ def count_spill_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return read
 
 
+JAIL = pytest.mark.skipif(isolation().level != "jail", reason="this host allows no "
+                          f"filesystem boundary: {isolation().describe()}")
+
+
+@JAIL
 def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real oracle child, started as the verifier starts it, on a problem whose float64
     input passes the threshold: it comes through a file, which is gone afterwards."""
@@ -303,8 +308,19 @@ def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyP
     assert not os.path.exists(spill_dir)
 
 
-@pytest.mark.skipif(isolation().level != "jail",
-                    reason=f"this host allows no filesystem boundary: {isolation().describe()}")
+def test_no_spill_while_candidates_run_outside_the_jail() -> None:
+    """Unjailed workers share the verifier's uid and /dev/shm: spilled answers would be
+    theirs to read, so the oracle's replies stay on the socket."""
+    lane = Lane(VerifierConfig(devices=[], strong_isolation=False), None)
+    try:
+        reply = asyncio.run(lane.oracle_call(PREPARE, 300))
+        assert reply["ok"], reply
+        assert lane.oracle is not None and lane.oracle.spill_dir is None
+    finally:
+        lane.close()
+
+
+@JAIL
 def test_a_jailed_child_spills_into_its_private_folder(monkeypatch: pytest.MonkeyPatch) -> None:
     """The jail mounts a fresh /dev/shm, so a jailed child's folder is in its scratch,
     which it sees at the same path."""
