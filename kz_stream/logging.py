@@ -91,7 +91,7 @@ def configure_logging(level: str = "INFO", *, json: bool = True) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(name)s %(message)s")
@@ -114,6 +114,13 @@ def _quiet_untrusted_source_warnings() -> None:
 
     for category in (SyntaxWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module="<unknown>")
+
+
+def _stderr_logger(*args: Any) -> structlog.PrintLogger:
+    """A logger on the ``sys.stderr`` of the moment: a factory that kept the one of its
+    configuration wrote to a closed file once that stream was replaced and closed (a
+    test's captured stderr; the services of later tests then failed on every log line)."""
+    return structlog.PrintLogger(file=sys.stderr)
 
 
 def _quiet_progress_bars() -> None:

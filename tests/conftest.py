@@ -96,3 +96,14 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite+aiosqlite:///{tmp_path / 'events.sqlite3'}"
     return str(request.getfixturevalue("postgres_url"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_structlog() -> Iterator[None]:
+    """Each test starts from structlog's defaults: a command that ran in an earlier test
+    (``kz eval run``, ``kz run``) configures logging for the whole process, and its level
+    filter hid the INFO events later tests capture."""
+    import structlog
+
+    yield
+    structlog.reset_defaults()
