@@ -180,6 +180,9 @@ SPILL_MIN_BYTES = 16 << 20
 # The one name a spilled buffer's file may have: no separator, no "..", nothing the
 # receiver could be pointed elsewhere with.
 _SPILL_NAME = re.compile(r"spill-[0-9]{1,10}-[0-9]{1,20}")
+# The most a message's buffers may add up to: half the host's memory (a full-size
+# KernelBench reply holds up to tens of GB; more than half is no reply's).
+_MAX_MESSAGE_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 _spill_count = itertools.count()
 _HUGE = 2 << 20  # a transparent huge page
 _CHUNK = 64 << 20  # a read's size: 1 GiB reads were slower here (0.19 s/GiB, not 0.14)
@@ -283,6 +286,12 @@ def _spilled_names(sizes: Any) -> list[str]:
         names.append(entry[0])
     if len(set(names)) < len(names):
         raise SpillError("a spilled buffer's name comes twice")
+    total = sum(e if isinstance(e, int) else e[1] for e in sizes)
+    if total > _MAX_MESSAGE_BYTES:
+        # Each announced buffer is allocated before its bytes come: a child that announced
+        # more than the host holds would have the verifier killed for memory.
+        raise UnreadableReply(f"the message announces {total} bytes of buffers, more than "
+                              f"a message may hold ({_MAX_MESSAGE_BYTES})")
     return names
 
 

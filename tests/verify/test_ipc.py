@@ -382,3 +382,12 @@ class _TensorOfDtype:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return ipc._rebuild_tensor, (b"", self.dtype, (0,))
+
+
+def test_a_message_that_announces_more_than_the_host_holds_is_refused_unallocated(
+    pair: tuple[Connection, Connection],
+) -> None:
+    parent, child = pair
+    child.send_bytes(pickle.dumps([ipc._MAX_MESSAGE_BYTES, 1]))  # then nothing
+    with pytest.raises(ipc.UnreadableReply, match=r"announces .* more than a message may hold"):
+        recv(parent)
