@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kz_stream.llm import BackendError, SamplingParams, TransformersBackend
+from kz_stream.llm import BackendError, ChatMessage, SamplingParams, TransformersBackend
 from tests.llm.prompts_data import CHAT, TEXT
 
 pytest.importorskip("transformers")
@@ -72,6 +72,24 @@ async def test_stop_strings(backend: TransformersBackend) -> None:
     assert s.finish_reason == "stop"
     assert s.text == " 6, 7,"  # cut before the stop string, as vLLM does
     assert backend.tokenizer.decode(s.token_ids).endswith(" 8")
+
+
+async def test_a_row_that_ends_early_keeps_only_its_own_tokens(
+    backend: TransformersBackend,
+) -> None:
+    # One call, two rows: a short answer ends on EOS while counting runs to the cap, and
+    # transformers pads the ended row (with the EOS id here) until the call ends.
+    answer: list[ChatMessage] = [{"role": "user", "content": "Reply with one word: yes or no?"}]
+    counting = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    short, long = (g[0] for g in await backend.generate([answer, counting], sampling=greedy))
+    eos = backend.tokenizer.eos_token_id
+    assert short.finish_reason == "stop"
+    assert len(short.token_ids) < 10 and short.token_ids[-1] == eos  # EOS kept, as vLLM does
+    assert eos not in short.token_ids[:-1]
+    assert len(short.logprobs) == len(short.token_ids)
+    assert (long.finish_reason, len(long.token_ids)) == ("length", 40)
+    assert long.text.startswith(" 13, 14, 15")
 
 
 async def test_concurrent_calls_are_batched(
