@@ -47,6 +47,7 @@ __all__ = [
     "Problem",
     "ProblemAudit",
     "SandboxOutcome",
+    "SandboxSetupError",
     "Status",
     "Verdict",
     "Verifier",
@@ -75,6 +76,7 @@ __getattr__ = lazy_exports(__name__, {
     "require": "._loader",
     "Isolation": "._sandbox",
     "SandboxOutcome": "._sandbox",
+    "SandboxSetupError": "._sandbox",
     "isolation": "._sandbox",
     "run_in_sandbox": "._sandbox",
 })

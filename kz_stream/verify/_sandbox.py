@@ -37,8 +37,8 @@ from typing import Any, Literal
 from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._jail import LEFTOVER_MARK
 
-__all__ = ["ErrorKind", "Isolation", "SandboxOutcome", "isolation", "jail_command",
-           "run_in_sandbox", "visible_paths"]
+__all__ = ["ErrorKind", "Isolation", "SandboxOutcome", "SandboxSetupError", "isolation",
+           "jail_command", "run_in_sandbox", "visible_paths"]
 
 ErrorKind = Literal["crash", "timeout", "oom", "exception", "forbidden"]
 Level = Literal["jail", "network", "none"]
@@ -46,6 +46,12 @@ Level = Literal["jail", "network", "none"]
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])
 _STDERR_TAIL = 4000
 log = logging.getLogger(__name__)
+
+
+class SandboxSetupError(RuntimeError):
+    """The sandboxed child could not load the function it was to run (kz_stream's own
+    code): a fault of this host's installation, not of the code under test, so no verdict
+    can be had here."""
 
 
 @dataclass(frozen=True)
@@ -351,7 +357,8 @@ def run_in_sandbox(
     (the whole process group is killed), "oom" on MemoryError or the memory rlimit,
     "exception" when the function raised, "forbidden" when it tried to start a process,
     open a socket or write outside its directory, or left processes running, and "crash"
-    when the process died. ``gpu`` shows a jailed child the NVIDIA device nodes.
+    when the process died. ``gpu`` shows a jailed child the NVIDIA device nodes. Raises
+    ``SandboxSetupError`` when the child could not load ``target`` itself.
     """
     module, sep, func = target.partition(":")
     if not sep or not module or not func:
@@ -408,6 +415,13 @@ def run_in_sandbox(
                         if line.startswith(LEFTOVER_MARK))  # the jail's count of them
     common.update(violations=violations, writes=writes)
     status = result.get("status")
+    if status == "setup":
+        # Seen on an H200 whose packages were on PYTHONPATH: every proposed module, the
+        # synthesized seeds too, was judged a crash of its own ("No module named 'orjson'").
+        raise SandboxSetupError(
+            f"the sandbox could not load {target}: {result.get('message', '')} (a jailed "
+            "child sees the Python installation, not PYTHONPATH or the project folder: "
+            "install kz_stream and its dependencies into the environment that runs it)")
     if status is None:
         rc = proc.returncode
         signum = killed_by(rc, iso)

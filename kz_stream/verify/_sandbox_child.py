@@ -29,6 +29,28 @@ def _limit(kind: int, value: int) -> None:
         pass
 
 
+def _load_and_call(request: dict[str, Any]) -> dict[str, Any]:
+    try:
+        func = getattr(importlib.import_module(request["module"]), request["function"])
+    except BaseException as e:  # the target is kz_stream's own code: nothing untrusted ran
+        return {"status": "setup", "message": _last_line(e)}
+    try:
+        return {"status": "ok", "value": func(*request["args"])}
+    except MemoryError as e:
+        return {"status": "oom", "message": f"MemoryError: {e}"}
+    except GuardViolation as e:
+        return {"status": "exception", "message": str(e)}
+    except BaseException as e:
+        text = _last_line(e)
+        oom = "out of memory" in text.lower() or "cannot allocate memory" in text.lower()
+        return {"status": "oom" if oom else "exception", "message": text,
+                "traceback": traceback.format_exc()[-4000:]}
+
+
+def _last_line(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
+
+
 def main() -> None:
     request: dict[str, Any] = pickle.loads(sys.stdin.buffer.read())
     result_fd = os.dup(1)
@@ -43,22 +65,7 @@ def main() -> None:
         allow_network=bool(request["allow_network"]),
         write_roots=tuple(request["write_roots"]),
     ).install()
-    out: dict[str, Any]
-    try:
-        module = importlib.import_module(request["module"])
-        func = getattr(module, request["function"])
-        value = func(*request["args"])
-        out = {"status": "ok", "value": value}
-    except MemoryError as e:
-        out = {"status": "oom", "message": f"MemoryError: {e}"}
-    except GuardViolation as e:
-        out = {"status": "exception", "message": str(e)}
-    except BaseException as e:
-        text = "".join(traceback.format_exception_only(type(e), e)).strip()
-        out = {"status": "exception", "message": text[-2000:],
-               "traceback": traceback.format_exc()[-4000:]}
-        if "out of memory" in text.lower() or "cannot allocate memory" in text.lower():
-            out["status"] = "oom"
+    out = _load_and_call(request)
     guard.active = False
     out["violations"] = list(guard.violations)
     out["writes"] = list(guard.writes)

@@ -19,6 +19,7 @@ PUBLIC = [
     "Problem",
     "ProblemAudit",
     "SandboxOutcome",
+    "SandboxSetupError",
     "Status",
     "Verdict",
     "Verifier",

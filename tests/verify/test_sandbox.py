@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kz_stream.testing.corpus.hostile import HostileHost
+from kz_stream.verify import SandboxSetupError
 from kz_stream.verify._sandbox import MAX_PROCESSES, isolation, run_in_sandbox, visible_paths
 
 T = "tests.verify.sandbox_targets"
@@ -124,6 +125,24 @@ def test_unpicklable_value() -> None:
 def test_bad_target() -> None:
     with pytest.raises(ValueError):
         run_in_sandbox("no_colon", timeout_s=1)
+
+
+def test_a_target_that_cannot_load_is_the_hosts_fault_not_the_codes() -> None:
+    # No verdict on the code under test can come of it: the caller gets an error, never a
+    # "crash" that would be charged to the code.
+    with pytest.raises(SandboxSetupError, match="No module named 'kz_no_such_dependency'"):
+        run_in_sandbox("tests.verify.sandbox_unloadable:anything", timeout_s=30)
+
+
+@needs_jail
+def test_a_dependency_on_the_search_path_alone_is_not_in_the_jail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on an H200 whose packages were on PYTHONPATH: the jail shows the installation only.
+    (tmp_path / "kz_extra_dependency.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SandboxSetupError, match="install kz_stream and its dependencies"):
+        run_in_sandbox("tests.verify.sandbox_needs_extra:value", timeout_s=30)
 
 
 # ---- the filesystem boundary (sandbox.isolation's jail), below the audit hooks ----------
