@@ -131,7 +131,8 @@ def _backend(settings: Settings, role: Role) -> LLMBackend:
     adapter = warm_adapter(settings, role)
     extra: dict[str, Any] = {"adapter": str(adapter)} if adapter is not None else {}
     if llm.kind == "transformers":
-        extra |= {"device": llm.device, "max_batch_size": llm.batch_size}
+        extra |= {"device": llm.device, "max_batch_size": llm.batch_size,
+                  "kv_cache": llm.kv_cache}
     return create_backend(llm.kind, model=llm.model, base_url=llm.base_url, **extra)
 
 

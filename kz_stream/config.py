@@ -23,6 +23,7 @@ from pydantic_settings import (
 from pydantic_settings.exceptions import SettingsError
 
 from kz_stream.bus import TopicSpec
+from kz_stream.llm import KVCache
 from kz_stream.rl.options import TrainerOptions
 from kz_stream.rl.schedule import AlternationConfig, Role
 from kz_stream.verify import Backend, VerifierConfig
@@ -100,6 +101,11 @@ class LLMConfig(_Section):
     )
     batch_size: int = Field(
         default=8, ge=1, description="A transformers model's rows (prompt x sample) per call."
+    )
+    kv_cache: KVCache = Field(
+        default="dynamic",
+        description="A transformers model's KV cache: dynamic, static, or compiled (static, "
+                    "decode step under torch.compile with CUDA graphs).",
     )
     max_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=1.0, ge=0)

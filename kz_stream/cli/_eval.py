@@ -12,6 +12,7 @@ from rich.table import Table
 from kz_stream.cli._common import ConfigOption, _read_store, _run, _settings
 from kz_stream.cli._output import _one_line_errors, _progress_bars, console, err_console
 from kz_stream.database_url import redact
+from kz_stream.llm import KVCache
 from kz_stream.verify import Backend
 
 eval_app = typer.Typer(help="Evaluate a Coder policy on a KernelBench-format suite.")
@@ -19,6 +20,18 @@ eval_app = typer.Typer(help="Evaluate a Coder policy on a KernelBench-format sui
 
 def _is_backend(name: str) -> TypeGuard[Backend]:
     return name in get_args(Backend)
+
+
+def _kv_cache(option: str | None, configured: KVCache) -> KVCache:
+    if option is None:
+        return configured
+    if not _is_kv_cache(option):
+        raise typer.BadParameter(f"--kv-cache must be one of {', '.join(get_args(KVCache))}")
+    return option
+
+
+def _is_kv_cache(name: str) -> TypeGuard[KVCache]:
+    return name in get_args(KVCache)
 
 
 @eval_app.command("run")
@@ -57,6 +70,11 @@ def eval_run(
     batch_size: Annotated[
         int, typer.Option(min=1, help="A local model's generation batch (prompt x sample).")
     ] = 8,
+    kv_cache: Annotated[
+        str | None,
+        typer.Option(help="A local model's KV cache: dynamic, static or compiled (static, "
+                          "decode step under torch.compile; CUDA). Default: [coder.llm]."),
+    ] = None,
     compile_baseline: Annotated[
         bool,
         typer.Option(help="Also time each problem's reference under torch.compile (on a "
@@ -97,6 +115,7 @@ def eval_run(
         concurrency=concurrency,
         device=device,
         batch_size=batch_size,
+        kv_cache=_kv_cache(kv_cache, llm.kv_cache),
         compile_baseline=compile_baseline,
     )
     console.print(

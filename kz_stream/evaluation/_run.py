@@ -50,7 +50,7 @@ from kz_stream.events import (
     payload_as,
     source_sha256,
 )
-from kz_stream.llm import LLMBackend, SamplingParams
+from kz_stream.llm import KVCache, LLMBackend, SamplingParams
 from kz_stream.logging import configure_logging
 from kz_stream.modules import coder_messages, normalized_hash, prompt_text
 from kz_stream.producers.coder import kernel_event
@@ -98,6 +98,7 @@ class EvalOptions:
     concurrency: int = 4  # generations (one per problem) and verifications in flight at once
     device: str | None = None  # where a local model generates (None: the CPU)
     batch_size: int = 8  # a local model's generation batch (rows of prompt x sample)
+    kv_cache: KVCache = "dynamic"  # a local model's KV cache (TransformersBackend)
     # The verifier also times the reference under torch.compile (on a GPU; once per
     # problem with a timed kernel): VerifierConfig.compiled_baseline for this run.
     compile_baseline: bool = True
@@ -183,7 +184,8 @@ async def open_policy(
     """
     from kz_stream.llm import create_backend
 
-    local: dict[str, Any] = {"device": options.device, "max_batch_size": options.batch_size}
+    local: dict[str, Any] = {"device": options.device, "max_batch_size": options.batch_size,
+                             "kv_cache": options.kv_cache}
     if spec == "teacher":
         from kz_stream.warmstart.teacher import TeacherBackend
 

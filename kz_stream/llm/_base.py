@@ -31,6 +31,8 @@ class ChatMessage(TypedDict):
 
 # A prompt is either a chat (rendered with the model's chat template) or raw text.
 Prompt = Sequence[ChatMessage] | str
+# How a transformers model keeps its KV cache while it decodes (``TransformersBackend``).
+KVCache = Literal["dynamic", "static", "compiled"]
 
 
 @dataclass(frozen=True, slots=True)

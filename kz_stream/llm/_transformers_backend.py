@@ -22,10 +22,11 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from kz_stream.llm._base import (
     BackendError,
+    KVCache,
     Prompt,
     Sample,
     SamplingParams,
@@ -41,6 +42,11 @@ if TYPE_CHECKING:
 __all__ = ["TransformersBackend"]
 
 log = logging.getLogger(__name__)
+
+# Prompt widths are padded up to a multiple of this with a static cache: its shape (rows,
+# width + max tokens) is what a compiled step is specialised on, so a few widths recompile
+# a few times, not once per call.
+_WIDTH_BUCKET = 128
 
 
 @dataclass
@@ -79,9 +85,18 @@ class TransformersBackend(ServingBackend):
         device: str | None = None,
         adapter: str | None = None,
         merge_adapter: bool = False,
+        kv_cache: KVCache = "dynamic",
     ) -> None:
         """``adapter``: a LoRA adapter folder that policy version ``policy_version`` is (a
         warm start); None: that version is the bare model.
+
+        ``kv_cache``: transformers' default cache ("dynamic": it grows by concatenation,
+        which copies the whole cache every step); "static": allocated once for prompt and
+        completion; "compiled": static, with the decode step under ``torch.compile``
+        (CUDA graphs: one launch a step instead of about a thousand; each new batch shape
+        compiles once, about a minute). On an H200, 320 rows of a 1,147-token prompt (a
+        host read every step) decoded at 82, 54 and 27 ms a step; 640 rows of 1,024 steps
+        compiled at 63 ms. Off CUDA, "compiled" is "static".
 
         ``merge_adapter``: fold the adapter into the weights, for a policy that never changes
         (an evaluation). peft's unmerged LoRA adds kernels to every adapted layer, and
@@ -115,6 +130,9 @@ class TransformersBackend(ServingBackend):
             else:
                 self._policies[policy_version] = _Policy(wrapped, name)
         self._frozen = bool(adapter) and merge_adapter
+        if kv_cache not in get_args(KVCache):
+            raise ValueError(f"kv_cache must be one of {get_args(KVCache)}, got {kv_cache!r}")
+        self._kv_cache = kv_cache
         self._queue: deque[_Row] = deque()
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
@@ -329,6 +347,8 @@ class TransformersBackend(ServingBackend):
         sp = rows[0].sampling
         version = rows[0].version
         width = max(len(r.prompt_ids) for r in rows)
+        if self._kv_cache != "dynamic":
+            width = -(-width // _WIDTH_BUCKET) * _WIDTH_BUCKET
         input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):  # left padding: every row's next token is at the end
@@ -351,6 +371,10 @@ class TransformersBackend(ServingBackend):
         # Neutral values switch transformers' own warpers off (its default top_k is 50);
         # greedy search must not be given them at all (it warns that they are ignored).
         neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampled else {}
+        cache: dict[str, Any] = {}
+        if self._kv_cache != "dynamic":
+            cache = {"cache_implementation": "static",
+                     "disable_compile": self._kv_cache != "compiled"}
         config = GenerationConfig(  # type: ignore[no-untyped-call]
             max_new_tokens=sp.max_tokens,
             do_sample=sampled,
@@ -359,6 +383,7 @@ class TransformersBackend(ServingBackend):
             eos_token_id=self._eos_ids,
             pad_token_id=self._pad_id,
             **neutral,
+            **cache,
         )
         with self._model_lock:
             # Looked up under the lock: a LoRA load may have re-wrapped this version's model.

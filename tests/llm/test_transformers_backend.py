@@ -202,6 +202,26 @@ async def test_a_merged_adapter_decodes_as_the_adapter_and_serves_only_it(
         await merged.close()
 
 
+async def test_a_static_kv_cache_decodes_as_the_dynamic_one(
+    backend: TransformersBackend, smollm2_path: Path
+) -> None:
+    static = TransformersBackend.from_pretrained(smollm2_path, kv_cache="static")
+    try:
+        greedy = SamplingParams(max_tokens=12, temperature=0)
+        # Two prompts of different lengths: left padding, here up to a width bucket too.
+        dynamic_out = await backend.generate([CHAT, TEXT], sampling=greedy)
+        static_out = await static.generate([CHAT, TEXT], sampling=greedy)
+        for (d,), (s,) in zip(dynamic_out, static_out, strict=True):
+            assert s.token_ids == d.token_ids
+            assert s.prompt_token_ids == d.prompt_token_ids  # the padding is not the prompt
+            assert s.logprobs == pytest.approx(d.logprobs, abs=TOL)
+            assert s.finish_reason == d.finish_reason
+    finally:
+        await static.close()
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        TransformersBackend.from_pretrained(smollm2_path, kv_cache="paged")  # type: ignore[arg-type]
+
+
 def test_generation_dtype_follows_the_device() -> None:
     import torch
 

@@ -132,14 +132,16 @@ def test_a_run_device_reaches_both_generators_and_only_them() -> None:
     assert RunOptions().apply(Settings()).coder.llm.device is None  # the settings' (CPU)
 
 
-async def test_a_transformers_generator_gets_its_device_and_batch_size(tmp_path: Path) -> None:
+async def test_a_transformers_generator_gets_its_device_batch_size_and_cache(
+    tmp_path: Path,
+) -> None:
     pytest.importorskip("transformers")
     from kz_stream.llm import TransformersBackend
 
     settings = Settings(
         database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
         bus_url=f"memory://{uuid.uuid4().hex}",
-        coder=CoderSettings(llm=LLMConfig(device="cpu", batch_size=3)),
+        coder=CoderSettings(llm=LLMConfig(device="cpu", batch_size=3, kv_cache="static")),
         warm_start=False,
         log_level="WARNING",
     )
@@ -147,6 +149,8 @@ async def test_a_transformers_generator_gets_its_device_and_batch_size(tmp_path:
         coder = service_by_name("coder", ctx)
         assert isinstance(coder.backend, TransformersBackend)
         try:
-            assert (coder.backend.device.type, coder.backend._max_batch) == ("cpu", 3)
+            backend = coder.backend
+            assert (backend.device.type, backend._max_batch, backend._kv_cache) == (
+                "cpu", 3, "static")
         finally:
             await coder.backend.close()
