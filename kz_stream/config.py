@@ -149,6 +149,10 @@ class ProposerSettings(_Section):
     validation_timeout_s: float = Field(
         default=60.0, gt=0, description="Sandbox time to validate one proposed module."
     )
+    seed_validations: int | None = Field(
+        default=None, ge=1,
+        description="Seed modules validated at once; None: half the cores, 1 to 8.",
+    )
     seed: int = Field(default=0, description="Seed of the API-set sampler and synthesizer.")
 
 

@@ -15,6 +15,7 @@ the problem's fingerprint (the same API set on inputs of the same shapes and dty
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -220,16 +221,30 @@ class ProposerService(Service):
         self.done.set()
 
     async def _publish_seeds(self) -> None:
-        for seed in self.seed_modules:
-            if not self._budget_left():
-                return
-            await self._publish(
-                list(seed.api_set),
-                seed.source,
-                prompt="",
-                sample=None,
-                group_id=f"seed-{uuid.uuid4().hex}",
-            )
+        """Validates the seeds a few at once and publishes them in their order.
+
+        Each validation is two sandboxed runs of a few seconds: on an H200 host, seeds
+        validated one after another reached the Coder one every 8 s while it waited."""
+        seeds = list(self.seed_modules)
+        if self.config.max_modules is not None:
+            seeds = seeds[: max(0, self.config.max_modules - self.published)]
+        gate = asyncio.Semaphore(self.config.seed_validations or _seed_validations())
+
+        async def validate(seed: SeedModule) -> tuple[str, ModuleValidation]:
+            async with gate:
+                return await self._validate(list(seed.api_set), seed.source)
+
+        checks = [asyncio.create_task(validate(seed)) for seed in seeds]
+        try:
+            for seed, check in zip(seeds, checks, strict=True):
+                digest, validation = await check
+                await self._publish_validated(
+                    list(seed.api_set), seed.source, digest, validation, prompt="",
+                    sample=None, group_id=f"seed-{uuid.uuid4().hex}",
+                )
+        finally:
+            for check in checks:
+                check.cancel()
 
     async def propose_once(self) -> None:
         """One prompt: sample an API set, generate, validate and publish each proposal."""
@@ -269,6 +284,12 @@ class ProposerService(Service):
         group_id: str,
     ) -> bool:
         """Validates and publishes one module; returns whether it was valid."""
+        digest, validation = await self._validate(api_set, source)
+        return await self._publish_validated(api_set, source, digest, validation,
+                                             prompt=prompt, sample=sample, group_id=group_id)
+
+    async def _validate(self, api_set: list[str], source: str) -> tuple[str, ModuleValidation]:
+        """A module's normalized hash and its verdict (screens, then the sandbox)."""
         digest = normalized_hash(source)
         validation = self.screen(digest)
         if validation is None:
@@ -277,6 +298,20 @@ class ProposerService(Service):
                 timeout_s=self.config.validation_timeout_s,
             )
             validation = self.screen_fingerprint(validated, fingerprint)
+        return digest, validation
+
+    async def _publish_validated(
+        self,
+        api_set: list[str],
+        source: str,
+        digest: str,
+        validation: ModuleValidation,
+        *,
+        prompt: str,
+        sample: Sample | None,
+        group_id: str,
+    ) -> bool:
+        """Publishes one validated module; returns whether it was valid."""
         module_id = uuid.uuid4().hex
         payload = ModuleProposed(
             module_id=module_id,
@@ -309,6 +344,11 @@ class ProposerService(Service):
             reason=validation.reason,
         )
         return validation.valid
+
+
+def _seed_validations() -> int:
+    """Seed validations at once: half the cores (each is a torch process), 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 async def _stop_all(subs: list[Subscription]) -> None:

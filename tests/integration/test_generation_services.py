@@ -197,6 +197,28 @@ async def test_proposer_to_coder_on_smollm2_with_logprobs_admission_and_hot_swap
         await reference.close()
 
 
+async def test_seeds_are_validated_together_and_published_in_their_order(
+    ctx: ServiceContext,
+) -> None:
+    backend = TransformersBackend.from_pretrained(smollm2_dir())  # never asked: seeds only
+    seeds = SEED_MODULES[:4]
+    proposer = ProposerService(ctx, backend, ProposerSettings(
+        max_modules=len(seeds), seed_validations=3, llm=LLM), seed_modules=seeds)
+    services = [Recorder(ctx), proposer]
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    try:
+        modules = [payload_as(e, ModuleProposed)
+                   for e in await wait_until(ctx, "ModuleProposed", len(seeds), tasks)]
+        assert [m.source for m in modules] == [s.source for s in seeds]
+        assert all(m.validation.valid for m in modules)
+        assert all(m.group_id.startswith("seed-") and m.completion is None for m in modules)
+    finally:
+        for s in services:
+            s.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        await backend.close()
+
+
 async def test_an_all_invalid_prompt_is_followed_by_a_synthesized_module(
     ctx: ServiceContext,
 ) -> None:
