@@ -219,7 +219,30 @@ async def test_a_static_kv_cache_decodes_as_the_dynamic_one(
     finally:
         await static.close()
     with pytest.raises(ValueError, match="kv_cache must be one of"):
-        TransformersBackend.from_pretrained(smollm2_path, kv_cache="paged")  # type: ignore[arg-type]
+        TransformersBackend.from_pretrained(smollm2_path, kv_cache="paged")
+
+
+@pytest.mark.gpu
+async def test_a_compiled_decode_step_decodes_as_the_eager_one(smollm2_path: Path) -> None:
+    import torch
+
+    # float32 on both, so that a greedy token is not decided by bfloat16 rounding.
+    eager, compiled = (
+        TransformersBackend.from_pretrained(smollm2_path, device="cuda", dtype=torch.float32,
+                                            kv_cache=kind)
+        for kind in ("dynamic", "compiled")
+    )
+    try:
+        greedy = SamplingParams(max_tokens=16, temperature=0)
+        for _ in range(2):  # the second call replays what the first compiled
+            want = await eager.generate([CHAT, TEXT], sampling=greedy)
+            got = await compiled.generate([CHAT, TEXT], sampling=greedy)
+            for (w,), (g,) in zip(want, got, strict=True):
+                assert g.token_ids == w.token_ids
+                assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
+    finally:
+        await eager.close()
+        await compiled.close()
 
 
 def test_generation_dtype_follows_the_device() -> None:
