@@ -90,15 +90,6 @@ class Batch:
                        r.value if r.value is not None else b"",
                        dict(r.headers) if r.headers else {})
 
-    def __len__(self) -> int:
-        return len(self.messages) + len(self.rejects)
-
-    def absorb(self, later: Batch) -> None:
-        """Takes in the records of a batch fetched after this one."""
-        self.messages.extend(later.messages)
-        self.rejects.extend(later.rejects)
-        self.positions.update(later.positions)  # a partition's later batch reads further
-
     def _take(self, topic: str, partition: int, offset: int, key: bytes | None,
               value: bytes, headers: Mapping[str, bytes]) -> None:
         event = None
@@ -357,13 +348,6 @@ class ConsumerCore(ABC):
             if batch.epoch != self._epoch:
                 self.stats.dropped_batches += 1
                 continue
-            # Batches that waited behind the running one go to the handler together (up to
-            # max_batch records): records that trickle in while a handler is busy would
-            # otherwise reach it one small batch at a time (a GPU Coder generated for one
-            # module per call while five waited).
-            while (self._queue and self._queue[0].epoch == batch.epoch
-                   and len(batch) + len(self._queue[0]) <= self._max_batch):
-                batch.absorb(self._queue.popleft())
             task = asyncio.create_task(self._process(batch), name=f"kz-bus-batch:{self.group}")
             self._running = task
             self.busy_since = time.monotonic()

@@ -214,8 +214,7 @@ class Bus(Protocol):
         """Joins ``group`` and feeds ``handler`` batches of at most ``max_batch`` messages.
 
         Fetching pauses while ``max_in_flight`` batches wait behind the running one, so a
-        slow handler keeps its partitions; batches that waited reach the handler together,
-        up to ``max_batch`` messages in one call. A handler that raises is retried ``max_retries``
+        slow handler keeps its partitions. A handler that raises is retried ``max_retries``
         times (backoff ``retry_backoff`` seconds, doubling); then the batch is split to
         isolate the failing messages, which go to ``dead_letter_topic``; the rest are
         applied and the consumer goes on. Undecodable records go there at once. An outage

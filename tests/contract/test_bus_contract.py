@@ -394,35 +394,6 @@ async def test_slow_handler_keeps_partitions_and_gets_each_event_once(
     assert assignment == {(topic, 0), (topic, 1)}
 
 
-async def test_batches_that_waited_reach_the_handler_together(make_bus: MakeBus) -> None:
-    kafka = make_bus.kind == "kafka"  # type: ignore[attr-defined]
-    bus = await make_bus()
-    topic, group = unique("trickle"), unique("g")
-    await bus.create_topics([TopicSpec(topic, partitions=1)])
-    got, busy, release = Collector(), asyncio.Event(), asyncio.Event()
-
-    async def first_blocks(batch: Sequence[BusMessage]) -> None:
-        if got.batches == 0:
-            busy.set()
-            await release.wait()
-        await got(batch)
-
-    sub = await bus.subscribe(group, [topic], first_blocks, max_batch=10, max_in_flight=3)
-    first = verdict(0, "kernel-0")
-    await bus.publish(topic, first)
-    await asyncio.wait_for(busy.wait(), 30)
-    later = [verdict(i, "kernel-0") for i in range(1, 4)]
-    for e in later:  # one at a time, as a slow producer publishes them
-        await bus.publish(topic, e)
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(2.0 if kafka else 0.2)  # fetched by now, waiting behind the first
-    release.set()
-    await wait_for(lambda: len(got.messages) == 4, "all 4 events")
-    await sub.stop()
-    assert got.batches == 2  # not one handler call per fetch
-    assert got.ids() == [e.event_id for e in [first, *later]]
-
-
 async def test_poison_event_goes_to_dead_letter_and_consumer_goes_on(
     make_bus: MakeBus,
 ) -> None:
