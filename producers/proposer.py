@@ -245,6 +245,9 @@ class ProposerService(Service):
         finally:
             for check in checks:
                 check.cancel()
+            # Retrieved, so that the other seeds' failures (a host whose sandbox cannot run
+            # fails them all alike) are not each logged again as never retrieved.
+            await asyncio.gather(*checks, return_exceptions=True)
 
     async def propose_once(self) -> None:
         """One prompt: sample an API set, generate, validate and publish each proposal."""

@@ -410,7 +410,7 @@ class TransformersBackend(ServingBackend):
             torch.cuda.empty_cache()
         samples = []
         for i, row in enumerate(rows):
-            generated = [int(t) for t in sequences[i, width:].tolist()]
+            generated: list[int] = sequences[i, width:].tolist()
             length, reason = tracker.result(i, generated)
             token_ids = generated[:length]
             text = str(self.tokenizer.decode(token_ids, skip_special_tokens=True))

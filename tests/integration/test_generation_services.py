@@ -219,6 +219,28 @@ async def test_seeds_are_validated_together_and_published_in_their_order(
         await backend.close()
 
 
+async def test_a_host_whose_sandbox_cannot_run_stops_the_proposer_with_that_error(
+    ctx: ServiceContext, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kz_stream.producers.proposer as proposer_module
+    from kz_stream.verify import SandboxSetupError
+
+    def unloadable(*args: Any, **kwargs: Any) -> Any:  # as on a host with packages on PYTHONPATH
+        raise SandboxSetupError("the sandbox could not load kz_stream.modules._validation:_probe")
+
+    monkeypatch.setattr(proposer_module, "validate_with_fingerprint", unloadable)
+    backend = TransformersBackend.from_pretrained(smollm2_dir())  # never asked: seeds only
+    seeds = SEED_MODULES[:4]
+    proposer = ProposerService(ctx, backend, ProposerSettings(
+        max_modules=len(seeds), seed_validations=2, llm=LLM), seed_modules=seeds)
+    try:
+        with pytest.raises(SandboxSetupError, match="could not load"):
+            await asyncio.wait_for(proposer.run(), 60)
+        assert await events_of(ctx, "ModuleProposed") == []  # no seed judged a crash
+    finally:
+        await backend.close()
+
+
 async def test_an_all_invalid_prompt_is_followed_by_a_synthesized_module(
     ctx: ServiceContext,
 ) -> None:
