@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, TypeGuard, get_args
+from typing import Annotated, Any, get_args
 
 import typer
 from rich.table import Table
@@ -18,20 +18,13 @@ from kz_stream.verify import Backend
 eval_app = typer.Typer(help="Evaluate a Coder policy on a KernelBench-format suite.")
 
 
-def _is_backend(name: str) -> TypeGuard[Backend]:
-    return name in get_args(Backend)
-
-
-def _kv_cache(option: str | None, configured: KVCache) -> KVCache:
-    if option is None:
-        return configured
-    if not _is_kv_cache(option):
-        raise typer.BadParameter(f"--kv-cache must be one of {', '.join(get_args(KVCache))}")
-    return option
-
-
-def _is_kv_cache(name: str) -> TypeGuard[KVCache]:
-    return name in get_args(KVCache)
+def _one_of(flag: str, value: str, literal: object) -> Any:
+    """Returns ``value`` if it is one of the ``Literal`` type's values (typer has no
+    Literal options)."""
+    choices = get_args(literal)
+    if value not in choices:
+        raise typer.BadParameter(f"{flag}: {value!r} is not one of {', '.join(choices)}")
+    return value
 
 
 @eval_app.command("run")
@@ -93,8 +86,8 @@ def eval_run(
     )
     from kz_stream.llm import SamplingParams
 
-    if not _is_backend(backend):
-        raise typer.BadParameter(f"--backend: {backend!r} is not triton or cuda")
+    backend_name: Backend = _one_of("--backend", backend, Backend)
+    cache: KVCache | None = None if kv_cache is None else _one_of("--kv-cache", kv_cache, KVCache)
     settings = _settings(config, quiet=True)
     loaded = load_suite(suite, level=level, match=match, limit=limit)
     for path, why in loaded.skipped:
@@ -103,7 +96,7 @@ def eval_run(
     options = EvalOptions(
         run_id=run_id or new_run_id(),
         policy=policy,
-        backend=backend,
+        backend=backend_name,
         samples=samples,
         sampling=SamplingParams(
             max_tokens=max_new_tokens or llm.max_tokens,
@@ -115,7 +108,7 @@ def eval_run(
         concurrency=concurrency,
         device=device,
         batch_size=batch_size,
-        kv_cache=_kv_cache(kv_cache, llm.kv_cache),
+        kv_cache=cache or llm.kv_cache,
         compile_baseline=compile_baseline,
     )
     console.print(

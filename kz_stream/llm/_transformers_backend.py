@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -141,6 +142,10 @@ class TransformersBackend(ServingBackend):
         # Set by close: a generation in flight ends at its next step (its thread would
         # otherwise run to max_tokens after the caller is gone, and hold up the exit).
         self._closing = threading.Event()
+        # Every generation runs on this one thread: a compiled decode step's CUDA graphs
+        # keep their state per thread (torch's cudagraph trees), and a call on another
+        # thread fails an assertion in torch. The default pool gives no such promise.
+        self._generation_thread = ThreadPoolExecutor(1, thread_name_prefix="kz-generate")
 
     @classmethod
     def from_pretrained(
@@ -237,6 +242,7 @@ class TransformersBackend(ServingBackend):
             row = self._queue.popleft()
             if not row.future.done():
                 row.future.set_exception(BackendError("backend closed"))
+        self._generation_thread.shutdown(wait=False)
 
     # -- recomputation (tests, learners) ----------------------------------------------
 
@@ -302,7 +308,8 @@ class TransformersBackend(ServingBackend):
             version = batch.rows[0].version
             try:
                 if live:
-                    samples = await asyncio.to_thread(self._generate_sync, live)
+                    samples = await asyncio.get_running_loop().run_in_executor(
+                        self._generation_thread, self._generate_sync, live)
                     for row, sample in zip(live, samples, strict=True):
                         if not row.future.done():
                             row.future.set_result(sample)

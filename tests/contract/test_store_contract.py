@@ -219,6 +219,22 @@ async def test_concurrent_tasks_appending_overlapping_batches_store_every_event_
     assert_stored_once_without_gaps(await read_everything(store, batch_size=7), events)
 
 
+async def test_writers_beyond_the_pool_size_wait_their_turn_and_are_all_stored(
+    store: SqlEventStore,
+) -> None:
+    async with store.transaction() as tx:  # holds the write lock until it commits
+        await tx.append([verdict("first", 0)])
+        writers = [asyncio.create_task(store.append([verdict(f"w{i}", 0)])) for i in range(40)]
+        await asyncio.sleep(0.5)  # every writer is waiting now
+        if store.dialect == "sqlite":
+            # Queued in this process, not each on a pooled connection (the pool holds 15).
+            assert store._engines()[0].pool.checkedout() == 1  # type: ignore[attr-defined]
+    results = await asyncio.gather(*writers)
+
+    assert [r.appended for r in results] == [1] * 40
+    assert len(await read_everything(store, batch_size=100)) == 41
+
+
 @pytest.fixture(scope="module")
 def writer_processes() -> Iterator[ProcessPoolExecutor]:
     """Three fresh interpreters (spawned once per module: imports take seconds here)."""

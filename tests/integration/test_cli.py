@@ -140,6 +140,14 @@ def test_an_unknown_service_is_refused(tmp_path: Path) -> None:
     assert out.returncode != 0 and "teleporter" in out.stderr
 
 
+@pytest.mark.parametrize(("option", "value"), [("--backend", "fortran"), ("--kv-cache", "paged")])
+def test_an_unknown_eval_choice_names_the_option_and_its_choices(
+        option: str, value: str, tmp_path: Path) -> None:
+    out = kz("eval", "run", str(tmp_path), option, value)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert f"{option}: {value!r} is not one of" in out.stderr
+
+
 @pytest.mark.postgres
 @pytest.mark.kafka
 def test_infra_up_status_down_manage_local_postgres_and_broker() -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +111,27 @@ async def test_concurrent_calls_are_batched(
     assert sum(calls) == 8 and len(calls) < 4  # rows of different calls shared a batch
 
 
+async def test_every_generation_runs_on_one_thread(
+    backend: TransformersBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A compiled decode step's CUDA graphs live in the thread that recorded them; the
+    # event loop's default pool may hand each call another thread (here: a new pool).
+    threads: list[int] = []
+    original = backend._generate_sync
+
+    def recording(rows: Any) -> Any:
+        threads.append(threading.get_ident())
+        return original(rows)
+
+    monkeypatch.setattr(backend, "_generate_sync", recording)
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    loop = asyncio.get_running_loop()
+    for _ in range(2):
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        await backend.generate([TEXT], sampling=sp)
+    assert len(threads) == 2 and threads[0] == threads[1]
+
+
 async def test_close_ends_a_generation_in_flight(smollm2_path: Path) -> None:
     backend = TransformersBackend.from_pretrained(smollm2_path)
     # Greedy, with room for minutes of tokens on this CPU: only close can end it soon.
@@ -119,9 +142,9 @@ async def test_close_ends_a_generation_in_flight(smollm2_path: Path) -> None:
     await backend.close()
     with pytest.raises(BackendError, match="backend closed"):
         await inflight
-    # The generation thread ends at its next step, so the executor can shut down (without
-    # the stop it ran on to 4,000 tokens: minutes here).
-    await asyncio.wait_for(asyncio.get_running_loop().shutdown_default_executor(), 60)
+    # The generation thread ends at its next step, so it can be joined (without the stop
+    # it ran on to 4,000 tokens: minutes here).
+    await asyncio.wait_for(asyncio.to_thread(backend._generation_thread.shutdown, True), 60)
 
 
 async def test_lora_hot_swap_mid_stream(smollm2_path: Path, lora_path: Path) -> None:
