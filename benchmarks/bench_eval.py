@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,13 @@ def _report(folder: Path) -> dict[str, Any]:
     return doc
 
 
-def pair_metrics(label: str, base: dict[str, Any], policy: dict[str, Any]
-                 ) -> dict[str, dict[str, Any]]:
-    """The policy's figures against the base model's, for one pair of reports."""
+def pair_metrics(label: str, base: dict[str, Any], policy: dict[str, Any], *,
+                 overall: bool = True) -> dict[str, dict[str, Any]]:
+    """The policy's figures against the base model's, for one pair of reports; without
+    ``overall`` (reports of different problems), only each run's own counts and times."""
     out: dict[str, dict[str, Any]] = {}
     b, p = base["metrics"]["overall"], policy["metrics"]["overall"]
-    for name, unit in _COLUMNS:
+    for name, unit in _COLUMNS if overall else []:
         if p.get(name) is not None:
             out[f"{label}: {name}"] = metric(float(p[name]), unit,
                                              None if b.get(name) is None else float(b[name]))
@@ -56,6 +58,32 @@ def pair_metrics(label: str, base: dict[str, Any], policy: dict[str, Any]
     return out
 
 
+def common_status_metrics(label: str, base: dict[str, Any], policy: dict[str, Any]
+                          ) -> dict[str, dict[str, Any]]:
+    """Verdict shares of the two policies over the same kernels: for each problem, as many
+    verified samples of each as the less finished run has (a run cut short compares on
+    what it reached)."""
+    base_problems = {p["problem_id"]: p for p in base["problems"]}
+    counts: dict[str, Counter[str]] = {"policy": Counter(), "base": Counter()}
+    for problem in policy["problems"]:
+        other = base_problems.get(problem["problem_id"])
+        if other is None:
+            continue
+        mine = [s for s in problem["statuses"] if s != "pending"]
+        theirs = [s for s in other["statuses"] if s != "pending"]
+        n = min(len(mine), len(theirs))
+        counts["policy"].update(mine[:n])
+        counts["base"].update(theirs[:n])
+    total = sum(counts["policy"].values())
+    if not total:
+        return {}
+    out = {f"{label}: kernels compared": metric(float(total), "kernels")}
+    for status in sorted(set(counts["policy"]) | set(counts["base"])):
+        out[f"{label}: {status} share"] = metric(counts["policy"][status] / total, "fraction",
+                                                 counts["base"][status] / total)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pair", nargs=3, action="append", required=True,
@@ -67,10 +95,12 @@ def main() -> None:
     metrics: dict[str, dict[str, Any]] = {}
     for label, base_dir, policy_dir in args.pair:
         base, policy = _report(Path(base_dir)), _report(Path(policy_dir))
-        if [p["problem_id"] for p in base["problems"]] != [
+        if [p["problem_id"] for p in base["problems"]] == [
                 p["problem_id"] for p in policy["problems"]]:
-            raise SystemExit(f"{label}: the two reports are not of the same problems")
-        metrics.update(pair_metrics(label, base, policy))
+            metrics.update(pair_metrics(label, base, policy))
+        else:  # different problems: each run's own counts, then the kernels both have
+            metrics.update(pair_metrics(label, base, policy, overall=False))
+        metrics.update(common_status_metrics(label, base, policy))
     for name, m in metrics.items():
         ratio = "" if m["ratio"] is None else f"  ({m['ratio']:.2f}x the baseline)"
         base_s = "" if m["baseline"] is None else f"  baseline {m['baseline']:g}"
