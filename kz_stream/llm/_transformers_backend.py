@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -134,6 +135,11 @@ class TransformersBackend(ServingBackend):
         if kv_cache not in get_args(KVCache):
             raise ValueError(f"kv_cache must be one of {get_args(KVCache)}, got {kv_cache!r}")
         self._kv_cache = kv_cache
+        if kv_cache == "compiled":
+            # Inductor advises TF32 on every compile (the float32 rotary-embedding matmuls
+            # of a bfloat16 model): a warning per batch shape, about precision we keep.
+            warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores",
+                                    category=UserWarning)
         self._queue: deque[_Row] = deque()
         self._wakeup = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None

@@ -40,6 +40,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -186,9 +187,11 @@ _MAX_MESSAGE_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") //
 _spill_count = itertools.count()
 _HUGE = 2 << 20  # a transparent huge page
 _CHUNK = 64 << 20  # a read's size: 1 GiB reads were slower here (0.19 s/GiB, not 0.14)
-# A verifier's spill folders under /dev/shm: "kz-spill-<its pid>-<its start time>-<random>",
-# so that one left by a verifier that was killed can be found and removed (``reap_spill``).
-_SPILL_FOLDER = re.compile(r"kz-spill-([0-9]+)-([0-9]+)-[A-Za-z0-9_]+")
+# Folders a verifier makes for its children: spill folders under /dev/shm and private
+# folders under the temporary directory, "kz-<spill|child>-<its pid>-<its start time>-<random>",
+# so that those left by a verifier that was killed can be found and removed
+# (``reap_left_behind``).
+_LEFT_BEHIND = re.compile(r"kz-(?:spill|child)-([0-9]+)-([0-9]+)-[A-Za-z0-9_]+")
 SHM = "/dev/shm"
 
 
@@ -407,12 +410,10 @@ def _spilled_or_inline(conn: Connection, dir_fd: int, name: str,
 def spill_folder(private: str, jailed: bool) -> str:
     """A new folder for a child's spilled buffers: under /dev/shm (RAM) where it is
     writable and the child sees the host's (not in the jail, which mounts a fresh one),
-    else inside the child's private folder. Named after this verifier (``reap_spill``)."""
+    else inside the child's private folder. Named after this verifier (``reap_left_behind``)."""
     if not jailed and os.path.isdir(SHM) and os.access(SHM, os.W_OK | os.X_OK):
-        pid = os.getpid()
         try:
-            return tempfile.mkdtemp(prefix=f"kz-spill-{pid}-{lifeline.start_time(pid)}-",
-                                    dir=SHM)
+            return tempfile.mkdtemp(prefix=f"kz-spill-{_verifier_tag()}", dir=SHM)
         except OSError:
             pass
     path = os.path.join(private, "spill")
@@ -420,25 +421,32 @@ def spill_folder(private: str, jailed: bool) -> str:
     return path
 
 
-def reap_spill(root: str = SHM) -> list[str]:
-    """Removes the spill folders under ``root`` of verifiers that are gone (killed before
-    their children's folders were removed) and returns their paths: tmpfs holds RAM."""
+def _verifier_tag() -> str:
+    pid = os.getpid()
+    return f"{pid}-{lifeline.start_time(pid)}-"
+
+
+def reap_left_behind(*roots: str) -> list[str]:
+    """Removes the folders under ``roots`` (default: /dev/shm and the temporary directory)
+    that verifiers now gone made for their children, and returns their paths: a killed
+    verifier leaves its children's spill folders (RAM, on tmpfs) and private folders."""
     removed: list[str] = []
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _SPILL_FOLDER.fullmatch(entry.name)
-        if m is None or lifeline.start_time(int(m[1])) == int(m[2]):
-            continue  # not a spill folder, or its verifier is alive (this one included)
+    for root in roots or (SHM, tempfile.gettempdir()):
         try:
-            st = entry.stat(follow_symlinks=False)
+            entries = list(os.scandir(root))
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
+        for entry in entries:
+            m = _LEFT_BEHIND.fullmatch(entry.name)
+            if m is None or lifeline.start_time(int(m[1])) == int(m[2]):
+                continue  # not such a folder, or its verifier is alive (this one included)
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
     return removed
 
 
@@ -453,7 +461,7 @@ class Child:
         ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths.
         ``spill`` gives the child a folder for its replies' big buffers (``spill_folder``),
         named by ``KZ_SPILL_DIR``: only for a child that runs no candidate code."""
-        self.private = tempfile.mkdtemp(prefix="kz-child-")
+        self.private = tempfile.mkdtemp(prefix=f"kz-child-{_verifier_tag()}")
         work = os.path.join(self.private, "work")
         os.mkdir(work)
         self.isolation = isolation(strong) if isolate else Isolation("none")
@@ -558,7 +566,9 @@ class Child:
                 raise ChildTimeout(f"no answer within {timeout_s:g} s")
             try:
                 if self.conn.poll(min(left, 0.5)):
-                    return recv(self.conn, self.spill_dir)
+                    return self._recv_begun(timeout_s)
+            except ChildTimeout:  # an OSError too
+                raise
             except UnreadableReply as e:
                 self.kill()  # the rest of the message is still in the channel
                 raise ChildDied(f"the child's reply is unreadable: {e}", self.stderr_tail(),
@@ -577,6 +587,31 @@ class Child:
                 rc = self.proc.returncode
                 self.kill()
                 raise ChildDied(f"child exited (code {rc})", self.stderr_tail(), rc)
+
+    def _recv_begun(self, timeout_s: float) -> Any:
+        """Reads a message whose first bytes are here. A child that stops in the middle of
+        one (candidate code can write to the socket) would block the read for good, so its
+        process group is killed if the rest has not come within another ``timeout_s`` (not
+        the call's deadline: an honest big reply can take tens of seconds on the socket)."""
+        stalled = threading.Event()
+
+        def stop() -> None:
+            stalled.set()
+            kill_group(self.proc.pid)  # the read then ends with EOF
+
+        timer = threading.Timer(timeout_s, stop)
+        timer.daemon = True
+        timer.start()
+        try:
+            return recv(self.conn, self.spill_dir)
+        except (EOFError, OSError, UnreadableReply) as e:
+            if not stalled.is_set():
+                raise
+            self.kill()
+            raise ChildTimeout(f"the answer stopped midway: not whole {timeout_s:g} s after "
+                               "it began") from e
+        finally:
+            timer.cancel()
 
     def stderr_tail(self, n: int = 4000) -> str:
         try:

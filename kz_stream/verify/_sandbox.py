@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._jail import LEFTOVER_MARK
+from kz_stream.verify._sandbox_child import LOADED_MARK
 
 __all__ = ["ErrorKind", "Isolation", "SandboxOutcome", "SandboxSetupError", "isolation",
            "jail_command", "run_in_sandbox", "visible_paths"]
@@ -422,6 +423,14 @@ def run_in_sandbox(
             f"the sandbox could not load {target}: {result.get('message', '')} (a jailed "
             "child sees the Python installation, not PYTHONPATH or the project folder: "
             "install kz_stream and its dependencies into the environment that runs it)")
+    if status is None and LOADED_MARK not in err:
+        # Nothing of the code under test ran: the interpreter or the loading of the target
+        # died (kz_stream itself not installed where the jail looks, a killed child).
+        last = tail.strip().splitlines()[-1] if tail.strip() else "no output"
+        raise SandboxSetupError(
+            f"the sandbox child ended before it loaded {target} (exit code "
+            f"{proc.returncode}): {last} (a jailed child sees the Python installation, not "
+            "PYTHONPATH or the project folder)")
     if status is None:
         rc = proc.returncode
         signum = killed_by(rc, iso)

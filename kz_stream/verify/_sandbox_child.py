@@ -19,6 +19,9 @@ from typing import Any
 from kz_stream.verify._guard import Guard, GuardViolation
 from kz_stream.verify._lifeline import hold
 
+# Written to stderr once the target is loaded (``run_in_sandbox`` looks for it).
+LOADED_MARK = b"kz sandbox: target loaded\n"
+
 
 def _limit(kind: int, value: int) -> None:
     try:
@@ -34,6 +37,7 @@ def _load_and_call(request: dict[str, Any]) -> dict[str, Any]:
         func = getattr(importlib.import_module(request["module"]), request["function"])
     except BaseException as e:  # the target is kz_stream's own code: nothing untrusted ran
         return {"status": "setup", "message": _last_line(e)}
+    os.write(2, LOADED_MARK)  # a death before this line is the host's, not the code's
     try:
         return {"status": "ok", "value": func(*request["args"])}
     except MemoryError as e:

@@ -35,7 +35,7 @@ from kz_stream.verify._config import VerifierConfig
 from kz_stream.verify._extract import InlineCall, extract_inline_calls
 from kz_stream.verify._hardware import manifest
 from kz_stream.verify._inputs import at_own_shapes
-from kz_stream.verify._ipc import ChildDied, ChildTimeout, reap_spill, tail
+from kz_stream.verify._ipc import ChildDied, ChildTimeout, reap_left_behind, tail
 from kz_stream.verify._messages import PrepareRequest
 from kz_stream.verify._pool import Lane
 from kz_stream.verify._prepared import Prepared
@@ -100,10 +100,10 @@ class Verifier:
             if reaped:
                 log.warning("verifier: killed %d process groups left by a verifier that "
                             "is gone: %s", len(reaped), reaped)
-            spilled = reap_spill()
-            if spilled:
-                log.warning("verifier: removed %d spill folders left by a verifier that is "
-                            "gone: %s", len(spilled), spilled)
+            left = reap_left_behind()
+            if left:
+                log.warning("verifier: removed %d folders left by a verifier that is gone: "
+                            "%s", len(left), left)
             # A GPU worker sees the build cache: the CUDA extensions it loads are built
             # there ahead of time.
             self._lanes = [Lane(self.config, i, (str(self.builder.cache_dir),)

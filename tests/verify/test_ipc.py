@@ -7,6 +7,7 @@ import asyncio
 import os
 import pickle
 import socket
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from kz_stream.verify import VerifierConfig
 from kz_stream.verify import _ipc as ipc
-from kz_stream.verify._ipc import SpillError, reap_spill, recv, send
+from kz_stream.verify._ipc import SpillError, reap_left_behind, recv, send
 from kz_stream.verify._lifeline import start_time
 from kz_stream.verify._messages import PrepareRequest
 from kz_stream.verify._pool import Lane
@@ -219,15 +220,27 @@ def test_a_name_announced_twice_is_refused(pair: tuple[Connection, Connection],
         recv(pair[1], str(folder))
 
 
-def test_spill_folders_of_gone_verifiers_are_reaped(tmp_path: Path) -> None:
+def test_folders_of_gone_verifiers_are_reaped(tmp_path: Path) -> None:
     gone = tmp_path / "kz-spill-999999999-1-abc"  # no such pid
+    gone_child = tmp_path / "kz-child-999999999-1-def"
     mine = tmp_path / f"kz-spill-{os.getpid()}-{start_time(os.getpid())}-x"
+    mine_child = tmp_path / f"kz-child-{os.getpid()}-{start_time(os.getpid())}-y"
     other = tmp_path / "kz-child-123"
-    for d in (gone, mine, other):
+    for d in (gone, gone_child, mine, mine_child, other):
         d.mkdir()
     (gone / "spill-1-1").write_bytes(b"x")
-    assert reap_spill(str(tmp_path)) == [str(gone)]
-    assert sorted(os.listdir(tmp_path)) == sorted([mine.name, other.name])
+    assert sorted(reap_left_behind(str(tmp_path))) == sorted([str(gone), str(gone_child)])
+    assert sorted(os.listdir(tmp_path)) == sorted([mine.name, mine_child.name, other.name])
+
+
+def test_a_childs_private_folder_is_named_after_its_verifier() -> None:
+    child = ipc.Child("kz_stream.verify._oracle", ["cpu"], isolate=False)
+    try:
+        name = os.path.basename(child.private)
+        assert name.startswith(f"kz-child-{os.getpid()}-{start_time(os.getpid())}-")
+        assert reap_left_behind(os.path.dirname(child.private)).count(child.private) == 0
+    finally:
+        child.kill()
 
 
 def test_only_a_spill_child_gets_a_folder_and_it_goes_with_the_child() -> None:
@@ -344,6 +357,15 @@ def test_a_child_that_lies_about_a_spill_file_is_killed(tmp_path: Path) -> None:
         child.call(PREPARE, 60)
     assert not child.alive and not os.path.exists(child.spill_dir)
     assert secret.read_bytes() == b"s" * 64
+
+
+def test_a_child_that_stops_midway_through_its_reply_is_killed_as_a_timeout() -> None:
+    child = ipc.Child("tests.verify.midway_staller", [], isolate=False)
+    started = time.monotonic()
+    with pytest.raises(ipc.ChildTimeout, match="stopped midway"):
+        child.call(PREPARE, 2)
+    assert time.monotonic() - started < 60  # not the staller's 600 s
+    assert not child.alive and not os.path.exists(child.private)
 
 
 def test_a_reply_that_names_code_is_refused_and_never_run(tmp_path: Path) -> None:

@@ -134,6 +134,11 @@ def test_a_target_that_cannot_load_is_the_hosts_fault_not_the_codes() -> None:
         run_in_sandbox("tests.verify.sandbox_unloadable:anything", timeout_s=30)
 
 
+def test_a_child_that_dies_before_its_target_is_loaded_is_a_setup_error() -> None:
+    with pytest.raises(SandboxSetupError, match=r"ended before it loaded .*exit code 3"):
+        run_in_sandbox("tests.verify.sandbox_dies_loading:anything", timeout_s=30)
+
+
 @needs_jail
 def test_a_dependency_on_the_search_path_alone_is_not_in_the_jail(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
