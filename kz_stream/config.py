@@ -190,7 +190,9 @@ class LearnerSettings(_Section):
     checkpoint_dir: Path = Path(".kz/policies")
     roles: tuple[Role, ...] = ("proposer", "coder")
     groups_per_step: int = Field(default=4, ge=1)
-    learning_rate: float = Field(default=_TRAINER.learning_rate, gt=0)
+    learning_rate: float = Field(
+        default=_TRAINER.learning_rate, ge=0,
+        description="0: a control run (the same steps and policy versions, no update).")
     lora_r: int = Field(default=_TRAINER.lora_r, ge=1)
     full_finetune: bool = _TRAINER.full_finetune
     max_staleness: int = Field(default=_TRAINER.max_staleness, ge=0)

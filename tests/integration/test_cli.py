@@ -176,7 +176,7 @@ def test_infra_up_status_down_manage_local_postgres_and_broker() -> None:
     (["train", "--lora-r", "0"], "--lora-r"),
     (["train", "--rounds", "-1"], "--rounds"),
     (["train", "--groups-per-step", "0"], "--groups-per-step"),
-    (["train", "--learning-rate", "0"], "--learning-rate"),
+    (["train", "--learning-rate", "-1e-5"], "--learning-rate"),
     (["train", "--steps-per-turn", "-2"], "--steps-per-turn"),
     (["train", "--role", "critic"], "critic"),
     (["run", "--rounds", "0"], "--rounds"),

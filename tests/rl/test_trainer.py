@@ -116,13 +116,13 @@ def _hand_loss(
 
 
 def _learner(importance_sampling: bool, scratch: Path, **kw: object) -> CoderLearner:
+    options: dict[str, object] = {"learning_rate": 1e-3, **kw}
     cfg = LearnerConfig(
         full_finetune=True,
-        learning_rate=1e-3,
         max_grad_norm=0.0,
         importance_sampling=importance_sampling,
         output_dir=str(scratch),
-        **kw,  # type: ignore[arg-type]
+        **options,  # type: ignore[arg-type]
     )
     return CoderLearner(cfg, model=tiny_model(init_range=0.3), tokenizer=tiny_tokenizer())
 
@@ -174,6 +174,21 @@ def test_loss_and_gradient_match_hand_computation(
         )
     else:
         assert "sampling/importance_sampling_ratio/mean" not in result.losses
+
+
+def test_a_learning_rate_of_zero_is_a_control_step_that_changes_no_weight(
+    tmp_path: Path,
+) -> None:
+    learner = _learner(True, tmp_path, learning_rate=0.0)
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    groups = _groups(learner.model, shift_logprobs=True)
+
+    result = learner.train_step(groups)
+
+    # The same step as a treatment run's (loss, rewards, a new version), no update.
+    assert result.trained and result.policy_version == 1 and result.losses["loss"] != 0
+    for name, p in learner.model.named_parameters():
+        assert torch.equal(p, before[name]), name
 
 
 def test_importance_correction_uses_behaviour_logprobs(tmp_path: Path) -> None:
