@@ -65,6 +65,8 @@ class LearnerService(Service):
         self._acting = asyncio.Lock()
         self._frontier_at = 0.0
         self._frontier_basis: tuple[int, int] = (-1, -1)
+        # When the learner last became ready to train: its start, then each step's end.
+        self._idle_since = time.perf_counter()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -79,6 +81,7 @@ class LearnerService(Service):
         )
         for role in self.config.roles:
             await self._load_learner(role)
+        self._idle_since = time.perf_counter()  # waiting for groups starts now
         await self.run_until_stopped(self._follow())
 
     async def _replay(self) -> None:
@@ -280,8 +283,11 @@ class LearnerService(Service):
         groups = groups[: self.config.groups_per_step]
         learner = self.learners[role]
         t0 = time.perf_counter()
+        waited = t0 - self._idle_since
         result = await asyncio.to_thread(learner.train_step, groups)
-        await self._commit_step(role, learner, result, groups, time.perf_counter() - t0)
+        await self._commit_step(role, learner, result, groups, time.perf_counter() - t0,
+                                waited)
+        self._idle_since = time.perf_counter()
         return True
 
     async def _commit_step(
@@ -291,6 +297,7 @@ class LearnerService(Service):
         result: StepResult,
         groups: list[Group],
         seconds: float,
+        waited: float,
     ) -> None:
         step = TrainingStepCompleted(
             role=role,
@@ -306,6 +313,8 @@ class LearnerService(Service):
             staleness=result.staleness,
             dropped_stale=result.dropped_stale,
             store_position=self.state.position,
+            train_seconds=round(seconds, 3),
+            waited_seconds=round(max(waited, 0.0), 3),
         )
         events = [
             new_event(
@@ -373,6 +382,7 @@ class LearnerService(Service):
             dropped_stale=result.dropped_stale,
             losses=result.losses,
             seconds=round(seconds, 2),
+            waited=round(waited, 2),
         )
 
     async def _announce(self, event: Event) -> None:

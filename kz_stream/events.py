@@ -198,7 +198,12 @@ class FrontierUpdated(Payload):
 
 
 class TrainingStepCompleted(Payload):
+    """A learner step. v2 adds ``train_seconds`` (the step's wall time in the trainer) and
+    ``waited_seconds`` (how long the learner had been idle, waiting for complete groups,
+    when the step began: since its previous step, or since it started)."""
+
     event_type: ClassVar[str] = "TrainingStepCompleted"
+    schema_version: ClassVar[int] = 2
 
     role: Role
     step: int
@@ -211,6 +216,8 @@ class TrainingStepCompleted(Payload):
     staleness: dict[str, float] = Field(default_factory=dict)
     dropped_stale: int = 0
     store_position: int = 0
+    train_seconds: float | None = Field(default=None, ge=0)  # None before v2
+    waited_seconds: float | None = Field(default=None, ge=0)  # None before v2
 
 
 class PolicyVersionPublished(Payload):
@@ -298,6 +305,10 @@ def _kernel_generated_v3_to_v4(payload: dict[str, Any]) -> dict[str, Any]:
     return {"generation_s": None, **payload}  # the generation time was not recorded
 
 
+def _training_step_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"train_seconds": None, "waited_seconds": None, **payload}  # not recorded
+
+
 def _evaluation_started_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     return {"compile_baseline": False, **payload}  # runs before it timed eager PyTorch only
 
@@ -308,6 +319,7 @@ Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("KernelGenerated", 1): _kernel_generated_v1_to_v2,
     ("KernelGenerated", 2): _kernel_generated_v2_to_v3,
+    ("TrainingStepCompleted", 1): _training_step_v1_to_v2,
     ("KernelGenerated", 3): _kernel_generated_v3_to_v4,
     ("EvaluationStarted", 1): _evaluation_started_v1_to_v2,
 }

@@ -180,6 +180,8 @@ def test_a_learner_killed_mid_run_resumes_without_losing_or_repeating_groups(
     used = [gid for s in steps for gid in s["group_ids"]]
     assert sorted(used) == sorted(group_ids)  # every group once: none lost, none repeated
     assert all(len(s["kernel_ids"]) == 2 for s in steps)
+    # Each step says how long it trained and how long the learner had waited for it.
+    assert all(s["train_seconds"] > 0 and s["waited_seconds"] >= 0 for s in steps)
     versions = [p["version"] for p in read(url, "PolicyVersionPublished")]
     assert versions == list(range(1, GROUPS + 1))
     assert "resumed_from" in second_log.read_text()

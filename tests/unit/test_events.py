@@ -16,6 +16,7 @@ from kz_stream.events import (
     EventDecodeError,
     KernelGenerated,
     KernelVerified,
+    TrainingStepCompleted,
     VerdictStatus,
     current_payload,
     decode_event,
@@ -102,6 +103,19 @@ def test_a_v1_evaluation_started_reads_as_a_run_without_the_compiled_baseline() 
     old = payload_as(decode_event(orjson.dumps(obj)), EvaluationStarted)
     assert old.compile_baseline is False  # it timed eager PyTorch only
     assert old.problems == started.problems
+
+
+def test_a_v1_training_step_reads_with_its_times_unknown() -> None:
+    step = TrainingStepCompleted(role="coder", step=3, policy_version=2, mean_reward=0.5,
+                                 train_seconds=1.25, waited_seconds=4.0)
+    obj = orjson.loads(encode_event(new_event(step, stream_id="learner-coder",
+                                              stream_version=2)))
+    assert obj["schema_version"] == 2 and obj["payload"]["train_seconds"] == 1.25
+    obj["schema_version"] = 1
+    del obj["payload"]["train_seconds"], obj["payload"]["waited_seconds"]
+    old = payload_as(decode_event(orjson.dumps(obj)), TrainingStepCompleted)
+    assert old.train_seconds is None and old.waited_seconds is None
+    assert old.mean_reward == 0.5 and old.step == 3
 
 
 def test_a_payload_is_validated_once_per_envelope() -> None:
