@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 from kz_stream.bus._port import (
     DEFAULT_DEAD_LETTER_TOPIC,
@@ -146,6 +146,10 @@ class ConsumerConfig:
 
 class ConsumerCore(ABC):
     """One group member's pipeline from fetched batches to commits (see module doc)."""
+
+    # Whether the bus's logs outlive this process (a broker's do; the embedded bus's die
+    # with it, so its new logs on a resumed run are expected, not a lost broker).
+    logs_outlive_the_process: ClassVar[bool] = True
 
     def __init__(self, config: ConsumerConfig, publish_raw: PublishRaw) -> None:
         if config.max_batch < 1 or config.max_in_flight < 1 or config.max_retries < 0:
@@ -293,11 +297,15 @@ class ConsumerCore(ABC):
             elif known is not None:
                 positions[tp] = known
         if from_start:
-            log.warning(
-                "group %s: no committed offset for %s, where this consumer has read before: "
-                "new logs (the broker lost its storage); reading them from the start",
-                self.group, ", ".join(f"{t}:{p}" for t, p in sorted(from_start)),
-            )
+            partitions = ", ".join(f"{t}:{p}" for t, p in sorted(from_start))
+            if self.logs_outlive_the_process:
+                log.warning(
+                    "group %s: no committed offset for %s, where this consumer has read "
+                    "before: new logs (the broker lost its storage); reading them from the "
+                    "start", self.group, partitions)
+            else:  # every resumed embedded run: nothing to warn about
+                log.info("group %s: the embedded bus starts empty; reading %s from the start",
+                         self.group, partitions)
         return positions, from_start
 
     async def _revoke_all(self) -> None:

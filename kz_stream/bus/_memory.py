@@ -124,6 +124,8 @@ class _Group:
 
 
 class _MemorySubscription(ConsumerCore):
+    logs_outlive_the_process = False
+
     def __init__(self, bus: InMemoryBus, group: _Group, config: ConsumerConfig) -> None:
         super().__init__(config, bus.publish_raw)
         self.bus = bus
