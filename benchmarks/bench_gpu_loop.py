@@ -1,0 +1,237 @@
+"""The loop's learning curve against a control, and its throughput, from two runs' stores.
+
+A treatment run (`kz run ...`) and its control (the same command with
+`KZ_LEARNER__LEARNING_RATE=0`: the same steps and policy versions, no update) are read back
+from their stores; this script compares them step by step and writes
+benchmarks/results/gpu_loop.json, docs/benchmarks.md and a plot. For example, after both
+runs on a GPU host (stores carried back as SQLite files):
+
+    python -m benchmarks.bench_gpu_loop \\
+        --run sqlite+aiosqlite:///run.sqlite3 run-... \\
+        --control sqlite+aiosqlite:///control.sqlite3 run-... \\
+        --plot docs/learning_curve.png --machine "1x H200" --command "kz run ..."
+
+Per Coder step: the step's mean reward (the learner's), its pass rate and fast_1 (correct
+and faster than eager PyTorch) over the step's decided kernels. The difference of the
+cumulative pass rates, treatment minus control, is compared with two standard errors
+(binomial, of the two rates): the first step where it exceeds them is reported. Per
+Proposer step: mean reward and valid rate. Throughput: steps per hour; per step the
+learner's training seconds and how long it waited for complete groups
+(`TrainingStepCompleted` v2), the generation seconds of the step's groups and the
+verification latency of its kernels; staleness and importance-ratio statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks._results import metric, write_result
+from kz_stream.events import TrainingStepCompleted, payload_as
+from kz_stream.run_state import KernelRecord, RunState
+from kz_stream.store import open_store
+
+_TYPES = ["ModuleProposed", "KernelGenerated", "KernelVerified", "TrainingStepCompleted"]
+
+
+@dataclass
+class Run:
+    """One run as the learner's read model sees it, plus each step and verdict's time."""
+
+    run_id: str
+    state: RunState = field(default_factory=RunState)
+    verified_at: dict[str, float] = field(default_factory=dict)  # kernel id -> newest verdict
+    steps: list[tuple[float, TrainingStepCompleted]] = field(default_factory=list)
+    first_at: float | None = None
+
+    def role_steps(self, role: str) -> list[TrainingStepCompleted]:
+        return sorted((s for _, s in self.steps if s.role == role), key=lambda s: s.step)
+
+    def kernels(self, step: TrainingStepCompleted) -> list[KernelRecord]:
+        return [self.state.kernels[k] for k in step.kernel_ids if k in self.state.kernels]
+
+
+async def load_run(url: str, run_id: str) -> Run:
+    run = Run(run_id)
+    async with open_store(url, create_schema=False) as store:
+        async for batch in store.read_all(0, types=_TYPES, correlation_id=run_id):
+            for rec in batch:
+                e, at = rec.event, rec.event.occurred_at.timestamp()
+                run.first_at = at if run.first_at is None else min(run.first_at, at)
+                run.state.apply(e, recorded_at=at)
+                if e.type == "KernelVerified":
+                    run.verified_at[e.payload["kernel_id"]] = at
+                elif e.type == "TrainingStepCompleted":
+                    run.steps.append((at, payload_as(e, TrainingStepCompleted)))
+    return run
+
+
+def _fast(k: KernelRecord) -> bool:
+    return k.correct and k.verdict is not None and (k.verdict.speedup or 0) > 1
+
+
+def coder_curve(run: Run) -> list[dict[str, Any]]:
+    """Per Coder step: mean reward, pass rate, fast_1 and how many kernels were decided."""
+    rows = []
+    for s in run.role_steps("coder"):
+        ks = [k for k in run.kernels(s) if k.decided]
+        n = len(ks)
+        rows.append({"step": s.step, "mean_reward": s.mean_reward, "n": n,
+                     "correct": sum(k.correct for k in ks), "fast": sum(_fast(k) for k in ks)})
+        rows[-1]["pass_rate"] = rows[-1]["correct"] / n if n else None
+        rows[-1]["fast_1"] = rows[-1]["fast"] / n if n else None
+    return rows
+
+
+def proposer_curve(run: Run) -> list[dict[str, Any]]:
+    rows = []
+    for s in run.role_steps("proposer"):
+        mods = [run.state.modules[m].valid for m in s.module_ids if m in run.state.modules]
+        rows.append({"step": s.step, "mean_reward": s.mean_reward,
+                     "valid_rate": sum(mods) / len(mods) if mods else None})
+    return rows
+
+
+def steps_to_two_se(treated: list[dict[str, Any]], control: list[dict[str, Any]]
+                    ) -> int | None:
+    """The first Coder step index (1-based) at which the treatment's cumulative pass rate
+    exceeds the control's by more than two standard errors; None if it never does."""
+    c1 = n1 = c2 = n2 = 0
+    for i, (a, b) in enumerate(zip(treated, control, strict=False), start=1):
+        c1, n1, c2, n2 = c1 + a["correct"], n1 + a["n"], c2 + b["correct"], n2 + b["n"]
+        if not (n1 and n2):
+            continue
+        p1, p2 = c1 / n1, c2 / n2
+        se = math.sqrt(p1 * (1 - p1) / n1 + p2 * (1 - p2) / n2)
+        if p1 - p2 > 2 * se and se > 0:
+            return i
+    return None
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def throughput(run: Run) -> dict[str, float | None]:
+    """Steps per hour and the per-step split of where the time went."""
+    steps = sorted(run.steps, key=lambda t: t[0])
+    hours = (steps[-1][0] - run.first_at) / 3600 if steps and run.first_at else 0.0
+    gen, lat = [], []
+    for s in run.role_steps("coder"):
+        ks = run.kernels(s)
+        per_group = {k.group_id: k.generated.generation_s for k in ks}
+        gen.append(sum(v for v in per_group.values() if v is not None))
+        lat += [run.verified_at[k.kernel_id] - k.generated_at for k in ks
+                if k.kernel_id in run.verified_at]
+    ratios = [s.losses["sampling/importance_sampling_ratio/mean"] for _, s in steps
+              if "sampling/importance_sampling_ratio/mean" in s.losses]
+    return {
+        "steps_per_hour": len(steps) / hours if hours > 0 else None,
+        "train_s": _mean([s.train_seconds for _, s in steps if s.train_seconds is not None]),
+        "waited_s": _mean([s.waited_seconds for _, s in steps if s.waited_seconds is not None]),
+        "generation_s": _mean(gen),
+        "verification_latency_s": _mean(lat),
+        "staleness_max": max((s.staleness.get("max", 0.0) for _, s in steps), default=None),
+        "staleness_mean": _mean([s.staleness["mean"] for _, s in steps
+                                 if "mean" in s.staleness]),
+        "is_ratio_mean": _mean(ratios),
+        "verdicts_per_min": (len(run.verified_at)
+                             / (hours * 60)) if hours > 0 else None,
+    }
+
+
+def _pooled(rows: list[dict[str, Any]], key: str) -> float | None:
+    n = sum(r["n"] for r in rows)
+    return sum(r[key] for r in rows) / n if n else None
+
+
+def compare(treated: Run, control: Run) -> dict[str, dict[str, Any]]:
+    tc, cc = coder_curve(treated), coder_curve(control)
+    tp, cp = proposer_curve(treated), proposer_curve(control)
+    out: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, unit: str, a: float | None, b: float | None) -> None:
+        if a is not None:
+            out[name] = metric(a, unit, b)
+
+    add("coder steps", "steps", float(len(tc)), float(len(cc)))
+    add("coder pass rate, all steps", "fraction", _pooled(tc, "correct"), _pooled(cc, "correct"))
+    add("coder fast_1, all steps", "fraction", _pooled(tc, "fast"), _pooled(cc, "fast"))
+    half = max(1, len(tc) // 2)
+    add("coder pass rate, second half", "fraction", _pooled(tc[half:], "correct"),
+        _pooled(cc[half:], "correct"))
+    add("coder mean reward, all steps", "reward", _mean([r["mean_reward"] for r in tc]),
+        _mean([r["mean_reward"] for r in cc]))
+    add("proposer valid rate, all steps", "fraction",
+        _mean([r["valid_rate"] for r in tp if r["valid_rate"] is not None]),
+        _mean([r["valid_rate"] for r in cp if r["valid_rate"] is not None]))
+    add("proposer mean reward, all steps", "reward", _mean([r["mean_reward"] for r in tp]),
+        _mean([r["mean_reward"] for r in cp]))
+    k = steps_to_two_se(tc, cc)
+    if k is not None:  # absent: not within the run (the notes say so)
+        out["coder steps until pass rate > control + 2 SE"] = metric(float(k), "steps")
+    t, c = throughput(treated), throughput(control)
+    units = {"steps_per_hour": "steps/h", "verdicts_per_min": "verdicts/min",
+             "staleness_max": "versions", "staleness_mean": "versions", "is_ratio_mean": "ratio"}
+    for key, value in t.items():
+        add(key.replace("_", " "), units.get(key, "s"), value, c.get(key))
+    return out
+
+
+def plot(treated: Run, control: Run, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for run, label in ((treated, "run"), (control, "control (lr 0)")):
+        rows = coder_curve(run)
+        steps = [r["step"] for r in rows]
+        axes[0].plot(steps, [r["mean_reward"] for r in rows], marker="o", label=label)
+        axes[1].plot(steps, [r["pass_rate"] for r in rows], marker="o", label=label)
+        prop = proposer_curve(run)
+        axes[2].plot([r["step"] for r in prop], [r["valid_rate"] for r in prop], marker="o",
+                     label=label)
+    for ax, title in zip(axes, ("Coder mean reward", "Coder pass rate", "Proposer valid rate"),
+                         strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("training step")
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", nargs=2, required=True, metavar=("STORE_URL", "RUN_ID"))
+    ap.add_argument("--control", nargs=2, required=True, metavar=("STORE_URL", "RUN_ID"))
+    ap.add_argument("--plot", type=Path, default=None, help="Write the curves here (PNG).")
+    ap.add_argument("--machine", default=None, help="Where the runs ran (default: here).")
+    ap.add_argument("--command", default="", help="The kz run commands that made them.")
+    ap.add_argument("--notes", default="")
+    args = ap.parse_args()
+    treated = asyncio.run(load_run(*args.run))
+    control = asyncio.run(load_run(*args.control))
+    metrics = compare(treated, control)
+    for name, m in metrics.items():
+        base = "" if m["baseline"] is None else f"  control {m['baseline']:.4g}"
+        print(f"{name:50s} {m['value']:10.4g} {m['unit']}{base}")
+    if args.plot:
+        plot(treated, control, args.plot)
+        print(f"wrote {args.plot}")
+    path = write_result("gpu_loop", args.command or "python -m benchmarks.bench_gpu_loop",
+                        metrics, notes=args.notes, machine=args.machine)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
