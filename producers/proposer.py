@@ -96,6 +96,8 @@ class ProposerService(Service):
         self.valid = 0
         self.done = asyncio.Event()
         self._synthesizer: Synthesizer | None = None
+        # This run's valid seed modules stored by an earlier session, by normalized hash.
+        self._stored_seeds: dict[str, Event] = {}
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -127,6 +129,7 @@ class ProposerService(Service):
     async def _load_seen_hashes(self) -> None:
         """Dedup survives restarts: every proposal ever stored is known by hash, and so is
         every evaluation problem (``ModuleProposed`` of an evaluation run)."""
+        run_id = self.ctx.settings.run_id
         async for batch in self.ctx.store.read_all(0, types=["ModuleProposed"]):
             for r in batch:
                 h = r.event.payload.get("normalized_hash")
@@ -134,6 +137,10 @@ class ProposerService(Service):
                     self._know_stored_evaluation_problem(r.event, h)
                 elif h:
                     self.seen_hashes.add(h)
+                    p = r.event.payload
+                    if (r.event.correlation_id == run_id and p.get("completion") is None
+                            and p["validation"]["valid"]):
+                        self._stored_seeds.setdefault(h, r.event)
 
     def _know_stored_evaluation_problem(self, event: Event, digest: str) -> None:
         payload = payload_as(event, ModuleProposed)
@@ -234,20 +241,39 @@ class ProposerService(Service):
             async with gate:
                 return await self._validate(list(seed.api_set), seed.source)
 
-        checks = [asyncio.create_task(validate(seed)) for seed in seeds]
+        # A resumed run's seeds are in the store already: validated again they would be
+        # published as duplicates (invalid), and the Coder would get none of them.
+        stored = [self._stored_seeds.get(normalized_hash(seed.source)) for seed in seeds]
+        checks = {i: asyncio.create_task(validate(seed))
+                  for i, seed in enumerate(seeds) if stored[i] is None}
         try:
-            for seed, check in zip(seeds, checks, strict=True):
-                digest, validation = await check
+            for i, seed in enumerate(seeds):
+                event = stored[i]
+                if event is not None:
+                    await self._republish_seed(event)
+                    continue
+                digest, validation = await checks[i]
                 await self._publish_validated(
                     list(seed.api_set), seed.source, digest, validation, prompt="",
                     sample=None, group_id=f"seed-{uuid.uuid4().hex}",
                 )
         finally:
-            for check in checks:
+            for check in checks.values():
                 check.cancel()
             # Retrieved, so that the other seeds' failures (a host whose sandbox cannot run
             # fails them all alike) are not each logged again as never retrieved.
-            await asyncio.gather(*checks, return_exceptions=True)
+            await asyncio.gather(*checks.values(), return_exceptions=True)
+
+    async def _republish_seed(self, event: Event) -> None:
+        """Hands a seed stored by an earlier session of this run to the embedded bus, which
+        starts empty in each process (same event: the store keeps it once). A broker still
+        holds it, and the Coder has read it: nothing to do there."""
+        if self.ctx.settings.bus_url.startswith("memory://"):
+            await self.wait_out(
+                lambda: self.ctx.bus.publish(self.ctx.settings.topics.modules, event))
+        self.published += 1
+        self.valid += 1
+        self.log.info("seed_module_resumed", module_id=event.payload["module_id"])
 
     async def propose_once(self) -> None:
         """One prompt: sample an API set, generate, validate and publish each proposal."""

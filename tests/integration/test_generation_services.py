@@ -219,6 +219,55 @@ async def test_seeds_are_validated_together_and_published_in_their_order(
         await backend.close()
 
 
+async def test_a_resumed_runs_stored_seeds_reach_a_fresh_embedded_bus_unvalidated(
+    ctx: ServiceContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = TransformersBackend.from_pretrained(smollm2_dir())  # never asked: seeds only
+    seeds = SEED_MODULES[:2]
+    options = ProposerSettings(max_modules=len(seeds), llm=LLM)
+    first = [Recorder(ctx), ProposerService(ctx, backend, options, seed_modules=seeds)]
+    tasks = [asyncio.create_task(s.run()) for s in first]
+    try:
+        stored = await wait_until(ctx, "ModuleProposed", len(seeds), tasks)
+    finally:
+        for s in first:
+            s.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+
+    # The next session: the same store, a new process's empty embedded bus.
+    import kz_stream.producers.proposer as proposer_module
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a stored seed was validated again")
+
+    monkeypatch.setattr(proposer_module, "validate_with_fingerprint", never)
+    settings = ctx.settings.model_copy(update={"bus_url": f"memory://{uuid.uuid4().hex}"})
+    async with open_context(settings) as ctx2:
+        got: list[Any] = []
+
+        async def collect(batch: Any) -> None:
+            got.extend(m.event.event_id for m in batch)
+
+        sub = await ctx2.bus.subscribe("test-coder", [settings.topics.modules], collect)
+        recorder = Recorder(ctx2)
+        recording = asyncio.create_task(recorder.run())
+        again = ProposerService(ctx2, backend, options, seed_modules=seeds)
+        try:
+            await asyncio.wait_for(again.run(), 120)
+            for _ in range(100):
+                if len(got) >= len(seeds):
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1)  # the recorder's batch commits
+        finally:
+            recorder.request_stop()
+            await asyncio.wait_for(asyncio.gather(recording, return_exceptions=True), 60)
+            await sub.stop()
+            await backend.close()
+        assert sorted(got) == sorted(e.event_id for e in stored)  # the same events
+        assert len(await events_of(ctx2, "ModuleProposed")) == len(seeds)  # no duplicates
+
+
 async def test_a_host_whose_sandbox_cannot_run_stops_the_proposer_with_that_error(
     ctx: ServiceContext, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
