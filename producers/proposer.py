@@ -297,7 +297,9 @@ class ProposerService(Service):
 
     async def _publish_synthesized(self, api_set: list[str]) -> None:
         if self._synthesizer is None:
-            self._synthesizer = Synthesizer(seed=self.config.seed)
+            # Drawn from a point that moves with the stored modules: a resumed run's
+            # fallback would otherwise repeat the first session's modules, as duplicates.
+            self._synthesizer = Synthesizer(seed=self.config.seed + len(self.seen_hashes))
         apis = api_set if feasible(api_set) else self._synthesizer.api_set()
         module = synthesize(apis, self._synthesizer.rng)
         await self._publish(list(module.api_set), module.source, prompt="", sample=None,

@@ -311,4 +311,20 @@ async def test_an_all_invalid_prompt_is_followed_by_a_synthesized_module(
         for s in services:
             s.request_stop()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+    # A resumed run (the same store, a new Proposer) draws another module, not a duplicate.
+    again = ProposerService(ctx, backend, ProposerSettings(
+        proposals_per_prompt=1, concurrency=1, max_modules=2, synthesized_fallback=True,
+        llm=LLMConfig(max_tokens=8, temperature=1.0, seed=0)))
+    services = [Recorder(ctx), again]
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    try:
+        later = [payload_as(e, ModuleProposed)
+                 for e in await wait_until(ctx, "ModuleProposed", 4, tasks)][2:]
+        resynthesized = [m for m in later if m.group_id.startswith("synth-")]
+        assert resynthesized and resynthesized[0].validation.valid, resynthesized
+        assert resynthesized[0].source != synthesized.source
+    finally:
+        for s in services:
+            s.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
         await backend.close()
