@@ -493,6 +493,8 @@ class Child:
         self._imported = False
         self._start_sent = False
         self._warm = False
+        # The least time a reply that has begun gets to end (``_recv_begun``).
+        self.reply_grace_s = 300.0
 
     def wait_imported(self) -> None:
         """Blocks until a gated child has imported its modules (CPU work only) and waits
@@ -591,15 +593,17 @@ class Child:
     def _recv_begun(self, timeout_s: float) -> Any:
         """Reads a message whose first bytes are here. A child that stops in the middle of
         one (candidate code can write to the socket) would block the read for good, so its
-        process group is killed if the rest has not come within another ``timeout_s`` (not
-        the call's deadline: an honest big reply can take tens of seconds on the socket)."""
+        process group is killed if the rest has not come within another ``timeout_s``, and
+        at least ``reply_grace_s`` (not the call's deadline: an honest reply of many GB
+        takes tens of seconds on the socket, and was never cut before)."""
+        grace = max(timeout_s, self.reply_grace_s)
         stalled = threading.Event()
 
         def stop() -> None:
             stalled.set()
             kill_group(self.proc.pid)  # the read then ends with EOF
 
-        timer = threading.Timer(timeout_s, stop)
+        timer = threading.Timer(grace, stop)
         timer.daemon = True
         timer.start()
         try:
@@ -608,7 +612,7 @@ class Child:
             if not stalled.is_set():
                 raise
             self.kill()
-            raise ChildTimeout(f"the answer stopped midway: not whole {timeout_s:g} s after "
+            raise ChildTimeout(f"the answer stopped midway: not whole {grace:g} s after "
                                "it began") from e
         finally:
             timer.cancel()

@@ -361,6 +361,7 @@ def test_a_child_that_lies_about_a_spill_file_is_killed(tmp_path: Path) -> None:
 
 def test_a_child_that_stops_midway_through_its_reply_is_killed_as_a_timeout() -> None:
     child = ipc.Child("tests.verify.midway_staller", [], isolate=False)
+    child.reply_grace_s = 0  # the call's own 2 s, not the default 300 s
     started = time.monotonic()
     with pytest.raises(ipc.ChildTimeout, match="stopped midway"):
         child.call(PREPARE, 2)
