@@ -118,7 +118,9 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def throughput(run: Run) -> dict[str, float | None]:
-    """Steps per hour and the per-step split of where the time went."""
+    """Steps per hour (from the run's first event to its last step: the time between
+    slots of a run spread over several counts too) and the per-step split of where the
+    time went."""
     steps = sorted(run.steps, key=lambda t: t[0])
     hours = (steps[-1][0] - run.first_at) / 3600 if steps and run.first_at else 0.0
     gen, lat = [], []

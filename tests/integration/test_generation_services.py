@@ -54,6 +54,13 @@ async def wait_until(ctx: ServiceContext, type_: str, n: int, tasks: list[Any]) 
     raise AssertionError(f"fewer than {n} {type_} events after 300 s")
 
 
+async def stop_all(services: list[Any], tasks: list[Any]) -> None:
+    """Asks the services to stop and waits for their tasks (errors included)."""
+    for s in services:
+        s.request_stop()
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+
+
 def make_adapter(directory: Path) -> Path:
     """A LoRA adapter for SmolLM2 whose weights change the model's outputs."""
     import torch
@@ -189,9 +196,7 @@ async def test_proposer_to_coder_on_smollm2_with_logprobs_admission_and_hot_swap
             recomputed = reference.sequence_logprobs(c.prompt_token_ids, c.token_ids)
             assert recomputed == pytest.approx(c.logprobs, abs=tolerance)
     finally:
-        for s in services:
-            s.request_stop()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        await stop_all(services, tasks)
         await proposer_llm.close()
         await coder_llm.close()
         await reference.close()
@@ -213,9 +218,7 @@ async def test_seeds_are_validated_together_and_published_in_their_order(
         assert all(m.validation.valid for m in modules)
         assert all(m.group_id.startswith("seed-") and m.completion is None for m in modules)
     finally:
-        for s in services:
-            s.request_stop()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        await stop_all(services, tasks)
         await backend.close()
 
 
@@ -230,9 +233,7 @@ async def test_a_resumed_runs_stored_seeds_reach_a_fresh_embedded_bus_unvalidate
     try:
         stored = await wait_until(ctx, "ModuleProposed", len(seeds), tasks)
     finally:
-        for s in first:
-            s.request_stop()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        await stop_all(first, tasks)
 
     # The next session: the same store, a new process's empty embedded bus.
     import kz_stream.producers.proposer as proposer_module
@@ -295,10 +296,10 @@ async def test_an_all_invalid_prompt_is_followed_by_a_synthesized_module(
 ) -> None:
     # Eight tokens of the bare model are never a valid module.
     backend = TransformersBackend.from_pretrained(smollm2_dir())
-    proposer = ProposerService(ctx, backend, ProposerSettings(
+    options = ProposerSettings(
         proposals_per_prompt=1, concurrency=1, max_modules=2, synthesized_fallback=True,
-        llm=LLMConfig(max_tokens=8, temperature=1.0, seed=0)))
-    services = [Recorder(ctx), proposer]
+        llm=LLMConfig(max_tokens=8, temperature=1.0, seed=0))
+    services = [Recorder(ctx), ProposerService(ctx, backend, options)]
     tasks = [asyncio.create_task(s.run()) for s in services]
     try:
         modules = [payload_as(e, ModuleProposed)
@@ -308,14 +309,9 @@ async def test_an_all_invalid_prompt_is_followed_by_a_synthesized_module(
         assert synthesized.group_id.startswith("synth-") and synthesized.completion is None
         assert synthesized.validation.valid, synthesized.validation
     finally:
-        for s in services:
-            s.request_stop()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        await stop_all(services, tasks)
     # A resumed run (the same store, a new Proposer) draws another module, not a duplicate.
-    again = ProposerService(ctx, backend, ProposerSettings(
-        proposals_per_prompt=1, concurrency=1, max_modules=2, synthesized_fallback=True,
-        llm=LLMConfig(max_tokens=8, temperature=1.0, seed=0)))
-    services = [Recorder(ctx), again]
+    services = [Recorder(ctx), ProposerService(ctx, backend, options)]
     tasks = [asyncio.create_task(s.run()) for s in services]
     try:
         later = [payload_as(e, ModuleProposed)
@@ -324,7 +320,5 @@ async def test_an_all_invalid_prompt_is_followed_by_a_synthesized_module(
         assert resynthesized and resynthesized[0].validation.valid, resynthesized
         assert resynthesized[0].source != synthesized.source
     finally:
-        for s in services:
-            s.request_stop()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        await stop_all(services, tasks)
         await backend.close()
