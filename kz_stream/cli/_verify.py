@@ -31,6 +31,8 @@ def verify_audit_suite(
     admission: Annotated[bool, typer.Option(help="Run the admission gate too.")] = True,
     limit: Annotated[int | None, typer.Option(help="Only the first N problems.")] = None,
     cpu: Annotated[bool, typer.Option("--cpu", help="Force the CPU path.")] = False,
+    jobs: Annotated[int, typer.Option(min=1, help="Problems audited at once (each with its "
+                                      "own oracle; a GPU's memory is shared).")] = 1,
 ) -> None:
     """Prepares every problem of a suite as the verifier would and prints, per problem:
     admitted or why not, the input sets used and dropped, the memory plan, the oracle's
@@ -49,7 +51,7 @@ def verify_audit_suite(
     rows: list[dict[str, Any]] = []
 
     async def go() -> None:
-        verifier = Verifier(VerifierConfig(devices=[] if cpu else None))
+        verifier = Verifier(VerifierConfig(devices=[] if cpu else None, oracles=jobs))
         device = "cuda" if verifier.gpu else "cpu"
         try:
             with Progress(TextColumn("{task.description}"), BarColumn(),
@@ -57,7 +59,7 @@ def verify_audit_suite(
                           console=err_console, transient=True) as bar:
                 task = bar.add_task("audit", total=len(files))
                 async for row in audit_suite(files, verifier, admission=admission,
-                                             admission_device=device):
+                                             admission_device=device, jobs=jobs):
                     rows.append(row.to_dict())
                     adm = ("-" if row.admitted is None else "yes" if row.admitted
                            else f"no: {row.reason}")

@@ -53,26 +53,46 @@ def suite_files(path: Path) -> list[Path]:
 
 async def audit_suite(
     files: list[Path], verifier: Verifier, *, admission: bool = True,
-    admission_device: str = "cpu", admission_timeout_s: float = 600,
+    admission_device: str = "cpu", admission_timeout_s: float = 600, jobs: int = 1,
 ) -> AsyncIterator[ProblemAudit]:
-    """Audits each file in turn (one problem at a time: big ones need the whole device)."""
-    for f in files:
-        source = f.read_text()
-        row = ProblemAudit(f.stem)
-        if admission:
-            t0 = time.monotonic()
-            adm = await asyncio.to_thread(admission_check, source, device=admission_device,
-                                          timeout_s=admission_timeout_s)
-            row.admitted, row.reason, row.detail = adm.admitted, adm.reason, adm.detail[:300]
-            row.admission_s = round(time.monotonic() - t0, 2)
-        info = await verifier.inspect_problem(Problem(source, f.stem))
-        row.error = info.get("error")
-        row.prepare_s = float(info.get("seconds", 0.0))
-        row.input_sets = [s["label"] for s in info.get("input_sets", [])]
-        row.dropped = list(info.get("dropped", []))
-        row.memory_plan = list(info.get("memory_plan", []))
-        row.too_few_sets = str(info.get("too_few_sets", ""))
-        row.oracle_peak_gb = round(int(info.get("oracle_peak_bytes", 0)) / 2**30, 2)
-        row.input_gb = round(int(info.get("input_bytes", 0)) / 2**30, 3)
-        row.phase_s = dict(info.get("phase_s") or {})
-        yield row
+    """Audits each file, ``jobs`` at a time, and yields the rows in the files' order. The
+    verifier prepares as many at once as it has oracles (``VerifierConfig.oracles``)."""
+    gate = asyncio.Semaphore(jobs)
+
+    async def one(f: Path) -> ProblemAudit:
+        async with gate:
+            return await _audit_one(f, verifier, admission=admission,
+                                    admission_device=admission_device,
+                                    admission_timeout_s=admission_timeout_s)
+
+    tasks = [asyncio.ensure_future(one(f)) for f in files]
+    try:
+        for task in tasks:
+            yield await task
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _audit_one(f: Path, verifier: Verifier, *, admission: bool, admission_device: str,
+                     admission_timeout_s: float) -> ProblemAudit:
+    source = f.read_text()
+    row = ProblemAudit(f.stem)
+    if admission:
+        t0 = time.monotonic()
+        adm = await asyncio.to_thread(admission_check, source, device=admission_device,
+                                      timeout_s=admission_timeout_s)
+        row.admitted, row.reason, row.detail = adm.admitted, adm.reason, adm.detail[:300]
+        row.admission_s = round(time.monotonic() - t0, 2)
+    info = await verifier.inspect_problem(Problem(source, f.stem))
+    row.error = info.get("error")
+    row.prepare_s = float(info.get("seconds", 0.0))
+    row.input_sets = [s["label"] for s in info.get("input_sets", [])]
+    row.dropped = list(info.get("dropped", []))
+    row.memory_plan = list(info.get("memory_plan", []))
+    row.too_few_sets = str(info.get("too_few_sets", ""))
+    row.oracle_peak_gb = round(int(info.get("oracle_peak_bytes", 0)) / 2**30, 2)
+    row.input_gb = round(int(info.get("input_bytes", 0)) / 2**30, 3)
+    row.phase_s = dict(info.get("phase_s") or {})
+    return row

@@ -80,6 +80,12 @@ class VerifierConfig(BaseModel):
     # ... and at most this many bytes of their timing inputs: a KernelBench-sized
     # reference holds two 6.4 GB sets, and four idle ones would fill a third of the GPU.
     reference_worker_bytes: int = Field(default=16 << 30, ge=0)
+    # Oracle processes per device (the CPU path counts as one): problems prepared at once.
+    # A KernelBench problem's preparation is mostly host work, up to minutes; ``kz eval
+    # run`` and ``kz verify audit-suite --jobs`` raise it on a GPU. Each oracle is capped
+    # at ``oracle_memory_fraction`` of the device; one that finds the device full runs the
+    # reference on the host (slower, same verdict).
+    oracles: int = Field(default=1, ge=1)
     # Candidates in their GPU stage at once, per GPU: their checks overlap (one's Triton
     # JIT and host work with another's kernels); timing is exclusive all the same.
     candidates_per_gpu: int = Field(default=3, ge=1)

@@ -59,8 +59,10 @@ class Lane:
     exclusive, so no other process of this verifier runs kernels on the device while a
     candidate and its reference are timed, and waits only for the requests in flight.
     Never wait for a worker to start while holding it: the start-up needs it too.
-    ``slots`` bounds the candidates in their GPU stage at once (memory); the oracle serves
-    one request at a time (``oracle_lock``).
+    ``slots`` bounds the candidates in their GPU stage at once (memory); up to
+    ``config.oracles`` oracle processes prepare problems at once (``oracle_slots``), each
+    one request at a time: a KernelBench problem's preparation is mostly host work
+    (drawing inputs, float64 runs, moving gigabytes), so several overlap well.
 
     ``config`` is the verifier's, shared: a jail that does not suit the host is turned off
     there (``strong_isolation``) for every lane. ``worker_read_only`` are more paths a
@@ -77,8 +79,9 @@ class Lane:
                          if index is not None else 60 << 20)
         self.gpu = aiorwlock.RWLock()
         self.slots = asyncio.Semaphore(config.candidates_per_gpu)
-        self.oracle_lock = asyncio.Lock()
-        self.oracle: Child | None = None
+        self.oracle_slots = asyncio.Semaphore(config.oracles)
+        self.oracles: list[Child] = []  # idle, alive as far as is known
+        self.oracles_busy: set[Child] = set()
         self.spares: list[Child] = []
         self.starting: dict[Child, asyncio.Task[None]] = {}
         self.busy = 0
@@ -170,22 +173,34 @@ class Lane:
             self.spares.append(self._spawn_worker())
 
     async def oracle_call(self, msg: PrepareRequest, timeout_s: float) -> Any:
-        """The oracle's reply (a ``PrepareReply`` or an ``ErrorReply``); starts an oracle
-        when there is none or it died."""
-        if self.oracle is None or not self.oracle.alive:
-            if self.oracle is not None:
-                self.oracle.kill()
+        """The reply (a ``PrepareReply`` or an ``ErrorReply``) of an idle oracle, started
+        when there is none or the idle one died. Hold one of ``oracle_slots`` around it:
+        they bound the oracles."""
+        oracle = None
+        while self.oracles and oracle is None:
+            oracle = self.oracles.pop()
+            if not oracle.alive:
+                await asyncio.to_thread(oracle.kill)
+                oracle = None
+        if oracle is None:
             if self.closed:
                 raise ChildDied("the verifier is closed")
-            self.oracle = Child("kz_stream.verify._oracle", [self.device],
-                                env=self._env(self.config.oracle_memory_fraction),
-                                isolate=True, strong=False, spill=self._may_spill())
-        oracle = self.oracle
+            oracle = Child("kz_stream.verify._oracle", [self.device],
+                           env=self._env(self.config.oracle_memory_fraction),
+                           isolate=True, strong=False, spill=self._may_spill())
+        self.oracles_busy.add(oracle)
         try:
-            return await asyncio.to_thread(oracle.call, msg, timeout_s)
-        except (ChildDied, ChildTimeout):
-            self.oracle = None
+            reply = await asyncio.to_thread(oracle.call, msg, timeout_s)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(oracle.kill))
             raise
+        finally:
+            self.oracles_busy.discard(oracle)
+        if self.closed:
+            oracle.kill()
+        else:
+            self.oracles.append(oracle)
+        return reply
 
     def _may_spill(self) -> bool:
         """Whether the oracle's replies may travel through spill files: only while the
@@ -301,11 +316,11 @@ class Lane:
         thread reading its channel, and a reference worker may be in a timing round of a
         verification still running. No worker starts after this."""
         self.closed = True
-        for c in (self.oracle, *self.spares, *(t.child for t in self.ref_workers.values()),
-                  *self.compiling):
-            if c is not None:
-                c.kill()
-        self.oracle = None
+        for c in (*self.oracles, *self.oracles_busy, *self.spares,
+                  *(t.child for t in self.ref_workers.values()), *self.compiling):
+            c.kill()
+        self.oracles = []
+        self.oracles_busy.clear()
         self.spares = []
         self.compiling.clear()
         self.starting.clear()

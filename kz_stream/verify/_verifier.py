@@ -1,7 +1,7 @@
 """The verifier: turns (problem, candidate) into a verdict.
 
 Stages: static scan → CUDA build (parallel CPU compilers, cached) → problem preparation in
-the device's oracle (cached per problem) → the GPU stage, one candidate per device at a
+one of the device's oracles (cached per problem) → the GPU stage, one candidate per device at a
 time, in a fresh pre-started worker process (``_checks.Stage``): load, correctness on every
 input set (each run twice), launch evidence (op log, profiler, Triton ablation),
 interleaved timing against the reference, final integrity checks. Without a GPU the same
@@ -373,7 +373,9 @@ class Verifier:
                                "seed": seed, "small_only": not self.gpu,
                                "full_set_budget": self.config.full_set_budget_bytes}
         try:
-            async with lane.oracle_lock, lane.gpu.reader_lock:
+            # A free oracle first, then the GPU: waiting for one while holding the
+            # shared lock would hold timing up.
+            async with lane.oracle_slots, lane.gpu.reader_lock:
                 t0 = time.monotonic()
                 r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
                 call_s = time.monotonic() - t0

@@ -308,8 +308,8 @@ def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyP
     try:
         reply = asyncio.run(lane.oracle_call(PREPARE, 300))
         assert reply["ok"], reply
-        assert lane.oracle is not None and lane.oracle.spill_dir is not None
-        spill_dir = lane.oracle.spill_dir
+        assert len(lane.oracles) == 1 and lane.oracles[0].spill_dir is not None
+        spill_dir = lane.oracles[0].spill_dir
         own = next(s for s in reply["sets"] if s["label"] == "own")
         # Each full-size set's input and its float64 and honest outputs.
         full = sum(1 for s in reply["sets"] if s["inputs"][0].numel() == 2048 * 2100)
@@ -328,7 +328,7 @@ def test_no_spill_while_candidates_run_outside_the_jail() -> None:
     try:
         reply = asyncio.run(lane.oracle_call(PREPARE, 300))
         assert reply["ok"], reply
-        assert lane.oracle is not None and lane.oracle.spill_dir is None
+        assert len(lane.oracles) == 1 and lane.oracles[0].spill_dir is None
     finally:
         lane.close()
 

@@ -4,6 +4,7 @@ cheats it can catch without a GPU."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -181,4 +182,47 @@ async def test_a_verification_in_flight_at_close_ends_with_a_verdict() -> None:
     await asyncio.wait_for(v.close(), timeout=60)
     verdict = await asyncio.wait_for(task, timeout=300)
     assert isinstance(verdict, Verdict), verdict
-    assert lane.closed and not lane.spares and lane.oracle is None
+    assert lane.closed and not lane.spares and not lane.oracles and not lane.oracles_busy
+
+
+def _waits_for(marker_dir: str, me: str, other: str) -> str:
+    """A problem whose inputs are drawn only once ``other``'s are being drawn too."""
+    return f'''import os, time
+import torch
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    open(os.path.join({marker_dir!r}, {me!r}), "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join({marker_dir!r}, {other!r})):
+        if time.monotonic() > deadline:
+            raise RuntimeError("{me}: {other} was not prepared at the same time")
+        time.sleep(0.05)
+    return [torch.rand(64, 64)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
+async def test_two_oracles_prepare_two_problems_at_once() -> None:
+    # Each problem's inputs wait for the other's: with one oracle both would time out.
+    from kz_stream.verify import VerifierConfig
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as marks:
+        os.chmod(marks, 0o777)
+        a, b = Problem(_waits_for(marks, "a", "b")), Problem(_waits_for(marks, "b", "a"))
+        async with Verifier(VerifierConfig(devices=[], oracles=2)) as v:
+            both = await asyncio.gather(v.inspect_problem(a), v.inspect_problem(b))
+            lane = v._lanes[0]
+            assert len(lane.oracles) == 2 and not lane.oracles_busy
+    for info in both:
+        assert "error" not in info, info
+        assert info["input_sets"], info
