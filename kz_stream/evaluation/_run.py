@@ -273,7 +273,7 @@ def _check_resumable(stored: EvaluationStarted, wanted: EvaluationStarted) -> No
         raise ValueError(f"run {wanted.run_id} exists with other problems; choose another --run-id")
 
 
-EVAL_ORACLES_PER_GPU = 4
+EVAL_ORACLES_PER_GPU = 2
 
 
 def _uses_a_gpu(settings: Settings) -> bool:

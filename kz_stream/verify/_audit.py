@@ -77,7 +77,7 @@ async def audit_suite(
 
 async def _audit_one(f: Path, verifier: Verifier, *, admission: bool, admission_device: str,
                      admission_timeout_s: float) -> ProblemAudit:
-    source = f.read_text()
+    source = await asyncio.to_thread(f.read_text)
     row = ProblemAudit(f.stem)
     if admission:
         t0 = time.monotonic()

@@ -70,7 +70,8 @@ class VerifierConfig(BaseModel):
     # Host bytes the prepared problems may hold together (least recently used dropped;
     # the newest is always kept), and the memory plan's budget for one problem's sets at
     # its own shapes (oracle.Oracle.prepare): a KernelBench ReLU's set holds 26 GB.
-    problem_cache_bytes: int = Field(default=48 << 30, ge=0)
+    # None: 48 GiB or a fifth of this host's memory, whichever is less.
+    problem_cache_bytes: int | None = Field(default=None, ge=0)
     full_set_budget_bytes: int = Field(default=16 << 30, ge=0)
     # A verdict rests on at least this many input sets, one at the module's own shapes
     # (on a GPU), or it is not "correct": a dropped set is never a silent fallback.
@@ -86,6 +87,13 @@ class VerifierConfig(BaseModel):
     # at ``oracle_memory_fraction`` of the device; one that finds the device full runs the
     # reference on the host (slower, same verdict).
     oracles: int = Field(default=1, ge=1)
+    # Host bytes that a device's candidates in their GPU stage (their problems' prepared
+    # sets, which their workers load) and its preparations in flight (the oracle's sets
+    # and the verifier's copy, estimated from the reference's sizes on the meta device)
+    # may hold together; one always runs. None: 40% of this host's memory. On the H200
+    # host (125 GiB) an evaluation's process was killed for memory with two workers of a
+    # 6.4 GB-input problem beside an oracle preparing another.
+    host_budget_bytes: int | None = Field(default=None, ge=0)
     # Candidates in their GPU stage at once, per GPU: their checks overlap (one's Triton
     # JIT and host work with another's kernels); timing is exclusive all the same.
     candidates_per_gpu: int = Field(default=3, ge=1)

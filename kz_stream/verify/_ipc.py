@@ -456,11 +456,14 @@ class Child:
     def __init__(self, module: str, args: list[str], *, env: dict[str, str] | None = None,
                  isolate: bool = True, strong: bool = False, gated: bool = False,
                  start_timeout_s: float = 180.0, gpu: bool = False,
-                 read_only: tuple[str, ...] = (), spill: bool = False) -> None:
+                 read_only: tuple[str, ...] = (), spill: bool = False,
+                 oom_score_adj: int | None = None) -> None:
         """``strong`` asks for the jail (``_sandbox.isolation``), else a network namespace;
         ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths.
         ``spill`` gives the child a folder for its replies' big buffers (``spill_folder``),
-        named by ``KZ_SPILL_DIR``: only for a child that runs no candidate code."""
+        named by ``KZ_SPILL_DIR``: only for a child that runs no candidate code.
+        ``oom_score_adj`` (up to 1000) makes the kernel's OOM killer take the child, and
+        what it starts, before the verifier when the host runs out of memory."""
         self.private = tempfile.mkdtemp(prefix=f"kz-child-{_verifier_tag()}")
         work = os.path.join(self.private, "work")
         os.mkdir(work)
@@ -474,6 +477,11 @@ class Child:
         cmd = jail_command([sys.executable, "-m", module, str(child_sock.fileno()), *args],
                            self.private, self.isolation, gpu=gpu, read_only=read_only,
                            cwd=work)
+        if oom_score_adj is not None:
+            # Set by a shell that then becomes the command, so that every process of the
+            # child inherits it from the start (raising one's own score needs no privilege).
+            cmd = ["/bin/sh", "-c", f'echo {int(oom_score_adj)} > /proc/self/oom_score_adj '
+                   '2>/dev/null; exec "$@"', "kz-child", *cmd]
         e = child_env(self.private, env)
         e["KZ_PRIVATE_DIR"] = self.private
         if self.spill_dir is not None:

@@ -5,9 +5,11 @@ kept for timing, and the locks that say who may use the GPU."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+import os
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -20,7 +22,7 @@ from kz_stream.verify._messages import PrepareRequest, WorkerRequest
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._sandbox import isolation
 
-__all__ = ["CompiledBaseline", "Lane", "RefTimer"]
+__all__ = ["ByteBudget", "CompiledBaseline", "Lane", "RefTimer", "host_memory_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,79 @@ class CompiledBaseline:
 
 
 
+# When the host runs out of memory, the kernel kills a candidate's worker first, then an
+# oracle, and the verifier (whose death would stop the service) last. On the H200 host the
+# evaluation's own process was the one killed, holding the prepared problems.
+WORKER_OOM_SCORE_ADJ = 1000
+ORACLE_OOM_SCORE_ADJ = 500
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ByteBudget:
+    """Admits holders while their bytes fit in ``limit``, first come first served (a big
+    request is not passed over for ever by small ones); one holder is always admitted, so
+    a request larger than the whole budget runs alone. asyncio has no weighted semaphore,
+    hence this."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.holders = 0
+        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        await self._acquire(nbytes)
+        try:
+            yield
+        finally:
+            self._release(nbytes)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.holders == 0 or self.held + nbytes <= self.limit
+
+    def _take(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.holders += 1
+
+    async def _acquire(self, nbytes: int) -> None:
+        if not self._waiting and self._fits(nbytes):
+            self._take(nbytes)
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((nbytes, turn))
+        try:
+            await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self._release(nbytes)  # admitted, then cancelled before it ran
+            else:
+                turn.cancel()
+                self._admit()
+            raise
+
+    def _release(self, nbytes: int) -> None:
+        self.held -= nbytes
+        self.holders -= 1
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._waiting:
+            nbytes, turn = self._waiting[0]
+            if turn.done():  # given up while waiting
+                self._waiting.popleft()
+                continue
+            if not self._fits(nbytes):
+                return
+            self._waiting.popleft()
+            self._take(nbytes)
+            turn.set_result(None)
+
+
 class Lane:
     """One device: its oracle, pre-started candidate workers, and who may use the GPU.
 
@@ -62,7 +137,9 @@ class Lane:
     ``slots`` bounds the candidates in their GPU stage at once (memory); up to
     ``config.oracles`` oracle processes prepare problems at once (``oracle_slots``), each
     one request at a time: a KernelBench problem's preparation is mostly host work
-    (drawing inputs, float64 runs, moving gigabytes), so several overlap well.
+    (drawing inputs, float64 runs, moving gigabytes), so several overlap well. ``host``
+    keeps the host's memory for what these processes hold: a candidate in its GPU stage
+    counts its problem's prepared sets, a preparation ``full_set_budget_bytes``.
 
     ``config`` is the verifier's, shared: a jail that does not suit the host is turned off
     there (``strong_isolation``) for every lane. ``worker_read_only`` are more paths a
@@ -80,6 +157,8 @@ class Lane:
         self.gpu = aiorwlock.RWLock()
         self.slots = asyncio.Semaphore(config.candidates_per_gpu)
         self.oracle_slots = asyncio.Semaphore(config.oracles)
+        self.host = ByteBudget(config.host_budget_bytes if config.host_budget_bytes
+                               is not None else int(0.4 * host_memory_bytes()))
         self.oracles: list[Child] = []  # idle, alive as far as is known
         self.oracles_busy: set[Child] = set()
         self.spares: list[Child] = []
@@ -117,7 +196,7 @@ class Lane:
             env["KZ_WORKER_MEMORY_MB"] = str(cfg.cpu_worker_memory_mb)
         child = Child("kz_stream.verify._worker", [self.device], env=env,
                       isolate=True, strong=cfg.strong_isolation, gated=True, gpu=gpu,
-                      read_only=self.worker_read_only)
+                      read_only=self.worker_read_only, oom_score_adj=WORKER_OOM_SCORE_ADJ)
         task = asyncio.get_running_loop().create_task(self._start(child))
         task.add_done_callback(_retrieve)
         self.starting[child] = task
@@ -187,7 +266,8 @@ class Lane:
                 raise ChildDied("the verifier is closed")
             oracle = Child("kz_stream.verify._oracle", [self.device],
                            env=self._env(self.config.oracle_memory_fraction),
-                           isolate=True, strong=False, spill=self._may_spill())
+                           isolate=True, strong=False, spill=self._may_spill(),
+                           oom_score_adj=ORACLE_OOM_SCORE_ADJ)
         self.oracles_busy.add(oracle)
         try:
             reply = await asyncio.to_thread(oracle.call, msg, timeout_s)

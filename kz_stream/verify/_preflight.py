@@ -18,7 +18,7 @@ import os
 import re
 from typing import Any
 
-__all__ = ["Finding", "candidate_preflight", "reference_init_args"]
+__all__ = ["Finding", "candidate_preflight", "reference_footprint", "reference_init_args"]
 
 # (stage, "Type: message") of a decisive failure, or None.
 Finding = tuple[str, str] | None
@@ -33,6 +33,32 @@ def reference_init_args(source: str) -> list[Any]:
     from kz_stream.verify._reference import load_reference
 
     return list(load_reference(source, os.getcwd()).get_init_inputs())
+
+
+def reference_footprint(source: str) -> tuple[int, int | None]:
+    """Bytes of the reference's own inputs and of its outputs on them (None where the
+    forward cannot run on the meta device), found on the meta device: no memory, no
+    kernel (run in a sandboxed child). What a preparation will hold, before it runs."""
+    import torch
+
+    from kz_stream.verify._compare import flatten
+    from kz_stream.verify._reference import load_reference
+
+    def size(values: list[Any]) -> int:
+        # Meta tensors have no storage to tell shared ones apart: count each view.
+        return sum(v.numel() * v.element_size() for v in values
+                   if isinstance(v, torch.Tensor))
+
+    ref = load_reference(source, os.getcwd())
+    with torch.device("meta"):
+        inputs = list(ref.get_inputs())
+        init = list(ref.get_init_inputs())
+        try:
+            with torch.no_grad():
+                out = flatten(ref.model_cls(*init)(*inputs))
+        except Exception:
+            return size(inputs), None
+    return size(inputs), size(out)
 
 
 def _decisive_at_load(e: BaseException) -> bool:

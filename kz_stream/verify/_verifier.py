@@ -37,7 +37,7 @@ from kz_stream.verify._hardware import manifest
 from kz_stream.verify._inputs import at_own_shapes
 from kz_stream.verify._ipc import ChildDied, ChildTimeout, reap_left_behind, tail
 from kz_stream.verify._messages import PrepareRequest
-from kz_stream.verify._pool import Lane
+from kz_stream.verify._pool import Lane, host_memory_bytes
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._rewrite import kernel_names
 from kz_stream.verify._sandbox import SandboxOutcome, isolation, run_in_sandbox
@@ -48,6 +48,20 @@ __all__ = ["Verifier", "VerifierConfig"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def preparation_bytes(input_bytes: int, output_bytes: int | None,
+                      full_set_budget: int) -> int:
+    """Host bytes a problem's preparation holds at its peak, from its own inputs' and
+    outputs' sizes: each set holds its inputs, honest outputs and float64 outputs (three
+    times a float32 output); sets at the module's own shapes hold ``full_set_budget``
+    together, the own set always, the others past it run at about an eighth of the shapes
+    (the memory plan, ``_inputs``); the oracle holds them all while the verifier reads its
+    copy. An unknown output counts as large as the inputs. An upper bound: sets shrink."""
+    own = input_bytes + 3 * (input_bytes if output_bytes is None else output_bytes)
+    others = 5 * own  # signed, normal, heavy, odd, small: at most as large as own
+    full = min(others, max(full_set_budget - own, 0))
+    return 2 * (own + full + (others - full) // 8)
 
 
 def preparation_failure(message: str) -> tuple[Status, str, str]:
@@ -89,6 +103,11 @@ class Verifier:
         self._warned_interpreter = False
         # problem key -> the sandboxed get_init_inputs() of the preflight
         self._init_args: dict[str, asyncio.Future[SandboxOutcome]] = {}
+        # problem key -> what its preparation holds on the host (``preparation_bytes``)
+        self._footprints: OrderedDict[str, int] = OrderedDict()
+        self._problem_cache_bytes = (
+            self.config.problem_cache_bytes if self.config.problem_cache_bytes is not None
+            else min(48 << 30, host_memory_bytes() // 5))
         self._prepare_locks: dict[str, asyncio.Lock] = {}
         self._loop_thread: _LoopThread | None = None
 
@@ -248,7 +267,7 @@ class Verifier:
             if short:
                 return self._verdict(Status.UNCHECKED, short, check="input_sets")
             t0 = time.monotonic()
-            async with lane.slots:
+            async with lane.host.hold(prepared.host_bytes), lane.slots:
                 details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
                 verdict = await self._gpu_stage(lane, prepared, candidate, builds,
                                                 own_names, details)
@@ -375,7 +394,9 @@ class Verifier:
         try:
             # A free oracle first, then the GPU: waiting for one while holding the
             # shared lock would hold timing up.
-            async with lane.oracle_slots, lane.gpu.reader_lock:
+            async with (lane.oracle_slots,
+                        lane.host.hold(await self._preparation_bytes(problem)),
+                        lane.gpu.reader_lock):
                 t0 = time.monotonic()
                 r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
                 call_s = time.monotonic() - t0
@@ -391,9 +412,31 @@ class Verifier:
         while len(self._prepared) > 1 and (
                 len(self._prepared) > self.config.problem_cache
                 or sum(p.host_bytes for p in self._prepared.values())
-                > self.config.problem_cache_bytes):
+                > self._problem_cache_bytes):
             self._prepared.popitem(last=False)
         return prepared
+
+    async def _preparation_bytes(self, problem: Problem) -> int:
+        """Host bytes that preparing ``problem`` holds at its peak: the oracle's sets and
+        the verifier's copy of them (``preparation_bytes``), from the reference's sizes
+        on the meta device; twice the full-size budget where those cannot be found. The
+        CPU path prepares small sets only: 0."""
+        if not self.gpu:
+            return 0
+        known = self._footprints.get(problem.key)
+        if known is None:
+            got = await asyncio.to_thread(
+                run_in_sandbox, "kz_stream.verify._preflight:reference_footprint",
+                (problem.source,), timeout_s=self.config.preflight_timeout_s, memory_mb=4096)
+            budget = self.config.full_set_budget_bytes
+            known = 2 * budget
+            if got.ok and got.value:
+                input_bytes, output_bytes = got.value
+                known = preparation_bytes(input_bytes, output_bytes, budget)
+            self._footprints[problem.key] = known
+            while len(self._footprints) > 4 * self.config.problem_cache:
+                self._footprints.popitem(last=False)
+        return known
 
     async def _gpu_stage(self, lane: Lane, p: Prepared, candidate: Candidate,
                          builds: list[BuildResult], own_names: list[str],

@@ -414,3 +414,39 @@ def test_a_message_that_announces_more_than_the_host_holds_is_refused_unallocate
     child.send_bytes(pickle.dumps([ipc._MAX_MESSAGE_BYTES, 1]))  # then nothing
     with pytest.raises(ipc.UnreadableReply, match=r"announces .* more than a message may hold"):
         recv(parent)
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process under it."""
+    out = [pid]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(k) for k in f.read().split()]
+    except OSError:
+        return out
+    for k in kids:
+        out += _tree(k)
+    return out
+
+
+def _oom_score_adj(pid: int) -> int:
+    with open(f"/proc/{pid}/oom_score_adj") as f:
+        return int(f.read())
+
+
+async def test_the_oom_killer_takes_workers_then_oracles_before_the_verifier() -> None:
+    from kz_stream.verify._pool import ORACLE_OOM_SCORE_ADJ, WORKER_OOM_SCORE_ADJ
+
+    lane = Lane(VerifierConfig(devices=[], prewarm=0), None)
+    try:
+        reply = await lane.oracle_call(PREPARE, 300)
+        assert reply["ok"], reply
+        worker = await lane.take_worker()
+        oracle_tree = _tree(lane.oracles[0].proc.pid)
+        worker_tree = _tree(worker.proc.pid)
+        assert len(worker_tree) >= 1 and len(oracle_tree) >= 1
+        assert {_oom_score_adj(p) for p in oracle_tree} == {ORACLE_OOM_SCORE_ADJ}
+        assert {_oom_score_adj(p) for p in worker_tree} == {WORKER_OOM_SCORE_ADJ}
+        assert _oom_score_adj(os.getpid()) < ORACLE_OOM_SCORE_ADJ < WORKER_OOM_SCORE_ADJ
+    finally:
+        lane.close()

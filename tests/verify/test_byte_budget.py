@@ -1,0 +1,76 @@
+"""``ByteBudget``: the host memory a device's verifier processes may hold together."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kz_stream.verify._pool import ByteBudget
+
+
+async def _enter(budget: ByteBudget, nbytes: int, entered: list[int],
+                 leave: asyncio.Event) -> None:
+    async with budget.hold(nbytes):
+        entered.append(nbytes)
+        await leave.wait()
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_holders_share_the_budget_and_the_next_waits_for_room() -> None:
+    budget, entered, leave = ByteBudget(10), [], asyncio.Event()
+    tasks = [asyncio.create_task(_enter(budget, n, entered, leave)) for n in (4, 5, 3)]
+    await _settle()
+    assert entered == [4, 5] and budget.held == 9
+    leave.set()
+    await asyncio.gather(*tasks)
+    assert entered == [4, 5, 3] and budget.held == 0 and budget.holders == 0
+
+
+async def test_a_request_larger_than_the_budget_runs_alone() -> None:
+    budget, entered, leave = ByteBudget(10), [], asyncio.Event()
+    big = asyncio.create_task(_enter(budget, 25, entered, leave))
+    small = asyncio.create_task(_enter(budget, 1, entered, leave))
+    await _settle()
+    assert entered == [25]
+    leave.set()
+    await asyncio.gather(big, small)
+    assert entered == [25, 1]
+
+
+async def test_a_waiting_big_request_is_not_passed_by_later_small_ones() -> None:
+    budget, entered = ByteBudget(10), []
+    first, rest = asyncio.Event(), asyncio.Event()
+    holder = asyncio.create_task(_enter(budget, 6, entered, first))
+    await _settle()
+    big = asyncio.create_task(_enter(budget, 8, entered, rest))
+    await _settle()
+    small = asyncio.create_task(_enter(budget, 2, entered, rest))  # would fit now
+    await _settle()
+    assert entered == [6]
+    first.set()
+    await _settle()
+    assert entered == [6, 8, 2]
+    rest.set()
+    await asyncio.gather(holder, big, small)
+
+
+async def test_giving_up_while_waiting_holds_nothing() -> None:
+    budget, entered, leave = ByteBudget(10), [], asyncio.Event()
+    holder = asyncio.create_task(_enter(budget, 9, entered, leave))
+    await _settle()
+    waiter = asyncio.create_task(_enter(budget, 5, entered, leave))
+    after = asyncio.create_task(_enter(budget, 1, entered, leave))
+    await _settle()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await _settle()
+    assert entered == [9, 1]  # the one behind it fits and goes in
+    leave.set()
+    await asyncio.gather(holder, after)
+    assert budget.held == 0 and budget.holders == 0

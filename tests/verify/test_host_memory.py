@@ -1,0 +1,75 @@
+"""What a problem's preparation holds on the host, known before it runs: the reference's
+sizes on the meta device, and the memory plan's arithmetic."""
+
+from __future__ import annotations
+
+from kz_stream.verify._preflight import reference_footprint
+from kz_stream.verify._verifier import preparation_bytes
+
+GB = 10**9
+
+# KernelBench level 1, 19 (ReLU) at its published size: 6.4 GB of float32 input.
+RELU_FULL = '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.rand(4096, 393216)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+# A loss: two inputs, one 0-dim output.
+MSE_FULL = '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, a, b):
+        return torch.mean((a - b) ** 2)
+
+
+def get_inputs():
+    return [torch.rand(32768, 32768), torch.rand(32768, 32768)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+# A forward the meta device cannot run (it reads a value).
+READS_A_VALUE = RELU_FULL.replace("return torch.relu(x)",
+                                  "return x * float(x.sum())")
+
+
+def test_the_footprint_comes_from_the_meta_device_without_memory() -> None:
+    assert reference_footprint(RELU_FULL) == (4096 * 393216 * 4, 4096 * 393216 * 4)
+    assert reference_footprint(MSE_FULL) == (2 * 32768 * 32768 * 4, 4)
+
+
+def test_an_output_the_meta_device_cannot_give_is_unknown() -> None:
+    assert reference_footprint(READS_A_VALUE) == (4096 * 393216 * 4, None)
+
+
+def test_a_small_problem_holds_six_full_sets_twice() -> None:
+    own = 1_000 + 3 * 1_000
+    assert preparation_bytes(1_000, 1_000, 16 * GB) == 2 * 6 * own
+
+
+def test_past_the_budget_the_other_sets_count_an_eighth() -> None:
+    # The ReLU's own set (input, honest and float64 output) is 25.8 GB: over the 16 GB
+    # budget alone, so the five others run at an eighth of the shapes.
+    relu = 4096 * 393216 * 4
+    own = 4 * relu
+    assert preparation_bytes(relu, relu, 16 * 2**30) == 2 * (own + 5 * own // 8)
+
+
+def test_an_unknown_output_counts_as_large_as_the_inputs() -> None:
+    assert preparation_bytes(10, None, 10**6) == preparation_bytes(10, 10, 10**6)
