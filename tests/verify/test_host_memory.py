@@ -3,6 +3,10 @@ sizes on the meta device, and the memory plan's arithmetic."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from kz_stream.verify._preflight import reference_footprint
 from kz_stream.verify._verifier import preparation_bytes
 
@@ -47,6 +51,12 @@ def get_init_inputs():
 # A forward the meta device cannot run (it reads a value).
 READS_A_VALUE = RELU_FULL.replace("return torch.relu(x)",
                                   "return x * float(x.sum())")
+
+
+@pytest.fixture(autouse=True)
+def _in_a_scratch_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # It runs in a sandbox's folder, where it writes the reference's module file.
+    monkeypatch.chdir(tmp_path)
 
 
 def test_the_footprint_comes_from_the_meta_device_without_memory() -> None:
