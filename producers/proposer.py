@@ -268,7 +268,7 @@ class ProposerService(Service):
         """Hands a seed stored by an earlier session of this run to the embedded bus, which
         starts empty in each process (same event: the store keeps it once). A broker still
         holds it, and the Coder has read it: nothing to do there."""
-        if self.ctx.settings.bus_url.startswith("memory://"):
+        if not self.ctx.bus.logs_outlive_the_process:
             await self.wait_out(
                 lambda: self.ctx.bus.publish(self.ctx.settings.topics.modules, event))
         self.published += 1

@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from kz_stream.bus._port import (
     DEFAULT_DEAD_LETTER_TOPIC,
@@ -147,14 +147,14 @@ class ConsumerConfig:
 class ConsumerCore(ABC):
     """One group member's pipeline from fetched batches to commits (see module doc)."""
 
-    # Whether the bus's logs outlive this process (a broker's do; the embedded bus's die
-    # with it, so its new logs on a resumed run are expected, not a lost broker).
-    logs_outlive_the_process: ClassVar[bool] = True
-
-    def __init__(self, config: ConsumerConfig, publish_raw: PublishRaw) -> None:
+    def __init__(self, config: ConsumerConfig, publish_raw: PublishRaw, *,
+                 logs_outlive_the_process: bool) -> None:
+        """``logs_outlive_the_process``: the bus's (``Bus``); where they do not, the new logs
+        of a resumed run are expected, not a broker that lost its storage."""
         if config.max_batch < 1 or config.max_in_flight < 1 or config.max_retries < 0:
             raise ValueError("max_batch and max_in_flight must be ≥ 1, max_retries ≥ 0")
         self.group = config.group
+        self.logs_outlive_the_process = logs_outlive_the_process
         self.topics = config.topics
         self.stats = SubscriptionStats()
         self._handler = config.handler

@@ -94,7 +94,8 @@ class _KafkaSubscription(ConsumerCore):
     def __init__(
         self, bus: KafkaBus, config: ConsumerConfig, consumer_options: dict[str, Any]
     ) -> None:
-        super().__init__(config, bus.publish_raw)
+        super().__init__(config, bus.publish_raw,
+                         logs_outlive_the_process=bus.logs_outlive_the_process)
         self._bus = bus
         self._consumer_options = consumer_options
         self._consumer: Any = None
@@ -338,6 +339,8 @@ class KafkaBus(Bus):
     On a rebalance a member's running batch gets ``revoke_timeout`` seconds to finish and
     commit before it is cancelled (and redelivered to the partition's next owner).
     """
+
+    logs_outlive_the_process = True
 
     def __init__(
         self,

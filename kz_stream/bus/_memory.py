@@ -124,10 +124,9 @@ class _Group:
 
 
 class _MemorySubscription(ConsumerCore):
-    logs_outlive_the_process = False
-
     def __init__(self, bus: InMemoryBus, group: _Group, config: ConsumerConfig) -> None:
-        super().__init__(config, bus.publish_raw)
+        super().__init__(config, bus.publish_raw,
+                         logs_outlive_the_process=bus.logs_outlive_the_process)
         self.bus = bus
         self._group_state = group
         self._positions: dict[TP, int] = {}
@@ -255,6 +254,8 @@ class InMemoryBus(Bus):
     """The embedded bus (see module doc). Topics that do not exist when published to or
     subscribed to are created with ``default_partitions``. On a rebalance a member's
     running batch gets ``revoke_timeout`` seconds to finish before it is cancelled."""
+
+    logs_outlive_the_process = False
 
     def __init__(self, *, default_partitions: int = 4, revoke_timeout: float | None = 20.0) -> None:
         self.default_partitions = default_partitions

@@ -160,6 +160,10 @@ class Subscription(Protocol):
 
 
 class Bus(Protocol):
+    # Whether the topics outlive this process (a broker's do; the embedded bus's die with
+    # it, so a resumed run finds them empty and its consumers' offsets point nowhere).
+    logs_outlive_the_process: bool
+
     async def start(self) -> None: ...
 
     async def close(self) -> None:
