@@ -79,7 +79,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
                     for name in args.problems for i in range(args.candidates)]
             for verdict in await asyncio.gather(*jobs):
                 statuses[verdict.status.value] = statuses.get(verdict.status.value, 0) + 1
-            limit = v._lanes[0].host.limit
+            limit = v._host.limit
         return {"seconds": time.monotonic() - t0, "statuses": statuses,
                 "budget_bytes": None if limit >= UNLIMITED else limit}
 

@@ -87,10 +87,9 @@ class VerifierConfig(BaseModel):
     # at ``oracle_memory_fraction`` of the device; one that finds the device full runs the
     # reference on the host (slower, same verdict).
     oracles: int = Field(default=1, ge=1)
-    # Host bytes that a device's candidates in their GPU stage (their problems' prepared
-    # sets, which their workers load) and its preparations in flight (the oracle's sets
-    # and the verifier's copy, estimated from the reference's sizes on the meta device)
-    # may hold together; one always runs. None: 40% of this host's memory. On the H200
+    # Host bytes that the problems being verified at once may hold (each its preparation's
+    # peak, estimated from the reference's sizes on the meta device: the oracle's sets and
+    # the verifier's copy); one always runs. None: 40% of this host's memory. On the H200
     # host (125 GiB) an evaluation's process was killed for memory with two workers of a
     # 6.4 GB-input problem beside an oracle preparing another.
     host_budget_bytes: int | None = Field(default=None, ge=0)

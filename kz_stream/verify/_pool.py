@@ -78,11 +78,11 @@ class ByteBudget:
 
     @contextlib.asynccontextmanager
     async def hold(self, nbytes: int) -> AsyncIterator[None]:
-        await self._acquire(nbytes)
+        await self.acquire(nbytes)
         try:
             yield
         finally:
-            self._release(nbytes)
+            self.release(nbytes)
 
     def _fits(self, nbytes: int) -> bool:
         return self.holders == 0 or self.held + nbytes <= self.limit
@@ -91,7 +91,7 @@ class ByteBudget:
         self.held += nbytes
         self.holders += 1
 
-    async def _acquire(self, nbytes: int) -> None:
+    async def acquire(self, nbytes: int) -> None:
         if not self._waiting and self._fits(nbytes):
             self._take(nbytes)
             return
@@ -101,13 +101,13 @@ class ByteBudget:
             await turn
         except BaseException:
             if turn.done() and not turn.cancelled():
-                self._release(nbytes)  # admitted, then cancelled before it ran
+                self.release(nbytes)  # admitted, then cancelled before it ran
             else:
                 turn.cancel()
                 self._admit()
             raise
 
-    def _release(self, nbytes: int) -> None:
+    def release(self, nbytes: int) -> None:
         self.held -= nbytes
         self.holders -= 1
         self._admit()
@@ -137,9 +137,7 @@ class Lane:
     ``slots`` bounds the candidates in their GPU stage at once (memory); up to
     ``config.oracles`` oracle processes prepare problems at once (``oracle_slots``), each
     one request at a time: a KernelBench problem's preparation is mostly host work
-    (drawing inputs, float64 runs, moving gigabytes), so several overlap well. ``host``
-    keeps the host's memory for what these processes hold: a candidate in its GPU stage
-    counts its problem's prepared sets, a preparation ``full_set_budget_bytes``.
+    (drawing inputs, float64 runs, moving gigabytes), so several overlap well.
 
     ``config`` is the verifier's, shared: a jail that does not suit the host is turned off
     there (``strong_isolation``) for every lane. ``worker_read_only`` are more paths a
@@ -157,8 +155,6 @@ class Lane:
         self.gpu = aiorwlock.RWLock()
         self.slots = asyncio.Semaphore(config.candidates_per_gpu)
         self.oracle_slots = asyncio.Semaphore(config.oracles)
-        self.host = ByteBudget(config.host_budget_bytes if config.host_budget_bytes
-                               is not None else int(0.4 * host_memory_bytes()))
         self.oracles: list[Child] = []  # idle, alive as far as is known
         self.oracles_busy: set[Child] = set()
         self.spares: list[Child] = []

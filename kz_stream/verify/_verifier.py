@@ -13,6 +13,7 @@ and the verdict lists what it could not check. The processes of each device are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -21,8 +22,8 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Coroutine
-from dataclasses import replace
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -37,7 +38,7 @@ from kz_stream.verify._hardware import manifest
 from kz_stream.verify._inputs import at_own_shapes
 from kz_stream.verify._ipc import ChildDied, ChildTimeout, reap_left_behind, tail
 from kz_stream.verify._messages import PrepareRequest
-from kz_stream.verify._pool import Lane, host_memory_bytes
+from kz_stream.verify._pool import ByteBudget, Lane, host_memory_bytes
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._rewrite import kernel_names
 from kz_stream.verify._sandbox import SandboxOutcome, isolation, run_in_sandbox
@@ -48,6 +49,16 @@ __all__ = ["Verifier", "VerifierConfig"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _InUse:
+    """A problem being verified: how many verifications of it run, and the host bytes it
+    holds once admitted."""
+
+    users: int = 0
+    nbytes: int | None = None
+    admitting: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def preparation_bytes(input_bytes: int, output_bytes: int | None,
@@ -105,6 +116,11 @@ class Verifier:
         self._init_args: dict[str, asyncio.Future[SandboxOutcome]] = {}
         # problem key -> what its preparation holds on the host (``preparation_bytes``)
         self._footprints: OrderedDict[str, int] = OrderedDict()
+        # The host's memory for the problems being verified (``_in_use``).
+        self._host = ByteBudget(self.config.host_budget_bytes
+                                if self.config.host_budget_bytes is not None
+                                else int(0.4 * host_memory_bytes()))
+        self._problems_in_use: dict[str, _InUse] = {}
         self._problem_cache_bytes = (
             self.config.problem_cache_bytes if self.config.problem_cache_bytes is not None
             else min(48 << 30, host_memory_bytes() // 5))
@@ -247,6 +263,15 @@ class Verifier:
             early = await self._preflight(problem, candidate, details)
             if early is not None:
                 return early
+        t0 = time.monotonic()
+        async with self._in_use(problem):
+            details["host_wait_s"] = round(time.monotonic() - t0, 3)
+            return await self._prepared_and_staged(problem, candidate, builds, own_names,
+                                                   details)
+
+    async def _prepared_and_staged(self, problem: Problem, candidate: Candidate,
+                                   builds: list[BuildResult], own_names: list[str],
+                                   details: dict[str, Any]) -> Verdict:
         lane = min(self._lanes, key=lambda ln: ln.busy)
         lane.busy += 1
         try:
@@ -267,7 +292,7 @@ class Verifier:
             if short:
                 return self._verdict(Status.UNCHECKED, short, check="input_sets")
             t0 = time.monotonic()
-            async with lane.host.hold(prepared.host_bytes), lane.slots:
+            async with lane.slots:
                 details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
                 verdict = await self._gpu_stage(lane, prepared, candidate, builds,
                                                 own_names, details)
@@ -291,7 +316,8 @@ class Verifier:
         lane = min(self._lanes, key=lambda ln: ln.busy)
         t0 = time.monotonic()
         try:
-            prepared = await self._prepare(lane, problem)
+            async with self._in_use(problem):
+                prepared = await self._prepare(lane, problem)
         except Exception as e:  # the audit reports it: one bad problem must not stop it
             return {"error": f"{type(e).__name__}: {tail(str(e), 500)}",
                     "seconds": round(time.monotonic() - t0, 3)}
@@ -394,9 +420,7 @@ class Verifier:
         try:
             # A free oracle first, then the GPU: waiting for one while holding the
             # shared lock would hold timing up.
-            async with (lane.oracle_slots,
-                        lane.host.hold(await self._preparation_bytes(problem)),
-                        lane.gpu.reader_lock):
+            async with lane.oracle_slots, lane.gpu.reader_lock:
                 t0 = time.monotonic()
                 r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
                 call_s = time.monotonic() - t0
@@ -415,6 +439,32 @@ class Verifier:
                 > self._problem_cache_bytes):
             self._prepared.popitem(last=False)
         return prepared
+
+    @contextlib.asynccontextmanager
+    async def _in_use(self, problem: Problem) -> AsyncIterator[None]:
+        """Holds ``problem`` in use while verifications of it run: the first waits until
+        the host has room for what its preparation holds (``_preparation_bytes``), held
+        until the last one ends; the others of the same problem join without waiting.
+        The same bytes cover the verifier's copy of the sets and its workers' inputs after
+        the preparation, so nothing waits for memory once admitted and no two problems can
+        wait for each other. A problem larger than the budget runs alone."""
+        key = problem.key
+        entry = self._problems_in_use.setdefault(key, _InUse())
+        entry.users += 1
+        try:
+            async with entry.admitting:
+                if entry.nbytes is None:
+                    nbytes = await self._preparation_bytes(problem)
+                    await self._host.acquire(nbytes)
+                    entry.nbytes = nbytes
+            yield
+        finally:
+            entry.users -= 1
+            if not entry.users:
+                if self._problems_in_use.get(key) is entry:
+                    del self._problems_in_use[key]
+                if entry.nbytes is not None:
+                    self._host.release(entry.nbytes)
 
     async def _preparation_bytes(self, problem: Problem) -> int:
         """Host bytes that preparing ``problem`` holds at its peak: the oracle's sets and

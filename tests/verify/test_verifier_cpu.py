@@ -185,7 +185,7 @@ async def test_a_verification_in_flight_at_close_ends_with_a_verdict() -> None:
     assert lane.closed and not lane.spares and not lane.oracles and not lane.oracles_busy
 
 
-def _waits_for(marker_dir: str, me: str, other: str) -> str:
+def _waits_for(marker_dir: str, me: str, other: str, within_s: float = 120) -> str:
     """A problem whose inputs are drawn only once ``other``'s are being drawn too."""
     return f'''import os, time
 import torch
@@ -198,7 +198,7 @@ class Model(torch.nn.Module):
 
 def get_inputs():
     open(os.path.join({marker_dir!r}, {me!r}), "w").close()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + {within_s}
     while not os.path.exists(os.path.join({marker_dir!r}, {other!r})):
         if time.monotonic() > deadline:
             raise RuntimeError("{me}: {other} was not prepared at the same time")
@@ -226,3 +226,31 @@ async def test_two_oracles_prepare_two_problems_at_once() -> None:
     for info in both:
         assert "error" not in info, info
         assert info["input_sets"], info
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
+@pytest.mark.parametrize("each", [4, 8])
+async def test_problems_that_do_not_fit_the_host_together_are_not_prepared_together(
+        each: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two oracles, a budget of 10 bytes, and problems whose preparation holds ``each``:
+    # two of 4 are prepared together; of two of 8 the second waits for the first, whose
+    # inputs wait for the second's in vain.
+    from kz_stream.verify import VerifierConfig
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as marks:
+        os.chmod(marks, 0o777)
+        a = Problem(_waits_for(marks, "a", "b", within_s=10))
+        b = Problem(_waits_for(marks, "b", "a", within_s=10))
+        async with Verifier(VerifierConfig(devices=[], oracles=2, host_budget_bytes=10)) as v:
+
+            async def estimate(problem: Problem) -> int:
+                return each
+
+            monkeypatch.setattr(v, "_preparation_bytes", estimate)
+            first, second = await asyncio.gather(v.inspect_problem(a), v.inspect_problem(b))
+            assert v._host.held == 0 and not v._problems_in_use
+    if each == 4:
+        assert "error" not in first and "error" not in second, (first, second)
+    else:
+        assert "b was not prepared at the same time" in first["error"], first
+        assert "error" not in second, second
