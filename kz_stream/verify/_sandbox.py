@@ -55,6 +55,18 @@ class SandboxSetupError(RuntimeError):
     can be had here."""
 
 
+class _EndedBeforeLoading(SandboxSetupError):
+    """The child ended before it loaded its target and said nothing of why. Seen in CI,
+    once: the child's numpy failed to import ("numpy._core.multiarray failed to import")
+    while another run held most of the host's memory. Tried again before it is called the
+    host's fault."""
+
+
+# Tries of a sandboxed call whose child ends before loading its target (1 s, then 2 s
+# apart).
+SETUP_ATTEMPTS = 3
+
+
 @dataclass(frozen=True)
 class SandboxOutcome:
     """What a sandboxed call did: its value, or why it has none."""
@@ -359,11 +371,31 @@ def run_in_sandbox(
     "exception" when the function raised, "forbidden" when it tried to start a process,
     open a socket or write outside its directory, or left processes running, and "crash"
     when the process died. ``gpu`` shows a jailed child the NVIDIA device nodes. Raises
-    ``SandboxSetupError`` when the child could not load ``target`` itself.
+    ``SandboxSetupError`` when the child could not load ``target`` itself: at once when
+    the child says so, after ``SETUP_ATTEMPTS`` tries when it ended before loading it with
+    no word (``KZ_SANDBOX_ATTEMPT`` in its environment counts them).
     """
     module, sep, func = target.partition(":")
     if not sep or not module or not func:
         raise ValueError(f"target must be 'package.module:function', got {target!r}")
+    for attempt in range(1, SETUP_ATTEMPTS + 1):
+        try:
+            return _run_once(target, module, func, args, timeout_s=timeout_s,
+                             memory_mb=memory_mb, allow_network=allow_network,
+                             file_size_mb=file_size_mb, gpu=gpu,
+                             env={**(env or {}), "KZ_SANDBOX_ATTEMPT": str(attempt)})
+        except _EndedBeforeLoading as e:
+            if attempt == SETUP_ATTEMPTS:
+                raise SandboxSetupError(f"{e} ({attempt} attempts)") from None
+            log.warning("sandbox: %s; trying again (%d of %d)", e, attempt + 1, SETUP_ATTEMPTS)
+            time.sleep(attempt)
+    raise AssertionError("unreachable")
+
+
+def _run_once(target: str, module: str, func: str, args: tuple[Any, ...], *,
+              timeout_s: float, memory_mb: int | None, allow_network: bool,
+              file_size_mb: int, gpu: bool, env: dict[str, str]) -> SandboxOutcome:
+    """One sandboxed call (``run_in_sandbox``)."""
     private = tempfile.mkdtemp(prefix="kz-sbx-")
     work = os.path.join(private, "work")
     os.mkdir(work)
@@ -427,7 +459,7 @@ def run_in_sandbox(
         # Nothing of the code under test ran: the interpreter or the loading of the target
         # died (kz_stream itself not installed where the jail looks, a killed child).
         last = tail.strip().splitlines()[-1] if tail.strip() else "no output"
-        raise SandboxSetupError(
+        raise _EndedBeforeLoading(
             f"the sandbox child ended before it loaded {target} (exit code "
             f"{proc.returncode}): {last} (a jailed child sees the Python installation, not "
             "PYTHONPATH or the project folder)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -135,8 +136,19 @@ def test_a_target_that_cannot_load_is_the_hosts_fault_not_the_codes() -> None:
 
 
 def test_a_child_that_dies_before_its_target_is_loaded_is_a_setup_error() -> None:
-    with pytest.raises(SandboxSetupError, match=r"ended before it loaded .*exit code 3"):
+    with pytest.raises(SandboxSetupError,
+                       match=r"ended before it loaded .*exit code 3.*\(3 attempts\)"):
         run_in_sandbox("tests.verify.sandbox_dies_loading:anything", timeout_s=30)
+
+
+def test_a_child_that_dies_before_loading_once_is_tried_again(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kz_stream.verify"):
+        out = run_in_sandbox("tests.verify.sandbox_dies_first:value", timeout_s=30)
+    assert out.ok and out.value == 7, out
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "ended before it loaded" in said[0], said
+    assert "trying again (2 of 3)" in said[0]
 
 
 @needs_jail
