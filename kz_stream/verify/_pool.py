@@ -126,7 +126,7 @@ class ByteBudget:
 
 
 class Lane:
-    """One device: its oracle, pre-started candidate workers, and who may use the GPU.
+    """One device: its oracles, pre-started candidate workers, and who may use the GPU.
 
     ``gpu`` is a write-preferring readers-writer lock. Every request that runs kernels
     (problem preparation, a check, a worker's CUDA start-up, a comparison) takes it shared
