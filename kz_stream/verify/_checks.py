@@ -45,8 +45,19 @@ from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._timing import bootstrap_ratio_ci, physical_floor_ms, timing_set_count
 from kz_stream.verify._types import Candidate, Status
 
-__all__ = ["Interleaved", "Reject", "Ruling", "Side", "Stage", "baseline_details",
-           "device_was_full", "interleave", "measure_compiled"]
+__all__ = [
+    "Interleaved",
+    "Reject",
+    "Ruling",
+    "Side",
+    "Stage",
+    "baseline_details",
+    "device_was_full",
+    "interleave",
+    "killed_for_memory",
+    "measure_compiled",
+    "oom_kills",
+]
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +143,7 @@ class Stage:
         verdict they mean."""
         stage = stage or str(msg["cmd"])
         started = time.monotonic()
-        oom_kills = _oom_kills()
+        kills_before = oom_kills()
         try:
             async with self._shared():
                 r = await asyncio.to_thread(self.w.call, msg,
@@ -141,11 +152,7 @@ class Stage:
             raise self.reject(Status.TIMEOUT, f"{stage}: {e}", stage) from e
         except ChildDied as e:
             status = Status.RUNTIME_ERROR
-            killed = e.returncode is not None and e.returncode in (-9, 137)
-            # A SIGKILL is the kernel's OOM killer only if it killed something meanwhile
-            # (a candidate can kill its own process group too).
-            if (killed and (oom_kills is None or _oom_kills() != oom_kills)) or (
-                    "out of memory" in e.stderr_tail.lower()):
+            if killed_for_memory(e, kills_before) or "out of memory" in e.stderr_tail.lower():
                 status = Status.OUT_OF_MEMORY
             raise self.reject(status, f"{stage}: worker crashed: {e}; "
                               f"{tail(e.stderr_tail, 1500)}", stage) from e
@@ -668,7 +675,7 @@ _OOM_SIZES = re.compile(r"Tried to allocate ([\d.]+) ([KMGT]i?B)\b.*?of which ([
 _UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
-def _oom_kills() -> int | None:
+def oom_kills() -> int | None:
     """How many processes the kernel's OOM killer has killed on this host, if it says."""
     try:
         with open("/proc/vmstat") as f:
@@ -678,6 +685,14 @@ def _oom_kills() -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def killed_for_memory(e: ChildDied, kills_before: int | None) -> bool:
+    """Whether ``e``'s child died of a SIGKILL while the kernel's OOM killer killed
+    something (``kills_before``: ``oom_kills()`` before the call). A SIGKILL alone is not
+    enough: a candidate can kill its own process group too."""
+    killed = e.returncode is not None and e.returncode in (-9, 137)
+    return killed and (kills_before is None or oom_kills() != kills_before)
 
 
 def device_was_full(message: str) -> bool:

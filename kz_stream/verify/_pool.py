@@ -5,11 +5,10 @@ kept for timing, and the locks that say who may use the GPU."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -75,14 +74,6 @@ class ByteBudget:
         self.held = 0
         self.holders = 0
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
-
-    @contextlib.asynccontextmanager
-    async def hold(self, nbytes: int) -> AsyncIterator[None]:
-        await self.acquire(nbytes)
-        try:
-            yield
-        finally:
-            self.release(nbytes)
 
     def _fits(self, nbytes: int) -> bool:
         return self.holders == 0 or self.held + nbytes <= self.limit

@@ -31,7 +31,14 @@ import torch
 from kz_stream.verify import _astscan as astscan
 from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._build import Builder, BuildResult
-from kz_stream.verify._checks import Reject, Ruling, Stage, device_was_full
+from kz_stream.verify._checks import (
+    Reject,
+    Ruling,
+    Stage,
+    device_was_full,
+    killed_for_memory,
+    oom_kills,
+)
 from kz_stream.verify._config import VerifierConfig
 from kz_stream.verify._extract import InlineCall, extract_inline_calls
 from kz_stream.verify._hardware import manifest
@@ -417,6 +424,7 @@ class Verifier:
         msg: PrepareRequest = {"cmd": "prepare", "source": problem.source, "key": key,
                                "seed": seed, "small_only": not self.gpu,
                                "full_set_budget": self.config.full_set_budget_bytes}
+        kills_before = oom_kills()
         try:
             # A free oracle first, then the GPU: waiting for one while holding the
             # shared lock would hold timing up.
@@ -424,7 +432,15 @@ class Verifier:
                 t0 = time.monotonic()
                 r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
                 call_s = time.monotonic() - t0
-        except (ChildDied, ChildTimeout) as e:
+        except ChildDied as e:
+            if killed_for_memory(e, kills_before):
+                # The host's memory, not the problem: the learner ignores it, the next
+                # candidate prepares it again and a resumed evaluation verifies it again.
+                return self._verdict(Status.INFRA_ERROR, "problem: the host ran out of "
+                                     f"memory while preparing it ({e})", check="host_memory")
+            return self._verdict(Status.UNCHECKED, f"problem: the reference could not be "
+                                 f"evaluated ({e})", check="problem")
+        except ChildTimeout as e:
             return self._verdict(Status.UNCHECKED, f"problem: the reference could not be "
                                  f"evaluated ({e})", check="problem")
         if not r.get("ok"):

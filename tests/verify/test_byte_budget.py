@@ -1,4 +1,5 @@
-"""``ByteBudget``: the host memory a device's verifier processes may hold together."""
+"""``ByteBudget``: the host memory a device's verifier processes may hold together; and what
+says a child died for the host's memory."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from kz_stream.verify._pool import ByteBudget
 
 async def _enter(budget: ByteBudget, nbytes: int, entered: list[int],
                  leave: asyncio.Event) -> None:
-    async with budget.hold(nbytes):
+    await budget.acquire(nbytes)
+    try:
         entered.append(nbytes)
         await leave.wait()
+    finally:
+        budget.release(nbytes)
 
 
 async def _settle() -> None:
@@ -74,3 +78,16 @@ async def test_giving_up_while_waiting_holds_nothing() -> None:
     leave.set()
     await asyncio.gather(holder, after)
     assert budget.held == 0 and budget.holders == 0
+
+
+def test_only_a_sigkill_while_the_oom_killer_worked_is_a_death_for_memory() -> None:
+    from kz_stream.verify._checks import killed_for_memory, oom_kills
+    from kz_stream.verify._ipc import ChildDied
+
+    now = oom_kills()
+    sigkill, crash = ChildDied("gone", "", -9), ChildDied("gone", "", 1)
+    assert not killed_for_memory(crash, None)
+    assert killed_for_memory(sigkill, None)  # the host does not count: any SIGKILL
+    if now is not None:
+        assert not killed_for_memory(sigkill, now)  # killed by someone else
+        assert killed_for_memory(sigkill, now - 1)
