@@ -179,7 +179,9 @@ def throughput_line(t: Throughput) -> str:
             + ("" if rate is None else f" ({rate:.1f} per min)")
             + f"; at work (stages overlap): generation {t.generation_s / 60:.1f} min, "
             f"verification {t.verification_s / 60:.1f} min, of it problem preparation "
-            f"{t.preparation_s / 60:.1f} min.")
+            f"{t.preparation_s / 60:.1f} min"
+            + (f" and waiting for the host's memory {t.host_wait_s / 60:.1f} min"
+               if t.host_wait_s else "") + ".")
 
 
 def markdown(report: EvalReport) -> str:

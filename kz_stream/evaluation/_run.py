@@ -95,7 +95,7 @@ class EvalOptions:
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=2048))
     model: str | None = None  # served model name (endpoint) or base model dir (adapter)
     api_key: str | None = None
-    concurrency: int = 4  # generations (one per problem) and verifications in flight at once
+    concurrency: int = 4  # problems sampled at once; their samples verified at once
     device: str | None = None  # where a local model generates (None: the CPU)
     batch_size: int = 8  # a local model's generation batch (rows of prompt x sample)
     kv_cache: KVCache = "dynamic"  # a local model's KV cache (TransformersBackend)
@@ -163,7 +163,9 @@ async def load_evaluation(store: EventStore, run_id: str) -> EvalRecord | None:
         ver_at, details = verified.get(kid, (None, {}))
         builds = [float(b.get("seconds") or 0) for b in details.get("builds") or []]
         record.times[kid] = StageTimes(gen_at, gen_s, ver_at, details.get("seconds"),
-                                       details.get("prepare_s"), max(builds, default=0.0))
+                                       details.get("prepare_s"), max(builds, default=0.0),
+                                       float(details.get("preflight_s") or 0.0),
+                                       float(details.get("host_wait_s") or 0.0))
     return record
 
 
@@ -347,9 +349,13 @@ async def run_evaluation(
         module_of = {p.problem_id: p.module_id for p in wanted.problems}
         # One gate per stage: with one shared gate, the problems still waiting to be
         # sampled took every slot a finished sample freed, so no kernel was verified
-        # until the last one was generated.
+        # until the last one was generated. Verification's gate is wide (every sample
+        # of `concurrency` problems): the verifier limits its own work (workers, oracles,
+        # the host's memory), and on an H200 the samples of problems waiting for the
+        # host's memory held a narrow gate while the kernels that need no preparation
+        # (92% of the warm start's) waited behind them (docs/evaluation.md, sixth attempt).
         generating = asyncio.Semaphore(options.concurrency)
-        verifying = asyncio.Semaphore(options.concurrency)
+        verifying = asyncio.Semaphore(options.concurrency * options.samples)
 
         async def verify(event: Event, problem_id: str) -> None:
             again = record.verdict_at.get(payload_as(event, KernelGenerated).kernel_id)

@@ -24,8 +24,12 @@ class StageTimes:
     generation_s: float | None = None
     verified_at: float | None = None
     verification_s: float | None = None
-    preparation_s: float | None = None  # inside the verification, after static scan/builds
-    build_s: float = 0.0  # CUDA builds, before the preparation
+    # Inside the verification, in this order after the static scan: CUDA builds, the
+    # preflight, the wait for the host's memory, the preparation, the GPU stage.
+    preparation_s: float | None = None
+    build_s: float = 0.0
+    preflight_s: float = 0.0
+    host_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,8 @@ class Throughput:
     active_s: float
     generation_s: float
     preparation_s: float
-    verification_s: float  # the verifier at work, preparation included
+    verification_s: float  # the verifier at work, preparation and host waits included
+    host_wait_s: float = 0.0  # verifications waiting for the host's memory
 
     @property
     def kernels_per_minute(self) -> float | None:
@@ -43,7 +48,8 @@ class Throughput:
     def as_dict(self) -> dict[str, Any]:
         minutes = {f"{k}_minutes": round(v / 60, 3) for k, v in (
             ("active", self.active_s), ("generation", self.generation_s),
-            ("preparation", self.preparation_s), ("verification", self.verification_s))}
+            ("preparation", self.preparation_s), ("verification", self.verification_s),
+            ("host_wait", self.host_wait_s))}
         rate = self.kernels_per_minute
         return {"kernels": self.kernels, **minutes,
                 "kernels_per_minute": None if rate is None else round(rate, 3)}
@@ -65,6 +71,7 @@ def throughput(kernels: Mapping[str, StageTimes]) -> Throughput:
     """The run's throughput from its kernels' stage times (only verified ones count)."""
     gen: list[tuple[float, float]] = []
     prep: list[tuple[float, float]] = []
+    wait: list[tuple[float, float]] = []
     ver: list[tuple[float, float]] = []
     verified = 0
     for t in kernels.values():
@@ -77,8 +84,11 @@ def throughput(kernels: Mapping[str, StageTimes]) -> Throughput:
             continue
         start = t.verified_at - t.verification_s
         ver.append((start, t.verified_at))
+        waits_from = start + t.build_s + t.preflight_s
+        if t.host_wait_s:
+            wait.append((waits_from, min(waits_from + t.host_wait_s, t.verified_at)))
         if t.preparation_s:
-            prep.append((start + t.build_s, min(start + t.build_s + t.preparation_s,
-                                                t.verified_at)))
+            prepares_from = waits_from + t.host_wait_s
+            prep.append((prepares_from, min(prepares_from + t.preparation_s, t.verified_at)))
     return Throughput(verified, union_seconds(gen + ver), union_seconds(gen),
-                      union_seconds(prep), union_seconds(ver))
+                      union_seconds(prep), union_seconds(ver), union_seconds(wait))

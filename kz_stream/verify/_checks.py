@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from kz_stream.verify._compare import (
     kernelbench_allclose,
 )
 from kz_stream.verify._config import VerifierConfig
-from kz_stream.verify._ipc import Child, ChildDied, ChildTimeout, tail
+from kz_stream.verify._ipc import Child, ChildDied, ChildTimeout, tail, tree_memory
 from kz_stream.verify._messages import (
     AblateReply,
     FinishReply,
@@ -42,10 +43,12 @@ from kz_stream.verify._messages import (
 )
 from kz_stream.verify._pool import CompiledBaseline, Lane, RefTimer
 from kz_stream.verify._prepared import Prepared
+from kz_stream.verify._sandbox import kill_group
 from kz_stream.verify._timing import bootstrap_ratio_ci, physical_floor_ms, timing_set_count
 from kz_stream.verify._types import Candidate, Status
 
 __all__ = [
+    "HostMemoryWatch",
     "Interleaved",
     "Reject",
     "Ruling",
@@ -96,6 +99,52 @@ def interpreter_fault(defect: str | None, message: str) -> bool:
     return bool(lines) and lines[-1] in message
 
 
+class HostMemoryWatch:
+    """Watches a worker's resident memory (its process tree's, ``tree_memory``) while a
+    request runs, and kills the tree once it holds more than ``limit`` bytes. A
+    candidate's own host allocation so ends as its own ``out_of_memory``, decided here,
+    before the host's OOM killer has to pick a process (maybe another's); an OOM kill of
+    a worker that stayed within its limit is then the host's fault. No limit: no watch."""
+
+    INTERVAL_S = 0.25  # a candidate touches at most a few GB of new pages in that time
+
+    def __init__(self, pid: int, limit: int | None) -> None:
+        self.pid, self.limit = pid, limit
+        self.peak = 0  # the most it was seen to hold
+        self.over = False  # killed for holding more than the limit (set before the kill)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    async def __aenter__(self) -> HostMemoryWatch:
+        if self.limit is not None:
+            # A thread, not the event loop: reading a big process's PSS walks its pages.
+            self._thread = threading.Thread(target=self._watch, args=(self.limit,),
+                                            name="kz-host-memory-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def _watch(self, limit: int) -> None:
+        while not self._stop.is_set():
+            held = tree_memory(self.pid)
+            self.peak = max(self.peak, held)
+            if held > limit:
+                self.over = True
+                kill_group(self.pid)
+                return
+            self._stop.wait(self.INTERVAL_S)
+
+    def describe(self) -> str:
+        limit = "none" if self.limit is None else f"{self.limit / 2**30:.1f} GiB"
+        verb = "held" if self.over else "held at most"
+        return (f"host memory: the worker {verb} {self.peak / 2**30:.1f} GiB; its allowance "
+                f"is {limit} (the prepared problem's inputs and outputs and a margin)")
+
+
 class Stage:
     """The GPU (or CPU-interpreter) stage for one candidate in one worker: load,
     correctness, launch evidence, timing and integrity checks. A failed check raises
@@ -144,18 +193,29 @@ class Stage:
         stage = stage or str(msg["cmd"])
         started = time.monotonic()
         kills_before = oom_kills()
+        margin = self.config.worker_host_margin_bytes
+        watch = HostMemoryWatch(self.w.proc.pid,
+                                None if margin is None else self.p.host_bytes + margin)
         try:
-            async with self._shared():
+            async with self._shared(), watch:
                 r = await asyncio.to_thread(self.w.call, msg,
                                             timeout_s or self.config.call_timeout_s)
         except ChildTimeout as e:
             raise self.reject(Status.TIMEOUT, f"{stage}: {e}", stage) from e
         except ChildDied as e:
+            crashed = f"{stage}: worker crashed: {e}; {tail(e.stderr_tail, 1500)}"
+            if watch.over:
+                raise self.reject(Status.OUT_OF_MEMORY, f"{stage}: {watch.describe()}",
+                                  stage) from e
+            if killed_for_memory(e, kills_before) and watch.limit is not None:
+                # Within its allowance, so the host was full of others' memory.
+                raise self.reject(Status.INFRA_ERROR, f"{stage}: the host ran out of memory "
+                                  f"and its OOM killer took the worker ({watch.describe()}); "
+                                  f"{crashed}", "host_memory") from e
             status = Status.RUNTIME_ERROR
             if killed_for_memory(e, kills_before) or "out of memory" in e.stderr_tail.lower():
                 status = Status.OUT_OF_MEMORY
-            raise self.reject(status, f"{stage}: worker crashed: {e}; "
-                              f"{tail(e.stderr_tail, 1500)}", stage) from e
+            raise self.reject(status, crashed, stage) from e
         finally:  # where a candidate's time goes, per worker request kind
             spent = self.details.setdefault("stage_s", {})
             spent[stage] = round(spent.get(stage, 0.0) + time.monotonic() - started, 3)

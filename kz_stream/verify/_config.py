@@ -56,6 +56,11 @@ class VerifierConfig(BaseModel):
     # Address-space cap of a CPU-path worker (a memory bomb ends as its own "oom"); none on
     # a GPU, whose CUDA context reserves far more address space than it uses.
     cpu_worker_memory_mb: int | None = Field(default=16384, ge=1)
+    # Host memory a worker's processes may hold during a request beyond the prepared
+    # problem's (``Prepared.host_bytes``, what the harness hands it): over it, the worker
+    # is killed and the candidate gets ``out_of_memory``; an OOM kill by the host's kernel
+    # within it is the host's fault (``infra_error`` / ``host_memory``). None: no watch.
+    worker_host_margin_bytes: int | None = Field(default=8 << 30, ge=0)
     # Workers started ahead of need, per device. None: two per slot on a GPU (a worker
     # takes seconds to start, and each candidate uses a fresh one), one on the CPU.
     prewarm: int | None = Field(default=None, ge=0)

@@ -71,6 +71,25 @@ def tail(text: str, n: int) -> str:
     return text if len(text) <= n else "…" + text[-n:]
 
 
+def tree_memory(pid: int) -> int:
+    """Resident bytes of ``pid`` and every process under it, each page shared between
+    them counted once (the sum of their PSS: forked children share their parent's
+    pages), of what is still there."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f
+                              if line.startswith("Pss:")) * 1024
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(k) for k in f.read().split()]
+        except (OSError, ValueError, StopIteration):
+            continue  # gone between the reads
+    return total
+
+
 def error_text(e: BaseException) -> str:
     """The exception's type and message, as a reply says it."""
     return "".join(traceback.format_exception_only(type(e), e)).strip()

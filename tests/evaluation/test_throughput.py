@@ -33,6 +33,21 @@ def test_throughput_from_stage_times_by_hand() -> None:
     assert t.as_dict()["generation_minutes"] == 0.25
 
 
+def test_host_waits_come_after_the_preflight_and_before_the_preparation() -> None:
+    t = throughput({
+        # verified in [0, 30]: preflight [0, 2], host wait [2, 22], preparation [22, 27]
+        "k1": StageTimes(verified_at=30, verification_s=30, preflight_s=2, host_wait_s=20,
+                         preparation_s=5),
+        # [10, 40]: joined k1's problem without waiting, its preparation done meanwhile
+        "k2": StageTimes(verified_at=40, verification_s=30, preflight_s=3, preparation_s=0),
+        # decided by the preflight alone: no wait, no preparation
+        "k3": StageTimes(verified_at=50, verification_s=4, preflight_s=4),
+    })
+    assert t.host_wait_s == 20 and t.preparation_s == 5
+    assert t.verification_s == 44  # [0, 40] and [46, 50]
+    assert t.as_dict()["host_wait_minutes"] == round(20 / 60, 3)
+
+
 def test_kernels_without_times_count_but_add_no_time() -> None:
     t = throughput({"old": StageTimes(verified_at=5)})  # stored before times were recorded
     assert (t.kernels, t.active_s, t.kernels_per_minute) == (1, 0, None)

@@ -107,6 +107,30 @@ def test_hang_is_timeout() -> None:
         v.close_sync()
 
 
+def test_a_worker_over_its_host_memory_allowance_is_out_of_memory() -> None:
+    """A candidate that holds more host memory than its allowance (the prepared problem's
+    bytes and the margin) is stopped by the verifier's watch, not the host's OOM killer,
+    and the verdict says so; an honest candidate under the same allowance passes."""
+    from kz_stream.verify import VerifierConfig
+
+    margin = 2 << 30
+    v = Verifier(VerifierConfig(devices=[], prewarm=0, worker_host_margin_bytes=margin))
+    try:
+        problem = Problem(PROBLEMS["relu"])
+        honest = v.verify_sync(problem, Candidate(TRITON_HONEST["relu"], "triton"))
+        assert honest.status is Status.CORRECT, honest.reason
+        hog = TRITON_HONEST["relu"].replace(  # 3 GiB of touched pages, kept
+            "x = x.contiguous()",
+            "_HELD.append(torch.ones(3 << 30, dtype=torch.uint8))\n        x = x.contiguous()"
+        ).replace("class ModelNew", "_HELD = []\n\n\nclass ModelNew")
+        out = v.verify_sync(problem, Candidate(hog, "triton"))
+        assert out.status is Status.OUT_OF_MEMORY, out.reason
+        assert "host memory: the worker held" in (out.reason or "")
+        assert "allowance is 2.0 GiB" in (out.reason or "")
+    finally:
+        v.close_sync()
+
+
 def test_verdict_payload_fields(cpu_verifier: Verifier) -> None:
     v = cpu_verifier.verify_sync(
         Problem(PROBLEMS["relu"]), Candidate(TRITON_HONEST["relu"], "triton")
