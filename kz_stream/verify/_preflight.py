@@ -18,7 +18,13 @@ import os
 import re
 from typing import Any
 
-__all__ = ["Finding", "candidate_preflight", "reference_footprint", "reference_init_args"]
+__all__ = [
+    "Finding",
+    "candidate_preflight",
+    "reference_facts",
+    "reference_footprint",
+    "reference_init_args",
+]
 
 # (stage, "Type: message") of a decisive failure, or None.
 Finding = tuple[str, str] | None
@@ -59,6 +65,13 @@ def reference_footprint(source: str) -> tuple[int, int | None]:
         except Exception:
             return size(inputs), None
     return size(inputs), size(out)
+
+
+def reference_facts(source: str) -> tuple[list[Any], int, int | None]:
+    """The reference's ``get_init_inputs()`` (``reference_init_args``) and the bytes of
+    its inputs and outputs (``reference_footprint``): what the preflight and the host's
+    memory budget need to know of a problem, from one sandboxed child (run in one)."""
+    return (reference_init_args(source), *reference_footprint(source))
 
 
 def _decisive_at_load(e: BaseException) -> bool:

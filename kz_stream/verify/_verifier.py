@@ -119,10 +119,9 @@ class Verifier:
         self._builder: Builder | None = None
         self._prepared: OrderedDict[str, Prepared] = OrderedDict()
         self._warned_interpreter = False
-        # problem key -> the sandboxed get_init_inputs() of the preflight
-        self._init_args: dict[str, asyncio.Future[SandboxOutcome]] = {}
-        # problem key -> what its preparation holds on the host (``preparation_bytes``)
-        self._footprints: OrderedDict[str, int] = OrderedDict()
+        # problem key -> its sandboxed ``reference_facts``: init args (the preflight's),
+        # inputs' and outputs' bytes (what its preparation holds on the host)
+        self._facts: dict[str, asyncio.Future[SandboxOutcome]] = {}
         # The host's memory for the problems being verified (``_in_use``).
         self._host = ByteBudget(self.config.host_budget_bytes
                                 if self.config.host_budget_bytes is not None
@@ -380,22 +379,14 @@ class Verifier:
         decisively (``_preflight``), else None. Any failure of the preflight itself is no
         verdict: the full verification decides."""
         t0 = time.monotonic()
-        timeout = self.config.preflight_timeout_s
-        # One reference child per problem, shared by the candidates that arrive together.
-        pending = self._init_args.get(problem.key)
-        if pending is None or pending.get_loop() is not asyncio.get_running_loop():
-            pending = self._init_args[problem.key] = asyncio.ensure_future(asyncio.to_thread(
-                run_in_sandbox, "kz_stream.verify._preflight:reference_init_args",
-                (problem.source,), timeout_s=timeout, memory_mb=4096))
-            while len(self._init_args) > 4 * self.config.problem_cache:
-                self._init_args.pop(next(iter(self._init_args)))
-        got = await asyncio.shield(pending)
+        got = await self._reference_facts(problem)
         if not got.ok:
             return None  # the preparation will say what is wrong with the reference
-        init = list(got.value)
+        init = list(got.value[0])
         out = await asyncio.to_thread(
             run_in_sandbox, "kz_stream.verify._preflight:candidate_preflight",
-            (candidate.source, init), timeout_s=timeout, memory_mb=4096)
+            (candidate.source, init), timeout_s=self.config.preflight_timeout_s,
+            memory_mb=4096)
         details["preflight_s"] = round(time.monotonic() - t0, 3)
         if not out.ok or out.value is None:
             return None
@@ -489,20 +480,25 @@ class Verifier:
         CPU path prepares small sets only: 0."""
         if not self.gpu:
             return 0
-        known = self._footprints.get(problem.key)
-        if known is None:
-            got = await asyncio.to_thread(
-                run_in_sandbox, "kz_stream.verify._preflight:reference_footprint",
-                (problem.source,), timeout_s=self.config.preflight_timeout_s, memory_mb=4096)
-            budget = self.config.full_set_budget_bytes
-            known = 2 * budget
-            if got.ok and got.value:
-                input_bytes, output_bytes = got.value
-                known = preparation_bytes(input_bytes, output_bytes, budget)
-            self._footprints[problem.key] = known
-            while len(self._footprints) > 4 * self.config.problem_cache:
-                self._footprints.popitem(last=False)
-        return known
+        got = await self._reference_facts(problem)
+        budget = self.config.full_set_budget_bytes
+        if not got.ok:
+            return 2 * budget
+        _, input_bytes, output_bytes = got.value
+        return preparation_bytes(input_bytes, output_bytes, budget)
+
+    async def _reference_facts(self, problem: Problem) -> SandboxOutcome:
+        """``reference_facts`` of ``problem``, from one sandboxed child per problem shared
+        by the verifications that arrive together (and kept for the later ones)."""
+        pending = self._facts.get(problem.key)
+        if pending is None or pending.get_loop() is not asyncio.get_running_loop():
+            pending = self._facts[problem.key] = asyncio.ensure_future(asyncio.to_thread(
+                run_in_sandbox, "kz_stream.verify._preflight:reference_facts",
+                (problem.source,), timeout_s=self.config.preflight_timeout_s,
+                memory_mb=4096))
+            while len(self._facts) > 4 * self.config.problem_cache:
+                self._facts.pop(next(iter(self._facts)))
+        return await asyncio.shield(pending)
 
     async def _gpu_stage(self, lane: Lane, p: Prepared, candidate: Candidate,
                          builds: list[BuildResult], own_names: list[str],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.verify._preflight import reference_footprint
+from kz_stream.verify._preflight import reference_facts, reference_footprint
 from kz_stream.verify._verifier import preparation_bytes
 
 GB = 10**9
@@ -66,6 +66,33 @@ def test_the_footprint_comes_from_the_meta_device_without_memory() -> None:
 
 def test_an_output_the_meta_device_cannot_give_is_unknown() -> None:
     assert reference_footprint(READS_A_VALUE) == (4096 * 393216 * 4, None)
+
+
+LINEAR = '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.fc = nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def get_inputs():
+    return [torch.rand(8, 64)]
+
+
+def get_init_inputs():
+    return [64, 32]
+'''
+
+
+def test_one_child_tells_the_init_arguments_and_the_footprint() -> None:
+    assert reference_facts(LINEAR) == ([64, 32], 8 * 64 * 4, 8 * 32 * 4)
+    assert reference_facts(RELU_FULL) == ([], 4096 * 393216 * 4, 4096 * 393216 * 4)
 
 
 def test_a_small_problem_holds_six_full_sets_twice() -> None:
