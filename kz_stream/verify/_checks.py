@@ -112,6 +112,7 @@ class HostMemoryWatch:
         self.pid, self.limit = pid, limit
         self.peak = 0  # the most it was seen to hold
         self.over = False  # killed for holding more than the limit (set before the kill)
+        self.blind = False  # the worker's memory could not be read: no judgement
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -131,6 +132,9 @@ class HostMemoryWatch:
     def _watch(self, limit: int) -> None:
         while not self._stop.is_set():
             held = tree_memory(self.pid)
+            if not held:  # gone already, or this host hides its /proc entries from us
+                self.blind = True
+                return
             self.peak = max(self.peak, held)
             if held > limit:
                 self.over = True
@@ -207,7 +211,8 @@ class Stage:
             if watch.over:
                 raise self.reject(Status.OUT_OF_MEMORY, f"{stage}: {watch.describe()}",
                                   stage) from e
-            if killed_for_memory(e, kills_before) and watch.limit is not None:
+            if killed_for_memory(e, kills_before) and watch.limit is not None \
+                    and not watch.blind:
                 # Within its allowance, so the host was full of others' memory.
                 raise self.reject(Status.INFRA_ERROR, f"{stage}: the host ran out of memory "
                                   f"and its OOM killer took the worker ({watch.describe()}); "

@@ -71,20 +71,31 @@ def tail(text: str, n: int) -> str:
     return text if len(text) <= n else "…" + text[-n:]
 
 
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and every process under it (of those still there)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(k) for k in f.read().split()]
+        except (OSError, ValueError):
+            continue  # gone between the reads
+    return out
+
+
 def tree_memory(pid: int) -> int:
     """Resident bytes of ``pid`` and every process under it, each page shared between
     them counted once (the sum of their PSS: forked children share their parent's
     pages), of what is still there."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
+    total = 0
+    for p in tree_pids(pid):
         try:
             with open(f"/proc/{p}/smaps_rollup") as f:
                 total += next(int(line.split()[1]) for line in f
                               if line.startswith("Pss:")) * 1024
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(k) for k in f.read().split()]
         except (OSError, ValueError, StopIteration):
             continue  # gone between the reads
     return total

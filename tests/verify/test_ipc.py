@@ -416,19 +416,6 @@ def test_a_message_that_announces_more_than_the_host_holds_is_refused_unallocate
         recv(parent)
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and every process under it."""
-    out = [pid]
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(k) for k in f.read().split()]
-    except OSError:
-        return out
-    for k in kids:
-        out += _tree(k)
-    return out
-
-
 def _oom_score_adj(pid: int) -> int:
     with open(f"/proc/{pid}/oom_score_adj") as f:
         return int(f.read())
@@ -442,11 +429,47 @@ async def test_the_oom_killer_takes_workers_then_oracles_before_the_verifier() -
         reply = await lane.oracle_call(PREPARE, 300)
         assert reply["ok"], reply
         worker = await lane.take_worker()
-        oracle_tree = _tree(lane.oracles[0].proc.pid)
-        worker_tree = _tree(worker.proc.pid)
+        oracle_tree = ipc.tree_pids(lane.oracles[0].proc.pid)
+        worker_tree = ipc.tree_pids(worker.proc.pid)
         assert len(worker_tree) >= 1 and len(oracle_tree) >= 1
         assert {_oom_score_adj(p) for p in oracle_tree} == {ORACLE_OOM_SCORE_ADJ}
         assert {_oom_score_adj(p) for p in worker_tree} == {WORKER_OOM_SCORE_ADJ}
         assert _oom_score_adj(os.getpid()) < ORACLE_OOM_SCORE_ADJ < WORKER_OOM_SCORE_ADJ
     finally:
         lane.close()
+
+
+def test_tree_memory_counts_a_forked_childs_shared_pages_once() -> None:
+    """PSS, not RSS: a child forked from a process holding 256 MiB shares its pages, so
+    the pair holds about 256 MiB, not twice that."""
+    import subprocess
+    import sys
+
+    code = ("import os, time\nb = bytearray(256 << 20)\nfor i in range(0, len(b), 4096):\n"
+            "    b[i] = 1\nif os.fork() == 0:\n    time.sleep(30)\n    os._exit(0)\n"
+            "print('ready', flush=True)\ntime.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert len(ipc.tree_pids(proc.pid)) == 2
+        held = ipc.tree_memory(proc.pid)
+        assert 256 << 20 <= held < 400 << 20, held / 2**20
+    finally:
+        os.killpg(proc.pid, 9)  # the child too
+        proc.wait()
+
+
+def test_a_watch_that_cannot_read_the_worker_judges_nothing() -> None:
+    from kz_stream.verify._checks import HostMemoryWatch
+
+    async def watch(pid: int) -> HostMemoryWatch:
+        w = HostMemoryWatch(pid, limit=1 << 40)
+        async with w:
+            await asyncio.sleep(0.5)
+        return w
+
+    gone = asyncio.run(watch(2**22 + 1))  # above the largest pid Linux gives
+    assert gone.blind and gone.peak == 0 and not gone.over
+    alive = asyncio.run(watch(os.getpid()))
+    assert not alive.blind and alive.peak > 0 and not alive.over
