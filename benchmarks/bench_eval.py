@@ -51,7 +51,7 @@ def pair_metrics(label: str, base: dict[str, Any], policy: dict[str, Any], *,
         if t.get("kernels_per_minute") is not None:
             out[f"{label}: kernels per active minute ({who})"] = metric(
                 float(t["kernels_per_minute"]), "kernels/min")
-        for stage in ("generation", "preparation", "verification", "active"):
+        for stage in ("generation", "preparation", "host_wait", "verification", "active"):
             if t.get(f"{stage}_minutes") is not None:
                 out[f"{label}: {stage} minutes ({who})"] = metric(
                     float(t[f"{stage}_minutes"]), "min")
