@@ -131,7 +131,7 @@ class HostMemoryWatch:
 
     def _watch(self, limit: int) -> None:
         while not self._stop.is_set():
-            held = tree_memory(self.pid)
+            held = tree_memory(self.pid, within=limit)
             if not held:  # gone already, or this host hides its /proc entries from us
                 self.blind = True
                 return

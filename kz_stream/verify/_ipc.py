@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -86,17 +86,30 @@ def tree_pids(pid: int) -> list[int]:
     return out
 
 
-def tree_memory(pid: int) -> int:
+def tree_memory(pid: int, *, within: int | None = None) -> int:
     """Resident bytes of ``pid`` and every process under it, each page shared between
     them counted once (the sum of their PSS: forked children share their parent's
-    pages), of what is still there."""
+    pages), of what is still there. With ``within``: the sum of their RSS where that is
+    at most ``within`` (an upper bound, read without walking a big process's pages)."""
+    pids = tree_pids(pid)
+    if within is not None:
+        rss = _summed(pids, "statm", lambda text: int(text.split()[1]) * _PAGE)
+        if rss <= within:
+            return rss
+    return _summed(pids, "smaps_rollup", lambda text: 1024 * next(
+        int(line.split()[1]) for line in text.splitlines() if line.startswith("Pss:")))
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _summed(pids: list[int], name: str, parse: Callable[[str], int]) -> int:
     total = 0
-    for p in tree_pids(pid):
+    for p in pids:
         try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                total += next(int(line.split()[1]) for line in f
-                              if line.startswith("Pss:")) * 1024
-        except (OSError, ValueError, StopIteration):
+            with open(f"/proc/{p}/{name}") as f:
+                total += parse(f.read())
+        except (OSError, ValueError, IndexError, StopIteration):
             continue  # gone between the reads
     return total
 

@@ -455,6 +455,10 @@ def test_tree_memory_counts_a_forked_childs_shared_pages_once() -> None:
         assert len(ipc.tree_pids(proc.pid)) == 2
         held = ipc.tree_memory(proc.pid)
         assert 256 << 20 <= held < 400 << 20, held / 2**20
+        # Within a bound, the RSS sum: an upper bound that counts the shared pages twice;
+        # past it, the PSS again.
+        assert ipc.tree_memory(proc.pid, within=1 << 40) >= 512 << 20
+        assert ipc.tree_memory(proc.pid, within=300 << 20) < 400 << 20
     finally:
         os.killpg(proc.pid, 9)  # the child too
         proc.wait()
