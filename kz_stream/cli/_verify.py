@@ -36,7 +36,8 @@ def verify_audit_suite(
 ) -> None:
     """Prepares every problem of a suite as the verifier would and prints, per problem:
     admitted or why not, the input sets used and dropped, the memory plan, the oracle's
-    peak device memory and time."""
+    peak device memory, the host memory its sets hold and the host budget's reservation
+    for it, and the time."""
     from kz_stream.verify import Verifier, VerifierConfig, audit_suite, suite_files
 
     if not path.is_dir():
@@ -46,7 +47,8 @@ def verify_audit_suite(
         raise typer.BadParameter(f"no problem files (*.py) in {path}", param_hint="PATH")
     table = Table(title=f"{path}: {len(files)} problems")
     for col in ("problem", "admission", "input sets", "dropped", "memory plan",
-                "oracle GiB", "input GiB", "prepare s", "slowest phases (s)"):
+                "oracle GiB", "input GiB", "host GiB (reserved)", "prepare s",
+                "slowest phases (s)"):
         table.add_column(col)
     rows: list[dict[str, Any]] = []
 
@@ -68,6 +70,7 @@ def verify_audit_suite(
                         "; ".join(f"{d['label']}: {d['reason'][:60]}" for d in row.dropped)
                         or "-", str(len(row.memory_plan)) if row.memory_plan else "-",
                         f"{row.oracle_peak_gb:.1f}", f"{row.input_gb:.2f}",
+                        f"{row.host_bytes / 2**30:.2f} ({row.reserved_bytes / 2**30:.1f})",
                         f"{row.prepare_s:.1f}", _slowest(row.phase_s))
                     bar.advance(task, 1)
                     if json_out is not None:  # rewritten as it goes: a cut run keeps its rows

@@ -1,6 +1,7 @@
 """A suite audit: every problem of a KernelBench-format folder prepared as a verification
 would prepare it, with admission's answer, the input sets used and dropped, the memory
-plan, and the oracle's memory and time (``kz verify audit-suite``)."""
+plan, the oracle's memory and time, and the host memory it holds and reserves (``kz verify
+audit-suite``)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class ProblemAudit:
     error: str | None = None
     oracle_peak_gb: float = 0.0
     input_gb: float = 0.0
+    host_bytes: int = 0  # what its prepared sets hold on the host (inputs, outputs)
+    reserved_bytes: int = 0  # what the host's memory budget held for it (0 on the CPU path)
     prepare_s: float = 0.0
     phase_s: dict[str, float] = field(default_factory=dict)  # where prepare_s went
 
@@ -94,5 +97,7 @@ async def _audit_one(f: Path, verifier: Verifier, *, admission: bool, admission_
     row.too_few_sets = str(info.get("too_few_sets", ""))
     row.oracle_peak_gb = round(int(info.get("oracle_peak_bytes", 0)) / 2**30, 2)
     row.input_gb = round(int(info.get("input_bytes", 0)) / 2**30, 3)
+    row.host_bytes = int(info.get("host_bytes", 0))
+    row.reserved_bytes = int(info.get("reserved_bytes", 0))
     row.phase_s = dict(info.get("phase_s") or {})
     return row

@@ -316,8 +316,9 @@ class Verifier:
     async def inspect_problem(self, problem: Problem) -> dict[str, Any]:
         """Prepares ``problem`` as a verification of it would, and says how: the input
         sets used (label, shapes), those dropped and why, the memory plan, the oracle's
-        peak device memory and the time; or, under "error", why it cannot be a problem
-        here. Every failure is an answer, not an exception."""
+        peak device memory, what its sets hold on the host and what the host's memory
+        budget reserved for it, and the time; or, under "error", why it cannot be a
+        problem here. Every failure is an answer, not an exception."""
         self._ensure()
         lane = min(self._lanes, key=lambda ln: ln.busy)
         t0 = time.monotonic()
@@ -336,6 +337,7 @@ class Verifier:
                 "oracle_peak_bytes": prepared.device_peak_bytes,
                 "phase_s": prepared.phase_s,
                 "host_bytes": prepared.host_bytes, "input_bytes": prepared.input_bytes,
+                "reserved_bytes": await self._preparation_bytes(problem),
                 "seconds": seconds}
 
     def _too_few_sets(self, p: Prepared) -> str:

@@ -40,6 +40,8 @@ def test_audit_suite_reports_every_problem(tmp_path: Path) -> None:
             "op_log_and_flops", "oracle", "reply"} <= set(phases), phases
     parts = sum(v for k, v in phases.items() if k not in ("oracle", "reply"))
     assert 0 < parts <= phases["oracle"] + 0.01 <= rows["1_ReLU"]["prepare_s"] + 0.02
+    # What the sets hold on the host; the CPU path's small sets reserve none of the budget.
+    assert rows["1_ReLU"]["host_bytes"] > 0 and rows["1_ReLU"]["reserved_bytes"] == 0
     assert [d["label"] for d in rows["3_Picky"]["dropped"]] == ["small-heavy"]
     assert rows["10_Broken"]["admitted"] is False and rows["10_Broken"]["reason"] == "interface"
     assert rows["10_Broken"]["error"]
