@@ -5,7 +5,8 @@ Each variant runs in a child process that verifies ``--candidates`` honest kerne
 each of ``--problems`` (problems of ``kz_stream.testing.corpus.full_size``, at their
 published sizes unless ``--small``) all at once, with ``--oracles`` oracles; the parent
 samples the resident memory of the child's whole process tree (workers and oracles
-included) and of /dev/shm every 0.2 s. A variant the kernel's OOM killer stops is
+included; ``tree_memory``: pages shared between them counted once) and of /dev/shm
+every 0.2 s. A variant the kernel's OOM killer stops is
 reported as killed, with the peak it reached: on the H200 host (125 GiB) the verifier
 without a budget was killed by three ReLU and three softmax candidates (2026-12-02).
 
@@ -31,26 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import metric, write_result  # noqa: E402
+from kz_stream.verify._ipc import tree_memory  # noqa: E402
 
 # No budget: more bytes than any host has.
 UNLIMITED = 1 << 60
-
-
-def _tree_rss(root: int) -> int:
-    """Resident bytes of ``root`` and every process under it."""
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                todo += [int(k) for k in f.read().split()]
-        except OSError:
-            continue
-    return total
 
 
 def _shm_used() -> int:
@@ -98,7 +83,7 @@ def measure(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     def sample() -> None:
         nonlocal peak, shm_peak
         while not done.is_set():
-            peak = max(peak, _tree_rss(proc.pid))
+            peak = max(peak, tree_memory(proc.pid))
             shm_peak = max(shm_peak, _shm_used() - shm_base)
             done.wait(0.2)
 

@@ -278,13 +278,6 @@ def _check_resumable(stored: EvaluationStarted, wanted: EvaluationStarted) -> No
 EVAL_ORACLES_PER_GPU = 2
 
 
-def _uses_a_gpu(settings: Settings) -> bool:
-    """Whether the verifier of ``settings`` will run on a GPU of this host."""
-    import torch
-
-    return settings.verifier.devices != [] and torch.cuda.is_available()
-
-
 async def run_evaluation(
     settings: Settings,
     suite: Suite,
@@ -303,7 +296,7 @@ async def run_evaluation(
         # Weak policies' kernels mostly fail at import or construction: on a GPU, where a
         # KernelBench problem's preparation takes up to minutes, find out first.
         verifier_update["preflight"] = "gpu"
-    if "oracles" not in settings.verifier.model_fields_set and _uses_a_gpu(settings):
+    if "oracles" not in settings.verifier.model_fields_set and settings.verifier.device_ids():
         # An evaluation prepares every problem of the suite, up to minutes each at
         # KernelBench's sizes, mostly host work: several at once (docs/evaluation.md).
         verifier_update["oracles"] = EVAL_ORACLES_PER_GPU

@@ -119,3 +119,12 @@ class VerifierConfig(BaseModel):
         if self.max_rounds < self.min_rounds:
             raise ValueError(f"max_rounds {self.max_rounds} is below min_rounds {self.min_rounds}")
         return self
+
+    def device_ids(self) -> list[int]:
+        """The GPUs this verifier uses: ``devices``, or every visible one when None (none
+        without CUDA)."""
+        if self.devices is not None:
+            return list(self.devices)
+        import torch
+
+        return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []

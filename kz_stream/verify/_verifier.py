@@ -26,8 +26,6 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-import torch
-
 from kz_stream.verify import _astscan as astscan
 from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._build import Builder, BuildResult
@@ -109,10 +107,8 @@ class Verifier:
         self.config = config or VerifierConfig()
         check_flush(self.config.l2_flush, self.config.l2_flush_factor)
         self._secret = self.config.secret or secrets.token_bytes(32)
-        devices = self.config.devices
-        if devices is None:
-            # The service process compares outputs on the GPU, so it needs a CUDA torch too.
-            devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        # The service process compares outputs on the GPU, so it needs a CUDA torch too.
+        devices = self.config.device_ids()
         self.gpu = bool(devices)
         self._device_ids: list[int | None] = list(devices) if devices else [None]
         self._lanes: list[Lane] = []

@@ -178,6 +178,17 @@ def test_max_rounds_below_min_rounds_is_refused(tmp_path: Path) -> None:
     assert "max_rounds 4 is below min_rounds 8" in msg
 
 
+def test_the_verifiers_devices_are_those_named_or_every_visible_gpu() -> None:
+    import torch
+
+    from kz_stream.verify import VerifierConfig
+
+    assert VerifierConfig(devices=[]).device_ids() == []  # the CPU path
+    assert VerifierConfig(devices=[1, 0]).device_ids() == [1, 0]
+    visible = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    assert VerifierConfig().device_ids() == visible
+
+
 def test_a_validated_copy_keeps_what_the_user_set_marked_as_set() -> None:
     from kz_stream.config import LearnerSettings, validated_copy
 
