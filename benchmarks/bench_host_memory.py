@@ -121,7 +121,7 @@ def main() -> None:
                 f"exit {r['returncode']}" if r["returncode"] else json.dumps(r["statuses"]))
 
     metrics = {
-        "peak tree RSS, with the budget": metric(b["peak_gib"], "GiB", n["peak_gib"]),
+        "peak tree memory (PSS), with the budget": metric(b["peak_gib"], "GiB", n["peak_gib"]),
         "peak /dev/shm, with the budget": metric(b["shm_peak_gib"], "GiB", n["shm_peak_gib"]),
     }
     if "seconds" in b and "seconds" in n:
