@@ -208,17 +208,17 @@ class Stage:
             raise self.reject(Status.TIMEOUT, f"{stage}: {e}", stage) from e
         except ChildDied as e:
             crashed = f"{stage}: worker crashed: {e}; {tail(e.stderr_tail, 1500)}"
+            oom_killed = killed_for_memory(e, kills_before)
             if watch.over:
                 raise self.reject(Status.OUT_OF_MEMORY, f"{stage}: {watch.describe()}",
                                   stage) from e
-            if killed_for_memory(e, kills_before) and watch.limit is not None \
-                    and not watch.blind:
+            if oom_killed and watch.limit is not None and not watch.blind:
                 # Within its allowance, so the host was full of others' memory.
                 raise self.reject(Status.INFRA_ERROR, f"{stage}: the host ran out of memory "
                                   f"and its OOM killer took the worker ({watch.describe()}); "
                                   f"{crashed}", "host_memory") from e
             status = Status.RUNTIME_ERROR
-            if killed_for_memory(e, kills_before) or "out of memory" in e.stderr_tail.lower():
+            if oom_killed or "out of memory" in e.stderr_tail.lower():
                 status = Status.OUT_OF_MEMORY
             raise self.reject(status, crashed, stage) from e
         finally:  # where a candidate's time goes, per worker request kind
