@@ -72,6 +72,38 @@ def warmstart_data(
         highlight=False)
 
 
+@warmstart_app.command("proposer-data")
+@_one_line_errors
+def warmstart_proposer_data(
+    out: Annotated[Path, typer.Argument(help="Data folder (the same as `data`'s; resumable).")],
+    count: Annotated[int, typer.Option(min=1, help="Modules to synthesize.")] = 1200,
+    seed: Annotated[int, typer.Option(help="Synthesizer seed.")] = 0,
+    workers: Annotated[int, typer.Option(min=1, help="Modules validated at once.")] = 2,
+) -> None:
+    """Synthesizes modules for the Proposer alone, over every API the synthesizer knows
+    (image and sequence layers, losses, indexing: the sets the Proposer is asked for beyond
+    what the teacher lowers), validates them as proposals, and rewrites proposer_sft.jsonl
+    from both suites."""
+    from kz_stream.warmstart.data import synthesize_suite, write_proposer_sft
+
+    started = time.monotonic()
+    with _progress_bars(counts=True) as bars:
+        task = bars.add_task("modules validated", total=count, detail="")
+        summary = synthesize_suite(
+            out, count=count, seed=seed, workers=workers, teachable=False,
+            on_module=lambda done, total: bars.update(task, completed=done),
+        )
+        bars.update(task, completed=count, detail=f"{summary.valid} valid")
+    rows = write_proposer_sft(out)
+    console.print(
+        f"Proposer modules: {summary.valid}/{summary.modules} valid"
+        + (f"; invalid: {summary.invalid_reasons}" if summary.invalid_reasons else "")
+        + f"; {rows} Proposer examples in {out}/proposer_sft.jsonl "
+        f"({time.monotonic() - started:.0f} s); next: kz warmstart train "
+        f"{out}/proposer_sft.jsonl --role proposer --out ADAPTER",
+        highlight=False)
+
+
 @warmstart_app.command("train")
 @_one_line_errors
 def warmstart_train(

@@ -179,8 +179,7 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
     # One value per tensor output; for a scalar output (a loss) that value is the answer
     # itself, so there the constant is set 0's, the same for every input set.
     scalar = all(h.numel() <= 1 for h in honest[0])
-    if passes_all(lambda i: [torch.full_like(h, float(e.double().mean()))
-                             if h.is_floating_point() else h.clone()
+    if passes_all(lambda i: [_constant_like(h, e)
                              for h, e in zip(honest[i], expected[0 if scalar else i],
                                              strict=True)]):
         return False, "constant", "a constant output passes the correctness check"
@@ -218,6 +217,18 @@ def _rel_diff(a: Any, b: Any) -> float:
     den = float(torch.linalg.vector_norm(y[finite]))
     num = float(torch.linalg.vector_norm((x - y)[finite]))
     return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
+def _constant_like(honest: Any, expected: Any) -> Any:
+    """One value everywhere: the mean for floats, the most common value for integers and
+    booleans (an argmax's constant is an index, not the answer itself)."""
+    import torch
+
+    if honest.is_floating_point():
+        return torch.full_like(honest, float(expected.double().mean()))
+    flat = expected.detach().flatten().to("cpu", torch.int64)
+    value = int(flat.mode().values) if flat.numel() else 0
+    return torch.full_like(honest, value)
 
 
 def _same_shapes(outs: Sequence[Sequence[Any]]) -> bool:

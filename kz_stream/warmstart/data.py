@@ -11,6 +11,11 @@ Steps, each resumable (run the command again with the same folder to go on):
 3. ``write_sft_sets``: the Coder set is exported from the store (the correct teacher kernel
    per module, in the Coder's real prompt format); the Proposer set pairs each valid
    training module's API set with its source, in the Proposer's prompt format.
+
+``kz warmstart proposer-data`` adds a second suite for the Proposer alone
+(``synthesize_suite(..., teachable=False)``, in ``proposer/``, listed in
+``proposer_modules.jsonl``): modules for API sets the teacher cannot lower, validated the
+same way; ``write_proposer_sft`` takes both suites' training modules.
 """
 
 from __future__ import annotations
@@ -28,15 +33,19 @@ from kz_stream.warmstart.synth import Synthesizer, SynthModule, is_held_out
 __all__ = [
     "CODER_SFT",
     "MANIFEST",
+    "PROPOSER_MANIFEST",
     "PROPOSER_SFT",
     "SuiteSummary",
     "sft_example",
     "synthesize_suite",
     "teacher_run_id",
+    "write_proposer_sft",
     "write_sft_sets",
 ]
 
 MANIFEST = "modules.jsonl"
+PROPOSER_MANIFEST = "proposer_modules.jsonl"
+_TRAIN_SPLITS = ("train", "proposer")
 CODER_SFT = "coder_sft.jsonl"
 PROPOSER_SFT = "proposer_sft.jsonl"
 
@@ -71,17 +80,20 @@ def synthesize_suite(
     workers: int = 2,
     validation_timeout_s: float = 60.0,
     on_module: Callable[[int, int], object] | None = None,
+    teachable: bool = True,
 ) -> SuiteSummary:
-    """Writes the suite under ``out`` (skipping modules ``modules.jsonl`` already lists)."""
+    """Writes the suite under ``out`` (skipping modules its manifest already lists): the
+    teacher's (``train/``, ``heldout/``, ``modules.jsonl``) or, without ``teachable``, the
+    Proposer's (``proposer/``, ``proposer_modules.jsonl``, nothing held out)."""
     out.mkdir(parents=True, exist_ok=True)
-    manifest = out / MANIFEST
+    manifest = out / (MANIFEST if teachable else PROPOSER_MANIFEST)
     done: dict[str, dict[str, Any]] = {}
     # rows of modules.jsonl: index, digest, api_set, kind, split, valid, reason, file
     if manifest.exists():
         for line in manifest.read_text().splitlines():
             row = json.loads(line)
             done[row["digest"]] = row
-    modules = list(Synthesizer(seed=seed).modules(count))
+    modules = list(Synthesizer(seed=seed, teachable=teachable).modules(count))
     todo = [(i, m) for i, m in enumerate(modules) if m.digest not in done]
     for m in modules:  # a folder copied without its suite (only modules.jsonl) gets it back
         row = done.get(m.digest)
@@ -94,7 +106,7 @@ def synthesize_suite(
     def check(item: tuple[int, SynthModule]) -> dict[str, Any]:
         i, m = item
         result = validate_module(m.source, m.api_set, timeout_s=validation_timeout_s)
-        split = "heldout" if is_held_out(m, held_out) else "train"
+        split = ("heldout" if is_held_out(m, held_out) else "train") if teachable else "proposer"
         file = f"{split}/{_file_name(i, m)}"
         row = {"index": i, "digest": m.digest, "api_set": list(m.api_set), "kind": m.kind,
                "split": split, "valid": result.valid, "reason": result.reason,
@@ -122,7 +134,7 @@ def synthesize_suite(
     return SuiteSummary(
         modules=len(rows),
         valid=len(valid),
-        train=sum(1 for r in valid if r["split"] == "train"),
+        train=sum(1 for r in valid if r["split"] in _TRAIN_SPLITS),
         held_out=sum(1 for r in valid if r["split"] == "heldout"),
         invalid_reasons=reasons,
     )
@@ -147,12 +159,29 @@ def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     return n
 
 
+def write_proposer_sft(out: Path) -> int:
+    """Writes ``proposer_sft.jsonl``: every valid training module of both suites (API set ->
+    module, in the Proposer's prompt); returns the count."""
+    train: dict[str, dict[str, Any]] = {}
+    for name in (MANIFEST, PROPOSER_MANIFEST):
+        if (out / name).exists():
+            for line in (out / name).read_text().splitlines():
+                r = json.loads(line)
+                if r["valid"] and r["split"] in _TRAIN_SPLITS:
+                    train.setdefault(r["digest"], r)
+    proposer = []
+    for r in train.values():
+        source = (out / r["file"]).read_text()
+        proposer.append(sft_example([{"role": m["role"], "content": m["content"]}
+                                     for m in proposer_messages(r["api_set"])], source,
+                                    api_set=r["api_set"], kind=r["kind"]))
+    return _write_jsonl(out / PROPOSER_SFT, proposer)
+
+
 async def write_sft_sets(out: Path, store: Any) -> dict[str, int]:
     """Writes ``coder_sft.jsonl`` (from the store) and ``proposer_sft.jsonl``; returns counts."""
     from kz_stream.export import KernelFilter, collect_rows
 
-    manifest = [json.loads(line) for line in (out / MANIFEST).read_text().splitlines()]
-    train = {r["digest"]: r for r in manifest if r["valid"] and r["split"] == "train"}
     run_id = teacher_run_id(out)
     rows, _ = await collect_rows(store, KernelFilter(runs=(run_id,)), sets=["sft"])
     coder = [
@@ -160,13 +189,4 @@ async def write_sft_sets(out: Path, store: Any) -> dict[str, int]:
                     kernel_id=r["kernel_id"], policy=r["run_id"])
         for r in rows["sft"]
     ]
-    proposer = []
-    for r in train.values():
-        source = (out / r["file"]).read_text()
-        proposer.append(sft_example([{"role": m["role"], "content": m["content"]}
-                                     for m in proposer_messages(r["api_set"])], source,
-                                    api_set=r["api_set"], kind=r["kind"]))
-    return {
-        "coder": _write_jsonl(out / CODER_SFT, coder),
-        "proposer": _write_jsonl(out / PROPOSER_SFT, proposer),
-    }
+    return {"coder": _write_jsonl(out / CODER_SFT, coder), "proposer": write_proposer_sft(out)}

@@ -19,7 +19,8 @@ __all__ = ["ProposerScore", "score_proposer"]
 
 @dataclass
 class ProposerScore:
-    """Valid replies over all replies, overall and on the sets the synthesizer can build."""
+    """Valid replies over all replies, overall and on the sets the synthesizer can build
+    (with the Proposer-only ops: the sets the Proposer's SFT data covers)."""
 
     sets: int = 0
     valid: int = 0
@@ -47,7 +48,7 @@ async def score_proposer(
 ) -> ProposerScore:
     """Draws ``sets`` API sets with the Proposer's sampler (seeded), one module per set."""
     sampler = ApiSetSampler(seed=seed)
-    buildable = synth_catalog()
+    buildable = synth_catalog(teachable=False)
     api_sets = sampler.sample_many(sets)
     samples = await backend.generate([proposer_messages(s) for s in api_sets], n=1,
                                      sampling=sampling)

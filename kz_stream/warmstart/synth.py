@@ -9,12 +9,19 @@ Triton teacher lower it back (``kz_stream.warmstart.teacher``).
 
 Held-out modules are set aside by the hash of their source, so a measurement never sees a
 module that SFT was trained on.
+
+``teachable=False`` widens all of this to the Proposer-only ops (``PROPOSER_OPS``: sources,
+image and sequence layers, shrinking ops, integer and loss outputs), so the Proposer learns
+modules for the API sets it is really asked for, not only those the teacher lowers. The
+teachable path is left exactly as it was: the same seed gives the same Coder modules.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -50,23 +57,38 @@ class SynthModule:
         return hashlib.sha256(self.source.encode()).hexdigest()
 
 
-def feasible(apis: Sequence[str]) -> bool:
-    """Whether one module can call exactly these APIs (all known, one matmul, one reduction)."""
-    table = ops_by_api()
+_TERMINAL = ("reduce", "index", "loss")
+
+
+def feasible(apis: Sequence[str], *, teachable: bool = True) -> bool:
+    """Whether one module can call exactly these APIs (all known, one matmul, one reduction;
+    without ``teachable``, also one source, one shrinking op, one image or sequence form)."""
+    table = ops_by_api(teachable=teachable)
     if not apis or any(a not in table for a in apis):
         return False
-    kinds = [table[a].kind for a in apis]
-    return kinds.count("matmul") <= 1 and kinds.count("reduce") <= 1
+    kinds: Counter[str] = Counter(table[a].kind for a in apis)
+    if teachable:
+        return kinds["matmul"] <= 1 and kinds["reduce"] <= 1
+    spatial = kinds["spatial1d"] + kinds["spatial2d"]
+    return (
+        kinds["matmul"] <= 1 and sum(kinds[k] for k in _TERMINAL) <= 1
+        and kinds["source"] <= 1 and kinds["shrink"] <= 1
+        and not (kinds["spatial1d"] and kinds["spatial2d"])
+        and not (kinds["source"] and spatial)
+        and not ("torch.mm" in apis and spatial)  # mm takes 2-D inputs only
+        and not ("torch.bmm" in apis and kinds["spatial2d"])  # bmm takes 3-D ones
+    )
 
 
-def synth_catalog(catalog: ApiCatalog | None = None) -> ApiCatalog:
+def synth_catalog(catalog: ApiCatalog | None = None, *, teachable: bool = True) -> ApiCatalog:
     """The catalog restricted to the API sets the synthesizer can build."""
     catalog = catalog or default_catalog()
     return ApiCatalog(
-        apis={a: c for a, c in catalog.apis.items() if feasible([a])},
-        pairs={k: c for k, c in catalog.pairs.items() if feasible(k)},
-        triples={k: c for k, c in catalog.triples.items() if feasible(k)},
-        meta={**catalog.meta, "restricted_to": "kz_stream.warmstart.ops"},
+        apis={a: c for a, c in catalog.apis.items() if feasible([a], teachable=teachable)},
+        pairs={k: c for k, c in catalog.pairs.items() if feasible(k, teachable=teachable)},
+        triples={k: c for k, c in catalog.triples.items() if feasible(k, teachable=teachable)},
+        meta={**catalog.meta, "restricted_to": "kz_stream.warmstart.ops"
+              + ("" if teachable else " (with PROPOSER_OPS)")},
     )
 
 
@@ -74,9 +96,9 @@ def module_kind(ops: Sequence[Op]) -> ModuleKind:
     kinds = {op.kind for op in ops}
     if "matmul" in kinds:
         return "matmul"
-    if "reduce" in kinds:
+    if kinds & set(_TERMINAL):
         return "reduction"
-    if "rowmap" in kinds:
+    if kinds & {"rowmap", "shrink"}:
         return "norm"
     return "single" if len(ops) == 1 else "fused"
 
@@ -107,10 +129,13 @@ _MM = (32, 64, 128, 256)
 _K = (32, 64, 128, 256, 512)
 
 
-def synthesize(apis: Sequence[str], rng: random.Random) -> SynthModule:
+def synthesize(apis: Sequence[str], rng: random.Random, *, teachable: bool = True) -> SynthModule:
     """Writes one module that calls exactly ``apis`` (which must be ``feasible``)."""
-    if not feasible(apis):
+    if not feasible(apis, teachable=teachable):
         raise ValueError(f"no module calls exactly {sorted(apis)}")
+    table = ops_by_api()
+    if not teachable and not all(a in table for a in apis):
+        return _synthesize_broad(apis, rng)
     ops = _ordered(apis, rng)
     has_mm = ops[0].kind == "matmul"
     consts: list[tuple[str, int]] = []
@@ -153,6 +178,15 @@ def synthesize(apis: Sequence[str], rng: random.Random) -> SynthModule:
 
     init_params = ["in_features", "out_features"] if has_mm and uses_n else (
         ["features"] if uses_n else [])
+    source = _render(ops, consts, init_params, init_lines, body,
+                     [(i, f"torch.randn({s})") for i, s in zip(inputs, input_shapes, strict=True)])
+    return SynthModule(tuple(sorted(apis)), module_kind(ops), source)
+
+
+def _render(ops: Sequence[Op], consts: Sequence[tuple[str, int]], init_params: Sequence[str],
+            init_lines: Sequence[str], body: Sequence[str],
+            inputs: Sequence[tuple[str, str]]) -> str:
+    """The module's file: constants, ``Model``, ``get_inputs`` and ``get_init_inputs``."""
     sig = ", ".join(f"{p}: int" for p in init_params)
     lines = ["import torch", "import torch.nn as nn", ""]
     lines += [f"{name} = {value}" for name, value in consts]
@@ -161,19 +195,120 @@ def synthesize(apis: Sequence[str], rng: random.Random) -> SynthModule:
               f"    def __init__(self{', ' + sig if sig else ''}):",
               "        super().__init__()", *init_lines, "",
               "    def forward(self, "
-              + ", ".join(f"{i}: torch.Tensor" for i in inputs) + ") -> torch.Tensor:",
+              + ", ".join(f"{name}: torch.Tensor" for name, _ in inputs) + ") -> torch.Tensor:",
               *body, "        return x", "", "",
               "def get_inputs():",
-              "    return [" + ", ".join(f"torch.randn({s})" for s in input_shapes) + "]",
+              "    return [" + ", ".join(expr for _, expr in inputs) + "]",
               "", "", "def get_init_inputs():",
               "    return [" + ", ".join(init_params) + "]", ""]
-    return SynthModule(tuple(sorted(apis)), module_kind(ops), "\n".join(lines))
+    return "\n".join(lines)
+
+
+_ORDER_ALL = {"source": 0, "spatial1d": 1, "spatial2d": 1, "matmul": 2, "unary": 3,
+              "binary": 3, "rowmap": 4, "shrink": 5, "reduce": 6, "index": 6, "loss": 6}
+def _input_name(op: Op) -> str:
+    extra = op.extra or ""
+    if op.kind in ("source", "loss"):
+        return "ids" if op.kind == "source" else "target"
+    return "mask" if ">" in extra else "labels" if "randint(0, 3," in extra else "index"
+
+
+def _grouped(expr: str) -> str:
+    return f"({expr})" if " " in expr else expr
+
+
+def _synthesize_broad(apis: Sequence[str], rng: random.Random) -> SynthModule:
+    """``synthesize`` for sets with Proposer-only ops: the shape is tracked op by op."""
+    table = ops_by_api(teachable=False)
+    ops = [table[a] for a in apis]
+    rng.shuffle(ops)
+    ops.sort(key=lambda op: _ORDER_ALL[op.kind])
+    tail = [op for op in ops if op.kind == "unary" and op.extra is None]
+    if tail and any(op.kind == "reduce" for op in ops) and rng.random() < 0.3:
+        ops.remove(tail[-1])
+        ops.append(tail[-1])
+    kinds = {op.kind for op in ops}
+    names = {op.api for op in ops}
+    has_mm = "matmul" in kinds
+    consts: list[tuple[str, int]] = [("batch_size", rng.choice((4, 8, 16)))]
+    if "spatial2d" in kinds:
+        consts += [("channels", rng.choice((8, 16, 32))), ("height", rng.choice((16, 32, 64))),
+                   ("width", rng.choice((16, 32, 64)))]
+    elif "spatial1d" in kinds:
+        consts += [("channels", rng.choice((8, 16, 32))),
+                   ("length", rng.choice((64, 128, 256, 512)))]
+    else:
+        consts[0] = ("batch_size", rng.choice(_ROWS))
+        if "torch.bmm" in names or ("torch.mm" not in names and rng.random() < 0.25):
+            consts.append(("seq_len", rng.choice(_SEQ)))
+        consts.append(("in_features", rng.choice(_K)) if has_mm
+                      else ("features", rng.choice(_COLS)))
+    if "torch.nn.Embedding" in names:
+        consts.append(("vocab_size", rng.choice((100, 1000, 5000))))
+    if has_mm:
+        consts.append(("out_features", rng.choice((*_MM, 512))))
+    shape = [name for name, _ in consts if name not in ("vocab_size", "out_features")]
+
+    inputs: list[tuple[str, str]] = []
+    if "source" not in kinds:
+        inputs.append(("x", f"torch.randn({', '.join(shape)})"))
+    init_lines: list[str] = []
+    body: list[str] = []
+
+    def add_input(base: str, expr: str) -> str:
+        taken = {name for name, _ in inputs}
+        name = base if base not in taken else next(
+            f"{base}{n}" for n in range(2, 99) if f"{base}{n}" not in taken)
+        inputs.append((name, expr))
+        return name
+
+    for op in ops:
+        w = shape[-1]
+        fmt = {"w": w, "lead": ", ".join(shape[:-1]), "shape": ", ".join(shape), "n": w}
+        attr = ""
+        if op.module is not None:
+            attr = _layer_name(op, init_lines)
+            n = "out_features" if op.kind == "matmul" else w
+            init_lines.append(f"        self.{attr} = {op.module.format(n=n, k=w)}")
+        y = i = ""
+        if op.kind == "matmul":
+            if op.api != "torch.nn.Linear":
+                y_shape = {"torch.nn.functional.linear": ["out_features", w],
+                           "torch.bmm": [shape[0], w, "out_features"]}.get(
+                               op.api, [w, "out_features"])
+                y = add_input("w", f"torch.randn({', '.join(y_shape)})")
+        elif "{y}" in op.torch:
+            y = add_input("y", f"torch.randn({fmt['shape']})")
+        if op.extra is not None:
+            i = add_input(_input_name(op), op.extra.format(**fmt))
+        body.append(f"        x = {op.torch.format(x='x', y=y, m=attr, i=i, w=w, n=w)}")
+        if op.kind == "matmul":
+            shape[-1] = "out_features"
+        elif op.width is not None:
+            shape[-1] = op.width.format(w=_grouped(w))
+            if op.kind == "spatial2d":  # pools, pads and upsampling treat H as they treat W
+                shape[-2] = op.width.format(w=_grouped(shape[-2]))
+        elif op.kind in ("reduce", "index") and op.api != "torch.argsort":
+            shape.pop()
+        elif op.kind == "loss":
+            shape = []
+    used = set(re.findall(r"[a-z_]+", " ".join(init_lines)))
+    init_params = [name for name, _ in consts if name in used]
+    source = _render(ops, consts, init_params, init_lines, body, inputs)
+    return SynthModule(tuple(sorted(apis)), module_kind(ops), source)
 
 
 def _attr_name(op: Op, taken: list[str]) -> str:
     base = {"matmul": "linear", "rowmap": "norm"}.get(op.kind, "act")
     if op.api.endswith("Softmax"):
         base = "softmax"
+    n = sum(1 for line in taken if line.strip().startswith(f"self.{base}"))
+    return base if n == 0 else f"{base}{n + 1}"
+
+
+def _layer_name(op: Op, taken: list[str]) -> str:
+    words = r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])"  # BatchNorm2d -> batch_norm2d
+    base = re.sub(words, "_", op.api.rsplit(".", 1)[-1]).lower()
     n = sum(1 for line in taken if line.strip().startswith(f"self.{base}"))
     return base if n == 0 else f"{base}{n + 1}"
 
@@ -193,8 +328,10 @@ class Synthesizer:
         single_share: float = 0.2,
         catalog: ApiCatalog | None = None,
         frontier: Frontier | None = None,
+        teachable: bool = True,
     ) -> None:
-        self.catalog = synth_catalog(catalog)
+        self.teachable = teachable
+        self.catalog = synth_catalog(catalog, teachable=teachable)
         self.sampler = ApiSetSampler(self.catalog, seed=seed, frontier=frontier)
         self.rng = random.Random(seed + 1)
         self._single_share = single_share
@@ -213,7 +350,7 @@ class Synthesizer:
         seen: set[str] = set()
         made = tries = 0
         while made < count:
-            module = synthesize(self.api_set(), self.rng)
+            module = synthesize(self.api_set(), self.rng, teachable=self.teachable)
             if module.digest in seen:
                 tries += 1
                 if tries > max_tries * count:

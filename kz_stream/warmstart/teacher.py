@@ -112,14 +112,20 @@ def _indent(code: str, depth: int = 1) -> list[str]:
     return [_IND * depth + line if line else "" for line in code.splitlines()]
 
 
+def _lowering(step: _Step) -> str:
+    if step.op.triton is None:  # _match reads OPS only, whose ops all have one
+        raise TeacherError(f"no lowering for {step.op.api}")
+    return step.op.triton
+
+
 def _elementwise(step: _Step) -> str:
-    return f"x = {step.op.triton.format(y=step.y)}"
+    return f"x = {_lowering(step).format(y=step.y)}"
 
 
 def _row_statement(step: _Step) -> str:
     if step.op.kind in ("unary", "binary"):
         return _elementwise(step)
-    return step.op.triton.format(p=f"{step.attr}_" if step.attr else "")
+    return _lowering(step).format(p=f"{step.attr}_" if step.attr else "")
 
 
 def _param_args(steps: Sequence[_Step]) -> tuple[list[str], list[str]]:

@@ -23,6 +23,15 @@ def test_real_modules_admitted(name: str) -> None:
     assert result.admitted, (result.reason, result.detail)
 
 
+def test_an_integer_answer_is_admitted_and_a_constant_index_is_not() -> None:
+    from kz_stream.testing.corpus.degenerate import CONSTANT_INDEX, ROW_ARGMAX
+
+    admitted = admission_check(ROW_ARGMAX, timeout_s=120)
+    assert admitted.admitted, (admitted.reason, admitted.detail)
+    constant = admission_check(CONSTANT_INDEX, timeout_s=120)
+    assert not constant.admitted and constant.reason == "constant", constant.detail
+
+
 def test_timeout() -> None:
     src = PROBLEMS["relu"].replace("return torch.relu(x)",
                                    "import time\n        time.sleep(100)\n        return x")

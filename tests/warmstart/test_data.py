@@ -13,7 +13,13 @@ from typer.testing import CliRunner
 
 from kz_stream.cli import app
 from kz_stream.store import open_store
-from kz_stream.warmstart.data import CODER_SFT, MANIFEST, PROPOSER_SFT, teacher_run_id
+from kz_stream.warmstart.data import (
+    CODER_SFT,
+    MANIFEST,
+    PROPOSER_MANIFEST,
+    PROPOSER_SFT,
+    teacher_run_id,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -84,3 +90,25 @@ def test_progress_counts_the_modules_done_including_a_resumed_suite(tmp_path: Pa
     synthesize_suite(tmp_path, count=3, seed=3, workers=1,
                      on_module=lambda done, total: seen.append((done, total)))
     assert seen == [(3, 3)]
+
+
+def test_proposer_data_adds_modules_the_teacher_cannot_lower(tmp_path: Path) -> None:
+    from kz_stream.warmstart.synth import feasible
+
+    out = tmp_path / "ws"
+    cli = CliRunner()
+    args = ["warmstart", "proposer-data", str(out), "--count", "4", "--seed", "1"]
+    done = cli.invoke(app, args, env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.output[-3000:]
+    rows = [json.loads(line) for line in (out / PROPOSER_MANIFEST).read_text().splitlines()]
+    assert len(rows) == 4 and {r["split"] for r in rows} == {"proposer"}
+    valid = [r for r in rows if r["valid"]]
+    assert valid and all((out / r["file"]).exists() for r in valid)
+    # seed 1's first modules include sets outside the teacher's ops
+    assert any(not feasible(r["api_set"]) for r in rows)
+    examples = [json.loads(line) for line in (out / PROPOSER_SFT).read_text().splitlines()]
+    assert sorted(e["api_set"] for e in examples) == sorted(r["api_set"] for r in valid)
+    assert all("class Model" in e["completion"][0]["content"] for e in examples)
+    again = cli.invoke(app, args, env={"COLUMNS": "200"})  # resumes: nothing new
+    assert again.exit_code == 0, again.output[-3000:]
+    assert len((out / PROPOSER_MANIFEST).read_text().splitlines()) == 4

@@ -92,6 +92,31 @@ def get_inputs():
 def get_init_inputs():
     return []
 '''
+CONSTANT_INDEX = HEADER + '''
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.argmax(x * 0.0 + torch.arange(128.0), dim=1)  # always the last column
+
+def get_inputs():
+    return [torch.randn(64, 128)]
+
+def get_init_inputs():
+    return []
+'''
+
+# Integer outputs that are a real answer: admitted (their constant is an index).
+ROW_ARGMAX = HEADER + '''
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.argmax(torch.softmax(x, dim=1), dim=1)
+
+def get_inputs():
+    return [torch.randn(64, 128)]
+
+def get_init_inputs():
+    return []
+'''
+
 
 NO_INTERFACE = HEADER + '''
 class Model(nn.Module):
