@@ -12,6 +12,7 @@ import typer
 
 from kz_stream.cli._common import ConfigOption, _read_store, _run, _settings
 from kz_stream.cli._output import _one_line_errors, _progress_bars, console
+from kz_stream.config import PROPOSER_TEMPERATURE
 
 warmstart_app = typer.Typer(help="Teacher-distilled SFT data and adapters for a warm start.")
 
@@ -147,7 +148,9 @@ def warmstart_proposer_eval(
     sets: Annotated[int, typer.Option(min=1, help="API sets to sample (one module each).")] = 100,
     seed: Annotated[int, typer.Option(help="Sampler and sampling seed.")] = 0,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Completion cap.")] = 768,
-    temperature: Annotated[float, typer.Option(min=0.0, help="Temperature.")] = 1.0,
+    temperature: Annotated[
+        float, typer.Option(min=0.0, help="Temperature (default: the Proposer's).")
+    ] = PROPOSER_TEMPERATURE,
     device: Annotated[str | None, typer.Option(help="Where the model generates.")] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Generation batch.")] = 8,
     workers: Annotated[int, typer.Option(min=1, help="Modules validated at once.")] = 2,

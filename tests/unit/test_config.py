@@ -205,3 +205,11 @@ def test_quiet_commands_log_warnings_unless_the_user_chose_a_level(tmp_path: Pat
     assert _settings(None).log_level == "INFO"
     path = toml(tmp_path, 'log_level = "INFO"\n')
     assert _settings(path, quiet=True).log_level == "INFO"
+
+
+def test_the_proposer_samples_cooler_than_the_coder_unless_told_otherwise() -> None:
+    settings = Settings()
+    assert settings.proposer.llm.temperature == 0.5
+    assert settings.coder.llm.temperature == 1.0
+    told = Settings.model_validate({"proposer": {"llm": {"temperature": 0.9}}})
+    assert told.proposer.llm.temperature == 0.9
