@@ -176,11 +176,12 @@ def warmstart_proposer_eval(
                     on_progress=lambda d, t: bars.update(task, completed=d, total=t))
 
     score = _run(go())
-    result = {"policy": policy, "sets": score.sets, "valid": score.valid,
+    result = {"policy": policy, "temperature": temperature, "seed": seed, "sets": score.sets,
+              "valid": score.valid,
               "valid_rate": round(score.valid_rate, 4),
               "buildable_sets": score.buildable_sets, "buildable_valid": score.buildable_valid,
               "buildable_valid_rate": round(score.buildable_valid_rate, 4),
-              "reasons": dict(score.reasons.most_common())}
+              "reasons": dict(score.reasons.most_common()), "records": score.records}
     console.print(
         f"Proposer {policy}: {score.valid}/{score.sets} valid ({score.valid_rate:.1%}); on the "
         f"synthesizer's sets {score.buildable_valid}/{score.buildable_sets}; reasons "

@@ -27,6 +27,8 @@ class ProposerScore:
     buildable_sets: int = 0
     buildable_valid: int = 0
     reasons: Counter[str] = field(default_factory=Counter)
+    # one per set, in draw order: api_set, valid, reason, detail (the validator's, cut)
+    records: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def valid_rate(self) -> float:
@@ -55,16 +57,19 @@ async def score_proposer(
     score = ProposerScore()
     loop = asyncio.get_running_loop()
 
-    def check(i: int) -> tuple[int, bool, str]:
+    def check(i: int) -> tuple[int, bool, str, str]:
         text = samples[i][0].text
         source = extract_code(text, require="class Model") or text
         result = validate_module(source, api_sets[i])
-        return i, result.valid, result.reason or "valid"
+        return i, result.valid, result.reason or "valid", (result.detail or "")[-300:]
 
+    records: list[dict[str, object]] = [{} for _ in api_sets]
     with ThreadPoolExecutor(max(1, workers)) as pool:
         futures = [loop.run_in_executor(pool, check, i) for i in range(len(api_sets))]
         for done, fut in enumerate(asyncio.as_completed(futures), start=1):
-            i, valid, reason = await fut
+            i, valid, reason, detail = await fut
+            records[i] = {"api_set": api_sets[i], "valid": valid, "reason": reason,
+                          "detail": detail}
             key = tuple(sorted(api_sets[i]))
             is_buildable = key in buildable.pairs or key in buildable.triples
             score.sets += 1
@@ -74,4 +79,5 @@ async def score_proposer(
             score.reasons[reason] += 1
             if on_progress is not None:
                 on_progress(done, len(api_sets))
+    score.records = records
     return score

@@ -112,3 +112,20 @@ def test_proposer_data_adds_modules_the_teacher_cannot_lower(tmp_path: Path) -> 
     again = cli.invoke(app, args, env={"COLUMNS": "200"})  # resumes: nothing new
     assert again.exit_code == 0, again.output[-3000:]
     assert len((out / PROPOSER_MANIFEST).read_text().splitlines()) == 4
+
+
+def test_proposer_eval_scores_every_sampled_set_in_draw_order(tmp_path: Path) -> None:
+    from kz_stream.modules import ApiSetSampler
+
+    out = tmp_path / "score.json"
+    done = CliRunner().invoke(app, [
+        "warmstart", "proposer-eval", "--policy", "base", "--sets", "2", "--seed", "4",
+        "--max-new-tokens", "48", "--json", str(out)], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.output[-3000:]
+    score = json.loads(out.read_text())
+    assert score["sets"] == 2 and score["temperature"] == 0.5 and score["seed"] == 4
+    assert sum(score["reasons"].values()) == 2
+    records = score["records"]
+    assert [r["api_set"] for r in records] == ApiSetSampler(seed=4).sample_many(2)
+    # 48 tokens cannot hold a whole module: each record says why it is not valid
+    assert all(not r["valid"] and r["reason"] != "valid" and r["detail"] for r in records)
