@@ -40,9 +40,7 @@ async def _score(policy: str, temperature: float, args: argparse.Namespace) -> d
     async with backend:
         s = await score_proposer(backend, sets=args.sets, seed=args.seed, sampling=sampling,
                                  workers=args.workers)
-    return {"policy": policy, "temperature": temperature, "sets": s.sets, "valid": s.valid,
-            "valid_rate": s.valid_rate, "buildable_sets": s.buildable_sets,
-            "buildable_valid": s.buildable_valid, "reasons": dict(s.reasons)}
+    return {"policy": policy, "temperature": temperature, "seed": args.seed, **s.as_dict()}
 
 
 def main(argv: list[str] | None = None) -> int:

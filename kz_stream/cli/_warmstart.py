@@ -17,6 +17,21 @@ from kz_stream.config import PROPOSER_TEMPERATURE
 warmstart_app = typer.Typer(help="Teacher-distilled SFT data and adapters for a warm start.")
 
 
+def _validated_suite(out: Path, *, count: int, **options: Any) -> Any:
+    """``synthesize_suite`` under a progress bar; returns its ``SuiteSummary``."""
+    from kz_stream.warmstart.data import synthesize_suite
+
+    with _progress_bars(counts=True) as bars:
+        task = bars.add_task("modules validated", total=count, detail="")
+        summary = synthesize_suite(
+            out, count=count, on_module=lambda done, total: bars.update(task, completed=done),
+            **options)
+        bars.update(task, completed=count,
+                    detail=f"{summary.valid} valid ({summary.train} train, "
+                           f"{summary.held_out} held out)")
+    return summary
+
+
 @warmstart_app.command("data")
 @_one_line_errors
 def warmstart_data(
@@ -35,19 +50,12 @@ def warmstart_data(
     run), and writes the Coder and Proposer SFT sets."""
     from kz_stream.evaluation import EvalOptions, EvalProgress, load_suite, run_evaluation
     from kz_stream.llm import SamplingParams
-    from kz_stream.warmstart.data import synthesize_suite, teacher_run_id, write_sft_sets
+    from kz_stream.warmstart.data import teacher_run_id, write_sft_sets
 
     settings = _settings(config, quiet=True)
     started = time.monotonic()
-    with _progress_bars(counts=True) as bars:
-        task = bars.add_task("modules validated", total=count, detail="")
-        summary = synthesize_suite(
-            out, count=count, seed=seed, held_out=held_out, workers=workers,
-            on_module=lambda done, total: bars.update(task, completed=done),
-        )
-        bars.update(task, completed=count,
-                    detail=f"{summary.valid} valid ({summary.train} train, "
-                           f"{summary.held_out} held out)")
+    summary = _validated_suite(out, count=count, seed=seed, held_out=held_out,
+                               workers=workers)
     console.print(
         f"modules: {summary.valid}/{summary.modules} valid"
         + (f"; invalid: {summary.invalid_reasons}" if summary.invalid_reasons else ""),
@@ -85,16 +93,10 @@ def warmstart_proposer_data(
     (image and sequence layers, losses, indexing: the sets the Proposer is asked for beyond
     what the teacher lowers), validates them as proposals, and rewrites proposer_sft.jsonl
     from both suites."""
-    from kz_stream.warmstart.data import synthesize_suite, write_proposer_sft
+    from kz_stream.warmstart.data import write_proposer_sft
 
     started = time.monotonic()
-    with _progress_bars(counts=True) as bars:
-        task = bars.add_task("modules validated", total=count, detail="")
-        summary = synthesize_suite(
-            out, count=count, seed=seed, workers=workers, teachable=False,
-            on_module=lambda done, total: bars.update(task, completed=done),
-        )
-        bars.update(task, completed=count, detail=f"{summary.valid} valid")
+    summary = _validated_suite(out, count=count, seed=seed, workers=workers, teachable=False)
     rows = write_proposer_sft(out)
     console.print(
         f"Proposer modules: {summary.valid}/{summary.modules} valid"
@@ -176,15 +178,10 @@ def warmstart_proposer_eval(
                     on_progress=lambda d, t: bars.update(task, completed=d, total=t))
 
     score = _run(go())
-    result = {"policy": policy, "temperature": temperature, "seed": seed, "sets": score.sets,
-              "valid": score.valid,
-              "valid_rate": round(score.valid_rate, 4),
-              "buildable_sets": score.buildable_sets, "buildable_valid": score.buildable_valid,
-              "buildable_valid_rate": round(score.buildable_valid_rate, 4),
-              "reasons": dict(score.reasons.most_common()), "records": score.records}
+    result = {"policy": policy, "temperature": temperature, "seed": seed, **score.as_dict()}
     console.print(
         f"Proposer {policy}: {score.valid}/{score.sets} valid ({score.valid_rate:.1%}); on the "
         f"synthesizer's sets {score.buildable_valid}/{score.buildable_sets}; reasons "
-        f"{result['reasons']}", highlight=False)
+        f"{dict(score.reasons.most_common())}", highlight=False)
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=2) + "\n")

@@ -226,6 +226,8 @@ def _constant_like(honest: Any, expected: Any) -> Any:
 
     if honest.is_floating_point():
         return torch.full_like(honest, float(expected.double().mean()))
+    if honest.is_complex():
+        return torch.full_like(honest, complex(expected.to(torch.complex128).mean()))
     flat = expected.detach().flatten().to("cpu", torch.int64)
     value = int(flat.mode().values) if flat.numel() else 0
     return torch.full_like(honest, value)

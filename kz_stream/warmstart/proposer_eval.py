@@ -8,13 +8,24 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from kz_stream.llm import LLMBackend, SamplingParams
 from kz_stream.modules import ApiSetSampler, extract_code, proposer_messages, validate_module
 from kz_stream.warmstart.synth import synth_catalog
 
-__all__ = ["ProposerScore", "score_proposer"]
+__all__ = ["ProposerReply", "ProposerScore", "score_proposer"]
+
+
+@dataclass(frozen=True)
+class ProposerReply:
+    """One sampled API set and what validation said of the module written for it."""
+
+    api_set: list[str]
+    valid: bool
+    reason: str  # "valid" or ModuleValidation's reason
+    detail: str  # the validator's detail, cut to its last 300 characters
+    buildable: bool  # the Proposer synthesizer can build this set (its SFT data covers it)
 
 
 @dataclass
@@ -22,13 +33,27 @@ class ProposerScore:
     """Valid replies over all replies, overall and on the sets the synthesizer can build
     (with the Proposer-only ops: the sets the Proposer's SFT data covers)."""
 
-    sets: int = 0
-    valid: int = 0
-    buildable_sets: int = 0
-    buildable_valid: int = 0
-    reasons: Counter[str] = field(default_factory=Counter)
-    # one per set, in draw order: api_set, valid, reason, detail (the validator's, cut)
-    records: list[dict[str, object]] = field(default_factory=list)
+    replies: list[ProposerReply] = field(default_factory=list)  # in draw order
+
+    @property
+    def sets(self) -> int:
+        return len(self.replies)
+
+    @property
+    def valid(self) -> int:
+        return sum(r.valid for r in self.replies)
+
+    @property
+    def buildable_sets(self) -> int:
+        return sum(r.buildable for r in self.replies)
+
+    @property
+    def buildable_valid(self) -> int:
+        return sum(r.valid and r.buildable for r in self.replies)
+
+    @property
+    def reasons(self) -> Counter[str]:
+        return Counter(r.reason for r in self.replies)
 
     @property
     def valid_rate(self) -> float:
@@ -37,6 +62,15 @@ class ProposerScore:
     @property
     def buildable_valid_rate(self) -> float:
         return self.buildable_valid / self.buildable_sets if self.buildable_sets else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        """The score as ``kz warmstart proposer-eval --json`` writes it."""
+        return {"sets": self.sets, "valid": self.valid,
+                "valid_rate": round(self.valid_rate, 4),
+                "buildable_sets": self.buildable_sets, "buildable_valid": self.buildable_valid,
+                "buildable_valid_rate": round(self.buildable_valid_rate, 4),
+                "reasons": dict(self.reasons.most_common()),
+                "records": [asdict(r) for r in self.replies]}
 
 
 async def score_proposer(
@@ -54,30 +88,23 @@ async def score_proposer(
     api_sets = sampler.sample_many(sets)
     samples = await backend.generate([proposer_messages(s) for s in api_sets], n=1,
                                      sampling=sampling)
-    score = ProposerScore()
     loop = asyncio.get_running_loop()
 
-    def check(i: int) -> tuple[int, bool, str, str]:
+    def check(i: int) -> tuple[int, ProposerReply]:
         text = samples[i][0].text
         source = extract_code(text, require="class Model") or text
         result = validate_module(source, api_sets[i])
-        return i, result.valid, result.reason or "valid", (result.detail or "")[-300:]
+        key = tuple(sorted(api_sets[i]))
+        return i, ProposerReply(api_sets[i], result.valid, result.reason or "valid",
+                                (result.detail or "")[-300:],
+                                key in buildable.pairs or key in buildable.triples)
 
-    records: list[dict[str, object]] = [{} for _ in api_sets]
+    replies: list[ProposerReply | None] = [None] * len(api_sets)
     with ThreadPoolExecutor(max(1, workers)) as pool:
         futures = [loop.run_in_executor(pool, check, i) for i in range(len(api_sets))]
         for done, fut in enumerate(asyncio.as_completed(futures), start=1):
-            i, valid, reason, detail = await fut
-            records[i] = {"api_set": api_sets[i], "valid": valid, "reason": reason,
-                          "detail": detail}
-            key = tuple(sorted(api_sets[i]))
-            is_buildable = key in buildable.pairs or key in buildable.triples
-            score.sets += 1
-            score.valid += valid
-            score.buildable_sets += is_buildable
-            score.buildable_valid += valid and is_buildable
-            score.reasons[reason] += 1
+            i, reply = await fut
+            replies[i] = reply
             if on_progress is not None:
                 on_progress(done, len(api_sets))
-    score.records = records
-    return score
+    return ProposerScore([r for r in replies if r is not None])

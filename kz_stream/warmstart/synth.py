@@ -41,7 +41,9 @@ __all__ = [
 ]
 
 ModuleKind = Literal["single", "fused", "norm", "reduction", "matmul"]
-_ORDER = {"matmul": 0, "unary": 1, "binary": 1, "rowmap": 2, "reduce": 3}
+# The order a module applies its ops in (the teacher's kinds keep their relative order).
+_ORDER = {"source": 0, "spatial1d": 1, "spatial2d": 1, "matmul": 2, "unary": 3, "binary": 3,
+          "rowmap": 4, "shrink": 5, "reduce": 6, "index": 6, "loss": 6}
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,17 @@ def is_held_out(module: SynthModule, fraction: float) -> bool:
     return int(module.digest[:8], 16) / 0xFFFFFFFF < fraction
 
 
-def _ordered(apis: Sequence[str], rng: random.Random) -> list[Op]:
-    table = ops_by_api()
+def _ordered(apis: Sequence[str], rng: random.Random, *, teachable: bool = True) -> list[Op]:
+    table = ops_by_api(teachable=teachable)
     ops = [table[a] for a in apis]
     rng.shuffle(ops)
     ops.sort(key=lambda op: _ORDER[op.kind])  # stable: elementwise stay shuffled
-    # An elementwise op may also follow the whole-row part (unary ones after a reduction).
-    tail = [op for op in ops if op.kind == "unary"]
-    if tail and any(op.kind in ("rowmap", "reduce") for op in ops) and rng.random() < 0.3:
+    # An elementwise op may also follow the whole-row part (unary ones after a reduction);
+    # with the Proposer's ops only after a float reduction, never after an index or a loss,
+    # and never one that reads an extra input shaped for the rows.
+    after = ("rowmap", "reduce") if teachable else ("reduce",)
+    tail = [op for op in ops if op.kind == "unary" and op.extra is None]
+    if tail and any(op.kind in after for op in ops) and rng.random() < 0.3:
         moved = tail[-1]
         ops.remove(moved)
         ops.append(moved)
@@ -204,8 +209,6 @@ def _render(ops: Sequence[Op], consts: Sequence[tuple[str, int]], init_params: S
     return "\n".join(lines)
 
 
-_ORDER_ALL = {"source": 0, "spatial1d": 1, "spatial2d": 1, "matmul": 2, "unary": 3,
-              "binary": 3, "rowmap": 4, "shrink": 5, "reduce": 6, "index": 6, "loss": 6}
 def _input_name(op: Op) -> str:
     extra = op.extra or ""
     if op.kind in ("source", "loss"):
@@ -219,14 +222,7 @@ def _grouped(expr: str) -> str:
 
 def _synthesize_broad(apis: Sequence[str], rng: random.Random) -> SynthModule:
     """``synthesize`` for sets with Proposer-only ops: the shape is tracked op by op."""
-    table = ops_by_api(teachable=False)
-    ops = [table[a] for a in apis]
-    rng.shuffle(ops)
-    ops.sort(key=lambda op: _ORDER_ALL[op.kind])
-    tail = [op for op in ops if op.kind == "unary" and op.extra is None]
-    if tail and any(op.kind == "reduce" for op in ops) and rng.random() < 0.3:
-        ops.remove(tail[-1])
-        ops.append(tail[-1])
+    ops = _ordered(apis, rng, teachable=False)
     kinds = {op.kind for op in ops}
     names = {op.api for op in ops}
     has_mm = "matmul" in kinds

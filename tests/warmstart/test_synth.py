@@ -7,8 +7,13 @@ import random
 
 import pytest
 
-from kz_stream.modules import ApiSetSampler, default_catalog, static_apis, validate_module
-from kz_stream.modules._apis import is_neutral
+from kz_stream.modules import (
+    ApiSetSampler,
+    default_catalog,
+    is_neutral,
+    static_apis,
+    validate_module,
+)
 from kz_stream.warmstart.ops import OPS, PROPOSER_OPS, ops_by_api
 from kz_stream.warmstart.synth import (
     Synthesizer,
