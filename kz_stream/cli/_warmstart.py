@@ -72,9 +72,10 @@ def warmstart_data(
 
         _run(run_evaluation(settings, load_suite(out / "train"), options, on_progress=show))
 
-    counts = _read_store(settings, lambda store: write_sft_sets(out, store))
+    sets = _read_store(settings, lambda store: write_sft_sets(out, store))
+    console.print(sets.describe(), style="yellow" if sets.unjudged else None, highlight=False)
     console.print(
-        f"teacher run {run_id}: {counts['coder']} Coder examples, {counts['proposer']} Proposer "
+        f"teacher run {run_id}: {sets.coder} Coder examples, {sets.proposer} Proposer "
         f"examples in {out} ({time.monotonic() - started:.0f} s); next: "
         f"kz warmstart train {out}/coder_sft.jsonl --out ADAPTER; "
         f"kz eval report {run_id}",

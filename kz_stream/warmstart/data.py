@@ -35,6 +35,7 @@ __all__ = [
     "MANIFEST",
     "PROPOSER_MANIFEST",
     "PROPOSER_SFT",
+    "SftSets",
     "SuiteSummary",
     "sft_example",
     "synthesize_suite",
@@ -178,15 +179,48 @@ def write_proposer_sft(out: Path) -> int:
     return _write_jsonl(out / PROPOSER_SFT, proposer)
 
 
-async def write_sft_sets(out: Path, store: Any) -> dict[str, int]:
-    """Writes ``coder_sft.jsonl`` (from the store) and ``proposer_sft.jsonl``; returns counts."""
+@dataclass(frozen=True)
+class SftSets:
+    """What ``write_sft_sets`` wrote, and the teacher's verdicts it chose from."""
+
+    coder: int
+    proposer: int
+    teacher_verdicts: dict[str, int]  # status -> kernels
+
+    @property
+    def unjudged(self) -> int:
+        """Teacher kernels this host could not judge (``infra_error``): not in the Coder set."""
+        return self.teacher_verdicts.get("infra_error", 0)
+
+    def describe(self) -> str:
+        """One line: the verdicts, and what to do about kernels the host could not judge."""
+        statuses = ", ".join(f"{n} {s}" for s, n in sorted(self.teacher_verdicts.items(),
+                                                             key=lambda sn: (-sn[1], sn[0])))
+        line = f"teacher kernels: {statuses or 'none verified'}"
+        if self.unjudged:
+            # Seen on a GPU host: Triton 3.6's interpreter with NumPy >= 2.4 fails every
+            # kernel that loops over a run-time bound (all matmuls), and the Coder set
+            # silently lost them.
+            line += (f"; {self.unjudged} could not be judged on this host and are left out "
+                     "of the Coder set (the verifier's log says why): run the command again "
+                     "where they can be judged (on a GPU, or the CPU path with NumPy < 2.4)")
+        return line
+
+
+async def write_sft_sets(out: Path, store: Any) -> SftSets:
+    """Writes ``coder_sft.jsonl`` (the correct teacher kernels in the store) and
+    ``proposer_sft.jsonl``."""
     from kz_stream.export import KernelFilter, collect_rows
 
     run_id = teacher_run_id(out)
-    rows, _ = await collect_rows(store, KernelFilter(runs=(run_id,)), sets=["sft"])
+    rows, _ = await collect_rows(store, KernelFilter(runs=(run_id,)), sets=["sft", "verdicts"])
     coder = [
         sft_example(json.loads(r["prompt"]), r["kernel"], module_id=r["module_id"],
                     kernel_id=r["kernel_id"], policy=r["run_id"])
         for r in rows["sft"]
     ]
-    return {"coder": _write_jsonl(out / CODER_SFT, coder), "proposer": write_proposer_sft(out)}
+    latest = {r["kernel_id"]: r["status"] for r in rows["verdicts"]}  # a resume re-judges
+    statuses: dict[str, int] = {}
+    for status in latest.values():
+        statuses[status] = statuses.get(status, 0) + 1
+    return SftSets(_write_jsonl(out / CODER_SFT, coder), write_proposer_sft(out), statuses)

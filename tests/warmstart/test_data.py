@@ -18,6 +18,7 @@ from kz_stream.warmstart.data import (
     MANIFEST,
     PROPOSER_MANIFEST,
     PROPOSER_SFT,
+    SftSets,
     teacher_run_id,
 )
 
@@ -55,6 +56,7 @@ def test_data_then_train(tmp_path: Path) -> None:
     assert system["role"] == "system" and "ModelNew" in system["content"]
     counts = asyncio.run(stored_types(url))
     assert counts["KernelGenerated"] == counts["KernelVerified"] == len(train)
+    assert f"teacher kernels: {len(train)} correct" in done.output
 
     again = cli.invoke(app, ["warmstart", "data", str(out), "--count", "5", "--seed", "3",
                              "--held-out", "0.2"], env=env)  # resumes: nothing new
@@ -129,3 +131,14 @@ def test_proposer_eval_scores_every_sampled_set_in_draw_order(tmp_path: Path) ->
     assert [r["api_set"] for r in records] == ApiSetSampler(seed=4).sample_many(2)
     # 48 tokens cannot hold a whole module: each record says why it is not valid
     assert all(not r["valid"] and r["reason"] != "valid" and r["detail"] for r in records)
+
+
+def test_teacher_kernels_the_host_could_not_judge_are_named_with_what_to_do() -> None:
+    sets = SftSets(coder=361, proposer=651,
+                   teacher_verdicts={"correct": 361, "infra_error": 290})
+    assert sets.unjudged == 290
+    line = sets.describe()
+    assert line.startswith("teacher kernels: 361 correct, 290 infra_error; 290 could not be")
+    assert "NumPy < 2.4" in line and "left out of the Coder set" in line
+    judged = SftSets(coder=2, proposer=2, teacher_verdicts={"correct": 2, "compile_error": 1})
+    assert judged.describe() == "teacher kernels: 2 correct, 1 compile_error"
