@@ -31,7 +31,7 @@ from kz_stream.events import (
     new_event,
 )
 from kz_stream.faults import is_transient
-from kz_stream.rl import AlternationSchedule, Group, Role, Sample
+from kz_stream.rl import AlternationSchedule, Group, Role, Sample, proposer_step_groups
 from kz_stream.run_state import RunState, compute_frontier
 from kz_stream.runtime import Service, ServiceContext
 
@@ -261,6 +261,17 @@ class LearnerService(Service):
             out.append(Group(gid, tuple(samples)))
         return out
 
+    def proposer_step_groups(self) -> list[Group]:
+        """The groups of the next Proposer step: ones whose rewards differ, waiting for
+        groups still being scored rather than train on equal rewards (``proposer_step_groups``
+        in ``rl/groups.py``)."""
+        timeout = self.config.group_timeout_s
+        return proposer_step_groups(
+            self.proposer_groups(), self.config.groups_per_step,
+            invalid_reward=self.learners["proposer"].config.rewards.invalid_module_reward,
+            waiting=self.state.proposals_being_scored(timeout_s=timeout) > 0,
+        )
+
     def current_role(self) -> Role | None:
         turn = self.schedule.turn_at(self.steps_done)
         if turn is None:
@@ -277,7 +288,7 @@ class LearnerService(Service):
         if role is None:
             self.finished.set()
             return False
-        groups = self.coder_groups() if role == "coder" else self.proposer_groups()
+        groups = self.coder_groups() if role == "coder" else self.proposer_step_groups()
         if len(groups) < self.config.groups_per_step:
             return False
         groups = groups[: self.config.groups_per_step]

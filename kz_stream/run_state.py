@@ -210,18 +210,37 @@ class RunState:
     def ready_proposals(self, *, timeout_s: float = 600.0, now: float | None = None) -> list[str]:
         """Proposal groups not yet trained on whose valid modules all have a complete Coder
         group (so ``l̄`` is known), oldest first."""
+        return self._proposals_by_readiness(timeout_s, now)[0]
+
+    def proposals_being_scored(
+        self, *, timeout_s: float = 600.0, now: float | None = None
+    ) -> int:
+        """Proposal groups not yet trained on whose valid modules the Coder has all taken up
+        (each has kernels) but not all finished: groups that will be ready soon. A module
+        the Coder has not reached may wait behind many others, so it does not count."""
+        started = {g.module_id for g in self.groups.values()}
+        return sum(
+            all(not self.modules[m].valid or m in started for m in self.proposals[gid])
+            for gid in self._proposals_by_readiness(timeout_s, now)[1]
+        )
+
+    def _proposals_by_readiness(
+        self, timeout_s: float, now: float | None
+    ) -> tuple[list[str], list[str]]:
         now = time.time() if now is None else now
         complete_modules = {
             g.module_id
             for g in self.groups.values()
             if g.complete(self.kernels, timeout_s=timeout_s, now=now)
         }
-        return [
-            gid
-            for gid, mids in self.proposals.items()
-            if gid not in self.used_proposals
-            and all(not self.modules[m].valid or m in complete_modules for m in mids)
-        ]
+        ready: list[str] = []
+        pending: list[str] = []
+        for gid, mids in self.proposals.items():
+            if gid in self.used_proposals:
+                continue
+            scored = all(not self.modules[m].valid or m in complete_modules for m in mids)
+            (ready if scored else pending).append(gid)
+        return ready, pending
 
     def module_correctness(self) -> dict[str, float]:
         """``l̄`` per module: the Coder's mean correctness over its decided samples."""

@@ -4,7 +4,14 @@ This package imports without torch; ``kz_stream.rl.trainer`` pulls in torch, tra
 peft and TRL (the ``train`` extra) and is imported explicitly.
 """
 
-from kz_stream.rl.groups import Group, Sample, TrainingBatch, build_batch, group_samples
+from kz_stream.rl.groups import (
+    Group,
+    Sample,
+    TrainingBatch,
+    build_batch,
+    group_samples,
+    proposer_step_groups,
+)
 from kz_stream.rl.options import TrainerOptions
 from kz_stream.rl.rewards import (
     RewardConfig,
@@ -37,6 +44,7 @@ __all__ = [
     "group_gate",
     "group_samples",
     "proposer_reward",
+    "proposer_step_groups",
     "speed_term",
     "staleness_stats",
 ]

@@ -20,9 +20,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kz_stream.events import KernelGenerated, KernelVerified, ModuleProposed, VerdictStatus
-from kz_stream.rl.rewards import filter_stale, staleness_stats
+from kz_stream.rl.rewards import filter_stale, proposer_reward, staleness_stats
 
-__all__ = ["Group", "Sample", "TrainingBatch", "build_batch", "group_samples"]
+__all__ = [
+    "Group",
+    "Sample",
+    "TrainingBatch",
+    "build_batch",
+    "group_samples",
+    "proposer_step_groups",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +157,33 @@ def group_samples(samples: Iterable[Sample]) -> list[Group]:
     for s in samples:
         by_id.setdefault(s.group_id, []).append(s)
     return [Group(gid, tuple(members)) for gid, members in by_id.items()]
+
+
+def proposer_step_groups(
+    ready: Sequence[Group], n: int, *, invalid_reward: float, waiting: bool
+) -> list[Group]:
+    """Picks the ``n`` groups a Proposer step trains on from ``ready`` (oldest first).
+
+    A group whose proposals all earn the same reward (every one invalid, most often) has
+    zero advantage: a step on such groups changes nothing. Groups whose rewards differ come
+    first; while other proposal groups are being scored (``waiting``: the Coder has taken up
+    their valid modules and their verdicts are coming) the step waits for them rather than
+    train on equal-reward groups, and returns ``[]``. Otherwise equal-reward groups fill
+    the step. (DAPO's dynamic sampling drops such groups likewise; TRL has no
+    equivalent, since the learner, not TRL, chooses the groups.)
+    """
+
+    def rewards_differ(g: Group) -> bool:
+        rewards = {proposer_reward(bool(s.module_valid), s.mean_correctness, invalid_reward)
+                   for s in g.samples}
+        return len(rewards) > 1
+
+    informative = [g for g in ready if rewards_differ(g)]
+    if len(informative) >= n:
+        return informative[:n]
+    if waiting:
+        return []
+    return [*informative, *(g for g in ready if not rewards_differ(g))][:n]
 
 
 @dataclass(frozen=True, slots=True)

@@ -517,7 +517,8 @@ class Verifier:
                 self._warned_interpreter = True
                 log.warning("verifier: this host's Triton interpreter fails the worker's "
                             "self-check (a loop over a run-time bound); kernels that fail "
-                            "the same way get infra_error, not runtime_error: %s",
+                            "the same way get infra_error, not runtime_error (seen with "
+                            "Triton 3.6 under NumPy 2.4 and 2.5; verify on a GPU): %s",
                             ready["interpreter_defect"])
         try:
             ruling = await Stage(self.config, lane, worker, p, candidate, builds, own_names,

@@ -198,12 +198,13 @@ class SftSets:
                                                              key=lambda sn: (-sn[1], sn[0])))
         line = f"teacher kernels: {statuses or 'none verified'}"
         if self.unjudged:
-            # Seen on a GPU host: Triton 3.6's interpreter with NumPy >= 2.4 fails every
-            # kernel that loops over a run-time bound (all matmuls), and the Coder set
+            # Seen on a GPU host: Triton 3.6's interpreter under NumPy 2.4 and 2.5 fails
+            # every kernel that loops over a run-time bound (all matmuls), and the Coder set
             # silently lost them.
             line += (f"; {self.unjudged} could not be judged on this host and are left out "
                      "of the Coder set (the verifier's log says why): run the command again "
-                     "where they can be judged (on a GPU, or the CPU path with NumPy < 2.4)")
+                     "where they can be judged (on a GPU, or with a Triton interpreter that "
+                     "passes the verifier's self-check)")
         return line
 
 

@@ -14,7 +14,13 @@ from kz_stream.events import (
     ModuleValidation,
     VerdictStatus,
 )
-from kz_stream.rl.groups import Group, Sample, build_batch, group_samples
+from kz_stream.rl.groups import (
+    Group,
+    Sample,
+    build_batch,
+    group_samples,
+    proposer_step_groups,
+)
 
 
 def _sample(gid: str, i: int, version: int = 5, **kw: object) -> Sample:
@@ -126,3 +132,38 @@ def test_build_batch_filters_and_counts() -> None:
 def test_build_batch_needs_two() -> None:
     with pytest.raises(ValueError):
         build_batch([], policy_version=0, max_staleness=1, min_group_size=1)
+
+
+def _proposals(gid: str, *verdicts: tuple[bool, float | None]) -> Group:
+    """A Proposer group: one (valid, the Coder's mean correctness) per proposal."""
+    return Group(gid, tuple(
+        _sample(gid, i, kernel_id="", module_id=f"{gid}-m{i}", correct=None,
+                module_valid=valid, mean_correctness=lbar)
+        for i, (valid, lbar) in enumerate(verdicts)))
+
+
+INVALID = (False, None)
+
+
+def test_a_proposer_step_takes_groups_whose_rewards_differ_oldest_first() -> None:
+    all_invalid = _proposals("old", INVALID, INVALID)
+    mixed = _proposals("mixed", (True, 0.0), INVALID)  # rewards 0 and -1
+    equally_hard = _proposals("hard", (True, 0.0), (True, 1.0))  # rewards 0 and 0
+    frontier = _proposals("frontier", (True, 0.5), (True, 0.0))  # rewards 1 and 0
+    ready = [all_invalid, mixed, equally_hard, frontier]
+    chosen = proposer_step_groups(ready, 2, invalid_reward=-1.0, waiting=True)
+    assert [g.group_id for g in chosen] == ["mixed", "frontier"]
+
+
+def test_a_proposer_step_waits_for_groups_still_being_scored_rather_than_train_on_none() -> None:
+    # Every proposal invalid: zero advantage everywhere, a step that teaches nothing.
+    ready = [_proposals("a", INVALID, INVALID), _proposals("b", (True, 0.5), INVALID)]
+    assert proposer_step_groups(ready, 2, invalid_reward=-1.0, waiting=True) == []
+
+
+def test_with_nothing_left_to_score_groups_of_equal_rewards_fill_the_step() -> None:
+    ready = [_proposals("a", INVALID, INVALID), _proposals("b", (True, 0.5), INVALID),
+             _proposals("c", INVALID, INVALID)]
+    chosen = proposer_step_groups(ready, 2, invalid_reward=-1.0, waiting=False)
+    assert [g.group_id for g in chosen] == ["b", "a"]
+    assert len(proposer_step_groups(ready[:1], 2, invalid_reward=-1.0, waiting=False)) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kz_stream.events import (
+    Completion,
     KernelGenerated,
     KernelVerified,
     ModuleProposed,
@@ -79,6 +80,29 @@ def test_a_group_named_by_a_training_step_is_not_ready_again() -> None:
         TrainingStepCompleted(role="coder", step=1, policy_version=1, group_ids=["g"]),
     )
     assert state.ready_groups(now=1.0) == []
+
+
+def proposal(mid: str, gid: str, valid: bool) -> ModuleProposed:
+    return ModuleProposed(
+        module_id=mid, api_set=["torch.relu"], source="class Model: ...", group_id=gid,
+        completion=Completion(text="...", token_ids=[1], logprobs=[-0.5]),
+        validation=ModuleValidation(valid=valid, reason=None if valid else "crash"),
+    )
+
+
+def test_a_proposal_group_is_being_scored_once_the_coder_took_up_its_valid_modules() -> None:
+    state = state_of(
+        proposal("m1", "p1", valid=False), proposal("m2", "p1", valid=False),
+        proposal("m3", "p2", valid=True), proposal("m4", "p2", valid=False),
+        proposal("m5", "p3", valid=True),  # the Coder has not reached it: no kernels
+    )
+    assert state.ready_proposals(now=1.0) == ["p1"]  # all invalid: nothing to wait for
+    assert state.proposals_being_scored(now=1.0) == 0
+    state.apply(new_event(kernel("k1", "m3", "g", size=1), stream_id="k", stream_version=0))
+    assert state.proposals_being_scored(now=1.0) == 1
+    state.apply(new_event(verdict("k1", "m3", "g", C, 1.0), stream_id="x", stream_version=0))
+    assert state.ready_proposals(now=1.0) == ["p1", "p2"]
+    assert state.proposals_being_scored(now=1.0) == 0
 
 
 def test_an_event_applied_as_it_was_stored_counts_once_when_read_back() -> None:

@@ -139,6 +139,6 @@ def test_teacher_kernels_the_host_could_not_judge_are_named_with_what_to_do() ->
     assert sets.unjudged == 290
     line = sets.describe()
     assert line.startswith("teacher kernels: 361 correct, 290 infra_error; 290 could not be")
-    assert "NumPy < 2.4" in line and "left out of the Coder set" in line
+    assert "on a GPU" in line and "left out of the Coder set" in line
     judged = SftSets(coder=2, proposer=2, teacher_verdicts={"correct": 2, "compile_error": 1})
     assert judged.describe() == "teacher kernels: 2 correct, 1 compile_error"
