@@ -73,6 +73,7 @@ class RoleSummary:
     step_rates: tuple[float | None, ...] = ()
     rate_of: int = 0
     rate_n: int = 0
+    unscored: int = 0  # Proposer: valid proposals with no Coder verdict (no reward yet)
     published: tuple[int, ...] = ()  # versions, ascending
     loaded: int | None = None  # the newest version a generator reported loaded
     warm_start_uri: str | None = None  # version 0, where a warm start recorded it
@@ -203,6 +204,7 @@ def _role(
     cfg: AlternationConfig | None,
     packaged_uris: Mapping[str, str] | None,
 ) -> RoleSummary:
+    unscored = 0
     if role == "coder":
         decided = [k for k in state.kernels.values() if k.decided]
         rate_of, rate_n = sum(k.correct for k in decided), len(decided)
@@ -212,6 +214,8 @@ def _role(
         proposals = [state.modules[m] for ms in state.proposals.values() for m in ms]
         rate_of, rate_n = sum(m.valid for m in proposals), len(proposals)
         step_rates = tuple(_valid_rate(state, s) for s in steps)
+        scored = {k.module_id for k in state.kernels.values() if k.decided}
+        unscored = sum(m.valid and m.module_id not in scored for m in proposals)
     versions = tuple(sorted(published))
     zero = published.get(0)
     loaded = [v for (r, _), v in state.loaded.items() if r == role]
@@ -223,6 +227,7 @@ def _role(
         step_rates=step_rates,
         rate_of=rate_of,
         rate_n=rate_n,
+        unscored=unscored,
         published=versions,
         loaded=max(loaded) if loaded else None,
         warm_start_uri=zero.uri if zero else None,
@@ -374,8 +379,12 @@ def render_summary(summary: RunSummary, commands: Sequence[tuple[str, str]] = ()
     seeds = f"; {s.seed_modules} seed module{'s' if s.seed_modules != 1 else ''}"
     row("Coder", f"pass rate {_pct(c.rate)} ({c.rate_of}/{c.rate_n} judged); "
                  + _training(c, "pass rate"))
+    # Valid proposals earn their reward only once the Coder has judged kernels for them:
+    # without this, a step's -1.000 reads as if every proposal had been invalid.
+    unscored = (f"; {p.unscored} valid proposal{'s' if p.unscored != 1 else ''} not yet "
+                "scored by the Coder") if p.unscored else ""
     row("Proposer", f"valid {_pct(p.rate)} ({p.rate_of}/{p.rate_n} proposals{seeds}); "
-                    + _training(p, "valid"))
+                    + _training(p, "valid") + unscored)
     row("policies", f"{_policies(c)}; {_policies(p)}")
     where = s.store
     if s.checkpoint_dir:

@@ -161,6 +161,7 @@ def test_a_finished_run_from_its_stored_events(store_url: str) -> None:
     assert (c.rate_of, c.rate_n) == (2, 5)  # k1 and k5 (its newest verdict) of 5 judged
     assert (p.steps, p.mean_rewards, p.step_rates) == (2, (-0.5, 1.0), (0.5, 1.0))
     assert (p.rate_of, p.rate_n) == (3, 4)  # the seed is no proposal
+    assert p.unscored == 3  # p1, p3, p4: valid, and the Coder judged kernels of m1 only
     assert (c.published, c.loaded, c.latest_uri) == ((0, 1, 2), 2, "file:///ckpt/coder-v2")
     assert c.warm_start_packaged and p.warm_start_packaged
     assert (p.published, p.loaded) == ((0, 1, 2), 1)
@@ -182,7 +183,8 @@ def test_a_finished_run_from_its_stored_events(store_url: str) -> None:
     assert ("Coder     pass rate 40% (2/5 judged); mean reward +0.500 -> -1.000, pass rate "
             "50% -> 0% (first -> last of 2 steps)") in shown
     assert ("Proposer  valid 75% (3/4 proposals; 1 seed module); mean reward -0.500 -> +1.000, "
-            "valid 50% -> 100% (first -> last of 2 steps)") in shown
+            "valid 50% -> 100% (first -> last of 2 steps); 3 valid proposals not yet scored by "
+            "the Coder") in shown
     assert ("coder v0 (packaged warm start) -> v1 -> v2, loaded v2; "
             "proposer v0 (packaged warm start) -> v1 -> v2, loaded v1") in shown
     assert lines[-1].strip().startswith("kz eval run SUITE --policy run:run-a:2")
