@@ -241,10 +241,15 @@ class LearnerService(Service):
             out.append(Group(g.group_id, tuple(samples)))
         return out
 
-    def proposer_groups(self) -> list[Group]:
+    def proposer_step_groups(self) -> list[Group]:
+        """The groups of the next Proposer step: ones whose rewards differ, waiting for
+        groups being scored rather than train on equal rewards (``proposer_step_groups`` in
+        ``rl/groups.py``)."""
+        ready, being_scored = self.state.proposal_readiness(
+            timeout_s=self.config.group_timeout_s)
         lbar = self.state.module_correctness()
-        out = []
-        for gid in self.state.ready_proposals(timeout_s=self.config.group_timeout_s):
+        groups = []
+        for gid in ready:
             samples = []
             for mid in self.state.proposals[gid]:
                 m = self.state.modules[mid].event
@@ -258,18 +263,11 @@ class LearnerService(Service):
                         prompt_ids=prompt_ids or None,
                     )
                 )
-            out.append(Group(gid, tuple(samples)))
-        return out
-
-    def proposer_step_groups(self) -> list[Group]:
-        """The groups of the next Proposer step: ones whose rewards differ, waiting for
-        groups still being scored rather than train on equal rewards (``proposer_step_groups``
-        in ``rl/groups.py``)."""
-        timeout = self.config.group_timeout_s
+            groups.append(Group(gid, tuple(samples)))
         return proposer_step_groups(
-            self.proposer_groups(), self.config.groups_per_step,
+            groups, self.config.groups_per_step,
             invalid_reward=self.learners["proposer"].config.rewards.invalid_module_reward,
-            waiting=self.state.proposals_being_scored(timeout_s=timeout) > 0,
+            waiting=being_scored > 0,
         )
 
     def current_role(self) -> Role | None:

@@ -173,17 +173,17 @@ def proposer_step_groups(
     equivalent, since the learner, not TRL, chooses the groups.)
     """
 
-    def rewards_differ(g: Group) -> bool:
+    informative: list[Group] = []
+    equal: list[Group] = []
+    for g in ready:
         rewards = {proposer_reward(bool(s.module_valid), s.mean_correctness, invalid_reward)
                    for s in g.samples}
-        return len(rewards) > 1
-
-    informative = [g for g in ready if rewards_differ(g)]
+        (informative if len(rewards) > 1 else equal).append(g)
     if len(informative) >= n:
         return informative[:n]
     if waiting:
         return []
-    return [*informative, *(g for g in ready if not rewards_differ(g))][:n]
+    return [*informative, *equal][:n]
 
 
 @dataclass(frozen=True, slots=True)

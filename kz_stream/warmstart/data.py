@@ -21,6 +21,7 @@ same way; ``write_proposer_sft`` takes both suites' training modules.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -221,7 +222,5 @@ async def write_sft_sets(out: Path, store: Any) -> SftSets:
         for r in rows["sft"]
     ]
     latest = {r["kernel_id"]: r["status"] for r in rows["verdicts"]}  # a resume re-judges
-    statuses: dict[str, int] = {}
-    for status in latest.values():
-        statuses[status] = statuses.get(status, 0) + 1
-    return SftSets(_write_jsonl(out / CODER_SFT, coder), write_proposer_sft(out), statuses)
+    return SftSets(_write_jsonl(out / CODER_SFT, coder), write_proposer_sft(out),
+                   dict(Counter(latest.values())))

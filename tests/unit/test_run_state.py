@@ -96,13 +96,12 @@ def test_a_proposal_group_is_being_scored_once_the_coder_took_up_its_valid_modul
         proposal("m3", "p2", valid=True), proposal("m4", "p2", valid=False),
         proposal("m5", "p3", valid=True),  # the Coder has not reached it: no kernels
     )
-    assert state.ready_proposals(now=1.0) == ["p1"]  # all invalid: nothing to wait for
-    assert state.proposals_being_scored(now=1.0) == 0
+    # p1 all invalid: nothing to wait for; p3's module is not taken up.
+    assert state.proposal_readiness(now=1.0) == (["p1"], 0)
     state.apply(new_event(kernel("k1", "m3", "g", size=1), stream_id="k", stream_version=0))
-    assert state.proposals_being_scored(now=1.0) == 1
+    assert state.proposal_readiness(now=1.0) == (["p1"], 1)
     state.apply(new_event(verdict("k1", "m3", "g", C, 1.0), stream_id="x", stream_version=0))
-    assert state.ready_proposals(now=1.0) == ["p1", "p2"]
-    assert state.proposals_being_scored(now=1.0) == 0
+    assert state.proposal_readiness(now=1.0) == (["p1", "p2"], 0)
 
 
 def test_an_event_applied_as_it_was_stored_counts_once_when_read_back() -> None:
