@@ -79,10 +79,14 @@ class LearnerService(Service):
             steps=self.steps_done,
             used_groups=sum(g.used for g in self.state.groups.values()),
         )
-        for role in self.config.roles:
-            await self._load_learner(role)
-        self._idle_since = time.perf_counter()  # waiting for groups starts now
-        await self.run_until_stopped(self._follow())
+        try:
+            for role in self.config.roles:
+                await self._load_learner(role)
+            self._idle_since = time.perf_counter()  # waiting for groups starts now
+            await self.run_until_stopped(self._follow())
+        finally:
+            for learner in self.learners.values():
+                learner.close()
 
     async def _replay(self) -> None:
         """Applies the store from where the read model stands (0 on a fresh start)."""

@@ -61,8 +61,11 @@ def warmstart_data(
         + (f"; invalid: {summary.invalid_reasons}" if summary.invalid_reasons else ""),
         highlight=False)
     run_id = teacher_run_id(out)
+    # The SFT set needs the teacher's verdicts and eager speedups; timing each reference
+    # under torch.compile too would spend a compile per module on a GPU for nothing.
     options = EvalOptions(run_id=run_id, policy="teacher", samples=1, concurrency=concurrency,
-                          sampling=SamplingParams(max_tokens=1, temperature=0.0))
+                          sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                          compile_baseline=False)
     with _progress_bars(counts=True) as bars:
         ver = bars.add_task("teacher kernels verified", total=None, detail="")
 

@@ -705,6 +705,15 @@ class GRPOLearner:
         sha = str(json.loads((final / _MANIFEST).read_text())["sha256"])
         return final.resolve().as_uri(), sha
 
+    def close(self) -> None:
+        """Leaves the process group when launched data-parallel (a no-op otherwise).
+
+        A rank that exits with the group's threads still running can abort at teardown
+        ("terminate called without an active exception", seen in CI); a second call, or
+        one from the other role's learner in the same process, finds no group left.
+        """
+        self.trainer.accelerator.end_training()
+
     def _write_policy(self, root: Path, final: Path, v: int) -> None:
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f"{final.name}.tmp-{os.getpid()}"
