@@ -31,17 +31,25 @@ from kz_stream.store import open_store
 
 
 async def _teacher(url: str) -> dict[str, Any]:
+    """The teacher run's verdicts, and verdicts per minute on each kind of machine that
+    judged them (a resumed run can be judged partly on a CPU and partly on a GPU)."""
     statuses: Counter[str] = Counter()
-    times: list[datetime] = []
+    times: dict[str, list[datetime]] = {}
     async with open_store(url, create_schema=False) as store:
         async for batch in store.read_all(0, types=["KernelVerified"]):
             for r in batch:
                 if str(r.event.correlation_id or "").startswith("eval-teacher-"):
-                    statuses[r.event.payload["status"]] += 1
-                    times.append(r.recorded_at)
-    minutes = (max(times) - min(times)).total_seconds() / 60 if len(times) > 1 else 0.0
-    return {"statuses": dict(statuses), "verified": sum(statuses.values()),
-            "per_minute": (len(times) - 1) / minutes if minutes else 0.0}
+                    payload = r.event.payload
+                    statuses[payload["status"]] += 1
+                    hw = payload.get("hardware") or {}
+                    where = (f"{hw['gpu']}" if hw.get("gpu") else "CPU") + (
+                        f", Triton {hw['triton']}" if hw.get("triton") else "")
+                    times.setdefault(where, []).append(r.recorded_at)
+    rates = {}
+    for where, ts in times.items():
+        minutes = (max(ts) - min(ts)).total_seconds() / 60 if len(ts) > 1 else 0.0
+        rates[where] = ((len(ts) - 1) / minutes if minutes else 0.0, len(ts))
+    return {"statuses": dict(statuses), "verified": sum(statuses.values()), "rates": rates}
 
 
 async def _pass_at_1(url: str, run_id: str, kinds: dict[str, str]) -> dict[str, Any]:
@@ -92,20 +100,27 @@ def main(argv: list[str] | None = None) -> int:
     metrics = {
         "teacher kernels judged correct": metric(correct / max(1, teacher["verified"]), "share"),
         "teacher kernels verified": metric(float(teacher["verified"]), "kernels"),
-        "teacher verdicts per minute": metric(teacher["per_minute"], "kernels/min"),
-        "held-out pass@1, warm vs bare": metric(warm["pass@1"], "share", base["pass@1"] or None),
+        "held-out pass@1, warm vs bare": metric(warm["pass@1"], "share",
+                                                 base["pass@1"] if args.base_run else None),
         "held-out kernels judged (warm)": metric(float(warm["judged"]), "kernels"),
     }
+    for where, (rate, n) in sorted(teacher["rates"].items()):
+        metrics[f"teacher verdicts per minute ({where}; {n} kernels)"] = metric(rate, "kernels/min")
     if args.base_run:
         metrics["held-out kernels judged (bare)"] = metric(float(base["judged"]), "kernels")
     for kind, (rate, n) in warm["by_kind"].items():
-        b = base["by_kind"].get(kind, (0.0, 0))[0]
-        metrics[f"held-out pass@1 {kind} (n={n})"] = metric(rate, "share", b or None)
-    for name, path in (("warm", args.proposer_warm), ("bare", args.proposer_base)):
-        if path is not None:
-            p = json.loads(path.read_text())
-            metrics[f"Proposer valid-module rate ({name}, {p['sets']} sets)"] = metric(
-                p["valid_rate"], "share")
+        # A bare model measured at 0 is a baseline of 0 (ratio undefined), not a missing one.
+        b = base["by_kind"].get(kind, (0.0, 0))[0] if args.base_run else None
+        metrics[f"held-out pass@1 {kind} (n={n})"] = metric(rate, "share", b)
+    scores = {name: json.loads(path.read_text()) for name, path in
+              (("warm", args.proposer_warm), ("bare", args.proposer_base)) if path is not None}
+    if "warm" in scores:
+        warm_p, bare_p = scores["warm"], scores.get("bare")
+        metrics[f"Proposer valid-module rate, warm vs bare ({warm_p['sets']} sets)"] = metric(
+            warm_p["valid_rate"], "share", bare_p["valid_rate"] if bare_p else None)
+    if "bare" in scores:
+        metrics[f"Proposer valid-module rate (bare, {scores['bare']['sets']} sets)"] = metric(
+            scores["bare"]["valid_rate"], "share")
     notes = args.notes + (f" Statuses, warm: {warm['statuses']}; bare: "
                           f"{base['statuses'] if args.base_run else 'not run'};"
                           f" teacher: {teacher['statuses']}.")

@@ -55,7 +55,8 @@ def eval_run(
     temperature: Annotated[float | None, typer.Option(min=0.0, help="Temperature.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
     concurrency: Annotated[
-        int, typer.Option(min=1, help="Problems sampled at once; their samples verified at once.")
+        int, typer.Option(min=1, help="Problems sampled at once (at least enough to fill "
+                                      "--batch-size); their samples verified at once.")
     ] = 4,
     device: Annotated[
         str | None, typer.Option(help="Where a local model generates (cpu, cuda).")
