@@ -105,14 +105,14 @@ class EvalOptions:
     # problem with a timed kernel): VerifierConfig.compiled_baseline for this run.
     compile_baseline: bool = True
 
+    @property
+    def generation_slots(self) -> int:
+        """Problems sampled at once: ``concurrency``, or enough to fill a local model's batch.
 
-def generation_slots(options: EvalOptions) -> int:
-    """Problems sampled at once: ``concurrency``, or enough to fill a local model's batch.
-
-    With one sample per problem, ``--batch-size 128 --concurrency 14`` generated in batches
-    of 14 (an H200 held-out evaluation, 2026-12-03: 14 of 106 kernels in 2.7 minutes).
-    """
-    return max(options.concurrency, -(-options.batch_size // options.samples))
+        With one sample per problem, ``--batch-size 128 --concurrency 14`` generated in
+        batches of 14 (an H200 held-out evaluation, 2026-12-03: 14 of 106 in 2.7 minutes).
+        """
+        return max(self.concurrency, -(-self.batch_size // self.samples))
 
 
 @dataclass
@@ -358,7 +358,7 @@ async def run_evaluation(
         # the host's memory), and on an H200 the samples of problems waiting for the
         # host's memory held a narrow gate while the kernels that need no preparation
         # (92% of the warm start's) waited behind them (docs/evaluation.md, sixth attempt).
-        generating = asyncio.Semaphore(generation_slots(options))
+        generating = asyncio.Semaphore(options.generation_slots)
         verifying = asyncio.Semaphore(options.concurrency * options.samples)
 
         async def verify(event: Event, problem_id: str) -> None:

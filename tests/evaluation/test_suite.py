@@ -74,15 +74,14 @@ def test_errors(tmp_path: Path) -> None:
 
 def test_generation_fills_a_local_models_batch() -> None:
     from kz_stream.evaluation import EvalOptions
-    from kz_stream.evaluation._run import generation_slots
 
     # One sample per problem: 128 problems at once make a batch of 128, not of 14.
-    assert generation_slots(EvalOptions(run_id="r", samples=1, batch_size=128,
-                                        concurrency=14)) == 128
+    assert EvalOptions(run_id="r", samples=1, batch_size=128,
+                                        concurrency=14).generation_slots == 128
     # Ten samples per problem: 64 problems already fill a batch of 640.
-    assert generation_slots(EvalOptions(run_id="r", samples=10, batch_size=640,
-                                        concurrency=64)) == 64
-    assert generation_slots(EvalOptions(run_id="r", samples=10, batch_size=8,
-                                        concurrency=4)) == 4
-    assert generation_slots(EvalOptions(run_id="r", samples=3, batch_size=8,
-                                        concurrency=1)) == 3
+    assert EvalOptions(run_id="r", samples=10, batch_size=640,
+                                        concurrency=64).generation_slots == 64
+    assert EvalOptions(run_id="r", samples=10, batch_size=8,
+                                        concurrency=4).generation_slots == 4
+    assert EvalOptions(run_id="r", samples=3, batch_size=8,
+                                        concurrency=1).generation_slots == 3
