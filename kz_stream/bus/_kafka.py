@@ -124,6 +124,12 @@ class _KafkaSubscription(ConsumerCore):
         self._fetch_task = asyncio.create_task(
             self._fetch_loop(), name=f"kz-kafka-fetch:{self.group}"
         )
+        self._fetch_task.add_done_callback(self._fetch_ended)
+
+    def _fetch_ended(self, task: asyncio.Task[None]) -> None:
+        # A fetch loop that dies would leave a live member that reads nothing, silently.
+        if not task.cancelled() and (error := task.exception()) is not None:
+            self._fail(error)
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         if self._stopping:
@@ -220,19 +226,29 @@ class _KafkaSubscription(ConsumerCore):
         answers for any other), so a position above it is past the end.
         """
         consumer = self._consumer
+        epoch = self._epoch
         paused = consumer.paused()  # paused partitions fetch nothing: no highwater news
         for tp in consumer.assignment():
-            highwater = consumer.highwater(tp)
-            if highwater is None or tp in paused:
-                continue
-            position = await consumer.position(tp)
-            if position > highwater:
-                log.warning(
-                    "group %s: %s:%d is at %d but its log ends at %d (the topic was created "
-                    "again); reading it from the start", self.group, tp.topic, tp.partition,
-                    position, highwater,
-                )
-                await consumer.seek_to_beginning(tp)
+            # The awaits below let a rebalance revoke the partitions (aiokafka then raises
+            # IllegalStateError or asserts); the new assignment sets its own positions.
+            if self._settling or self._stopping or self._epoch != epoch:
+                return
+            try:
+                highwater = consumer.highwater(tp)
+                if highwater is None or tp in paused:
+                    continue
+                position = await consumer.position(tp)
+                if self._settling or self._epoch != epoch:
+                    return
+                if position > highwater:
+                    log.warning(
+                        "group %s: %s:%d is at %d but its log ends at %d (the topic was "
+                        "created again); reading it from the start", self.group, tp.topic,
+                        tp.partition, position, highwater,
+                    )
+                    await consumer.seek_to_beginning(tp)
+            except (IllegalStateError, AssertionError):
+                return
 
     async def _hold(self) -> None:
         """Waits for room in the queue; pauses the partitions if none comes soon.
