@@ -77,11 +77,11 @@ def test_generation_fills_a_local_models_batch() -> None:
 
     # One sample per problem: 128 problems at once make a batch of 128, not of 14.
     assert EvalOptions(run_id="r", samples=1, batch_size=128,
-                                        concurrency=14).generation_slots == 128
+                       concurrency=14).generation_slots == 128
     # Ten samples per problem: 64 problems already fill a batch of 640.
     assert EvalOptions(run_id="r", samples=10, batch_size=640,
-                                        concurrency=64).generation_slots == 64
+                       concurrency=64).generation_slots == 64
     assert EvalOptions(run_id="r", samples=10, batch_size=8,
-                                        concurrency=4).generation_slots == 4
+                       concurrency=4).generation_slots == 4
     assert EvalOptions(run_id="r", samples=3, batch_size=8,
-                                        concurrency=1).generation_slots == 3
+                       concurrency=1).generation_slots == 3

@@ -250,12 +250,6 @@ def own_broker() -> Iterator[LocalBroker]:
 
 
 @pytest.mark.kafka
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect, not yet found: in 2 of 3 full CI runs on 2026-12-03 (never alone) the "
-    "recorder, after rewinding to the new logs, read nothing more for 120 s with no error; "
-    "the broker-restart path is also covered by the tests after this one",
-)
 async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
     own_broker: LocalBroker, tmp_path: Path
 ) -> None:
@@ -285,8 +279,16 @@ async def test_a_broker_that_lost_its_topics_is_reported_and_they_are_recreated(
         await bus.publish_many(topics.kernels, after)
         # The group rejoins a broker that forgot it (a session timeout or more, slower on a
         # loaded machine) before the new logs are read.
-        await wait_for(lambda: recorder.appended_total >= 400, "the 100 new events",
-                       within=120)
+        try:
+            await wait_for(lambda: recorder.appended_total >= 400, "the 100 new events",
+                           within=120)
+        except AssertionError:
+            # Only this stall is a known defect (everything else here stays asserted, and a
+            # partial read fails): in 2 of 3 full CI runs on 2026-12-03, never alone, the
+            # recorder read nothing after rewinding to the new logs, with no error.
+            if recorder.appended_total != 300:
+                raise
+            pytest.xfail("known defect: the recorder read none of the new events in 120 s")
     assert recorder.subscriptions[0].stats.dead_lettered == 0
     assert {str(e.event_id) for e in after} <= await stored_ids(url)
 
