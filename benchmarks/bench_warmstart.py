@@ -75,7 +75,8 @@ async def _pass_at_1(url: str, run_id: str, kinds: dict[str, str]) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--teacher-store", required=True)
+    ap.add_argument("--teacher-store",
+                    help="the store of `kz warmstart data` (teacher figures; left out without it)")
     ap.add_argument("--eval-store", required=True)
     ap.add_argument("--warm-run", required=True)
     ap.add_argument("--base-run", help="the bare model's run in the eval store (the baseline)")
@@ -91,19 +92,23 @@ def main(argv: list[str] | None = None) -> int:
 
     kinds = {Path(r["file"]).name: r["kind"]
              for r in map(json.loads, args.manifest.read_text().splitlines()) if r["file"]}
-    teacher = asyncio.run(_teacher(url(args.teacher_store)))
+    teacher: dict[str, Any] = {"statuses": {}, "verified": 0, "rates": {}}
+    if args.teacher_store:
+        teacher = asyncio.run(_teacher(url(args.teacher_store)))
     warm = asyncio.run(_pass_at_1(url(args.eval_store), args.warm_run, kinds))
     base: dict[str, Any] = {"pass@1": 0.0, "judged": 0, "by_kind": {}, "statuses": {}}
     if args.base_run:
         base = asyncio.run(_pass_at_1(url(args.eval_store), args.base_run, kinds))
     correct = teacher["statuses"].get("correct", 0)
     metrics = {
-        "teacher kernels judged correct": metric(correct / max(1, teacher["verified"]), "share"),
-        "teacher kernels verified": metric(float(teacher["verified"]), "kernels"),
         "held-out pass@1, warm vs bare": metric(warm["pass@1"], "share",
                                                  base["pass@1"] if args.base_run else None),
         "held-out kernels judged (warm)": metric(float(warm["judged"]), "kernels"),
     }
+    if args.teacher_store:
+        metrics["teacher kernels judged correct"] = metric(
+            correct / max(1, teacher["verified"]), "share")
+        metrics["teacher kernels verified"] = metric(float(teacher["verified"]), "kernels")
     for where, (rate, n) in sorted(teacher["rates"].items()):
         metrics[f"teacher verdicts per minute ({where}; {n} kernels)"] = metric(rate, "kernels/min")
     if args.base_run:
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             scores["bare"]["valid_rate"], "share")
     notes = args.notes + (f" Statuses, warm: {warm['statuses']}; bare: "
                           f"{base['statuses'] if args.base_run else 'not run'};"
-                          f" teacher: {teacher['statuses']}.")
+                          f" teacher: {teacher['statuses'] if args.teacher_store else 'not read'}.")
     write_result("warmstart", "python -m benchmarks.bench_warmstart " + " ".join(
         sys.argv[1:] if argv is None else argv), metrics, notes=notes.strip(),
         machine=args.machine)
