@@ -32,8 +32,8 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, TypeVar
 
 from kz_stream.bus._port import (
     DEFAULT_DEAD_LETTER_TOPIC,
@@ -250,6 +250,26 @@ class ConsumerCore(ABC):
     @property
     def stopped(self) -> bool:
         return self._stopped.is_set()
+
+    def describe_state(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "assigned": sorted(f"{t}:{p}" for t, p in self._assigned),
+            "settling": self._settling,
+            "stopping": self._stopping,
+            "epoch": self._epoch,
+            "queued": len(self._queue),
+            "running": self._running is not None,
+            "outage": self.outage,
+            "failure": self.failure,
+            "done": {f"{t}:{p}": off for (t, p), off in sorted(self._done.items())},
+            "stats": asdict(self.stats),
+            **self._transport_state(),
+        }
+
+    def _transport_state(self) -> dict[str, Any]:
+        """The adapter's part of ``describe_state``."""
+        return {}
 
     # -- flow ------------------------------------------------------------------------
 

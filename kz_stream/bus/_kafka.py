@@ -70,6 +70,10 @@ _READ_TIMEOUT_S = 60.0
 _COMMIT_TIMEOUT_S = 15.0
 
 
+def _names(tps: set[TopicPartition]) -> str:
+    return ", ".join(f"{tp.topic}:{tp.partition}" for tp in sorted(tps)) or "nothing"
+
+
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
     """Routes aiokafka's rebalance callbacks to the subscription (errors are fatal there,
     because aiokafka would only log them)."""
@@ -78,12 +82,14 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         self._sub = sub
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        log.info("group %s: revoked %s", self._sub.group, _names(revoked))
         try:
             await self._sub._revoke_all()
         except Exception as e:
             self._sub._fail(e)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        log.info("group %s: assigned %s", self._sub.group, _names(assigned))
         try:
             await self._sub._on_assigned(assigned)
         except Exception as e:
@@ -165,6 +171,8 @@ class _KafkaSubscription(ConsumerCore):
                 for tp_, pos in starts.items():
                     consumer.seek(tp_, pos)
         self._settle(frozenset(tps))
+        if assigned:
+            log.info("group %s: reading %s", self.group, self._transport_state()["partitions"])
 
     async def _group_offsets(self, tps: list[TopicPartition]) -> dict[TP, int]:
         """The group's committed offsets of ``tps`` (absent where it has none)."""
@@ -324,6 +332,39 @@ class _KafkaSubscription(ConsumerCore):
             if highwater is not None:
                 ends[(tp.topic, tp.partition)] = int(highwater)
         return ends
+
+    def _transport_state(self) -> dict[str, Any]:
+        consumer = self._consumer
+        task = self._fetch_task
+        state: dict[str, Any] = {
+            "fetch_task": "none" if task is None else "cancelled" if task.cancelled()
+            else f"ended: {task.exception()!r}" if task.done() else "running",
+            "paused_by_us": self._paused,
+            "suspect": {f"{t}:{p}": off for (t, p), off in self._suspect.items()},
+        }
+        if consumer is None:
+            return state
+        coordinator = consumer._coordinator  # aiokafka keeps the membership private
+        state["generation"] = getattr(coordinator, "generation", None)
+        state["member_id"] = getattr(coordinator, "member_id", None)
+        paused = consumer.paused()
+        partitions: dict[str, dict[str, Any]] = {}
+        try:
+            assignment = consumer._subscription.subscription.assignment
+        except AttributeError:  # no subscription or no assignment yet
+            assignment = None
+        for tp in consumer.assignment():
+            row: dict[str, Any] = {"highwater": consumer.highwater(tp), "paused": tp in paused}
+            if assignment is not None:
+                # aiokafka's partition state: where the next fetch starts and whether an
+                # offset reset is pending (only visible there, without awaiting).
+                tp_state = assignment.state_value(tp)
+                if tp_state is not None:
+                    row["position"] = tp_state._position
+                    row["awaiting_reset"] = tp_state.awaiting_reset
+            partitions[f"{tp.topic}:{tp.partition}"] = row
+        state["partitions"] = partitions
+        return state
 
     async def _stop_fetching(self) -> None:
         if self._fetch_task is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypedDict, Unpack
+from typing import Any, Protocol, TypedDict, Unpack
 
 from kz_stream.events import Event, encode_event
 
@@ -157,6 +157,10 @@ class Subscription(Protocol):
 
     async def wait(self) -> None:
         """Returns when the subscription has stopped (or raises its fatal error)."""
+
+    def describe_state(self) -> dict[str, Any]:
+        """What this member is doing now (assignment, positions, pauses, queue): plain
+        values for a log line or a report, to diagnose a member that reads nothing."""
 
 
 class Bus(Protocol):

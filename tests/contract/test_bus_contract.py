@@ -574,6 +574,26 @@ async def test_lag_counts_the_records_behind_the_last_committed_batch(
     await sub.stop()
 
 
+async def test_a_member_describes_what_it_owns_and_how_far_it_has_read(
+    make_bus: MakeBus,
+) -> None:
+    bus = await make_bus()
+    topic, group = unique("state"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=2)])
+    await bus.publish_many(topic, [verdict(i, f"kernel-{i % 2}") for i in range(10)])
+    applied = Collector()
+    sub = await bus.subscribe(group, [topic], applied)
+    await wait_for(lambda: sub.stats.messages == 10 and sub.lag() == 0, "all 10 committed")
+    state = sub.describe_state()
+    await sub.stop()
+    orjson.dumps(state)  # plain values: fit for a log line or a report
+    assert state["group"] == group
+    assert state["assigned"] == [f"{topic}:0", f"{topic}:1"]
+    assert state["settling"] is False and state["failure"] is None
+    assert sum(state["done"].values()) == 10  # next offsets to read, as committed
+    assert state["stats"]["messages"] == 10
+
+
 async def test_dead_letters_are_listed_with_their_origin_and_redriven_as_they_were(
     make_bus: MakeBus,
 ) -> None:
