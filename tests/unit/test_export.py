@@ -4,6 +4,7 @@ their filters, written as parquet through `datasets` and read back."""
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -103,9 +104,13 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
     out = tmp_path / "export"
     result = CliRunner().invoke(app, ["dataset", "export", str(out), "--run", "run-b",
                                       "--since", "2026-11-30T12:03:00"],
-                                env={"KZ_DATABASE_URL": url, "COLUMNS": "200"})
+                                env={"KZ_DATABASE_URL": url, "COLUMNS": "200",
+                                     "KZ_PROGRESS_EVERY_S": "0"})
     assert result.exit_code == 0, result.output
     assert "sft: 1 rows, verdicts: 2 rows, rl: 1 rows" in result.stdout
+    # stderr is no terminal here: besides the bars drawn at the end, plain progress lines.
+    assert re.search(r"^\[\d\d:\d\d:\d\d\] replaying the store \d+/\d+$", result.stderr,
+                     re.MULTILINE), result.stderr
 
     from datasets import Dataset, load_dataset
 
