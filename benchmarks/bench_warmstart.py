@@ -92,25 +92,24 @@ def main(argv: list[str] | None = None) -> int:
 
     kinds = {Path(r["file"]).name: r["kind"]
              for r in map(json.loads, args.manifest.read_text().splitlines()) if r["file"]}
-    teacher: dict[str, Any] = {"statuses": {}, "verified": 0, "rates": {}}
-    if args.teacher_store:
-        teacher = asyncio.run(_teacher(url(args.teacher_store)))
+    teacher = asyncio.run(_teacher(url(args.teacher_store))) if args.teacher_store else None
     warm = asyncio.run(_pass_at_1(url(args.eval_store), args.warm_run, kinds))
     base: dict[str, Any] = {"pass@1": 0.0, "judged": 0, "by_kind": {}, "statuses": {}}
     if args.base_run:
         base = asyncio.run(_pass_at_1(url(args.eval_store), args.base_run, kinds))
-    correct = teacher["statuses"].get("correct", 0)
     metrics = {
         "held-out pass@1, warm vs bare": metric(warm["pass@1"], "share",
                                                  base["pass@1"] if args.base_run else None),
         "held-out kernels judged (warm)": metric(float(warm["judged"]), "kernels"),
     }
-    if args.teacher_store:
+    if teacher is not None:
+        correct = teacher["statuses"].get("correct", 0)
         metrics["teacher kernels judged correct"] = metric(
             correct / max(1, teacher["verified"]), "share")
         metrics["teacher kernels verified"] = metric(float(teacher["verified"]), "kernels")
-    for where, (rate, n) in sorted(teacher["rates"].items()):
-        metrics[f"teacher verdicts per minute ({where}; {n} kernels)"] = metric(rate, "kernels/min")
+        for where, (rate, n) in sorted(teacher["rates"].items()):
+            metrics[f"teacher verdicts per minute ({where}; {n} kernels)"] = metric(
+                rate, "kernels/min")
     if args.base_run:
         metrics["held-out kernels judged (bare)"] = metric(float(base["judged"]), "kernels")
     for kind, (rate, n) in warm["by_kind"].items():
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             scores["bare"]["valid_rate"], "share")
     notes = args.notes + (f" Statuses, warm: {warm['statuses']}; bare: "
                           f"{base['statuses'] if args.base_run else 'not run'};"
-                          f" teacher: {teacher['statuses'] if args.teacher_store else 'not read'}.")
+                          f" teacher: {teacher['statuses'] if teacher else 'not read'}.")
     write_result("warmstart", "python -m benchmarks.bench_warmstart " + " ".join(
         sys.argv[1:] if argv is None else argv), metrics, notes=notes.strip(),
         machine=args.machine)

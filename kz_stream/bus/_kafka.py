@@ -171,8 +171,8 @@ class _KafkaSubscription(ConsumerCore):
                 for tp_, pos in starts.items():
                     consumer.seek(tp_, pos)
         self._settle(frozenset(tps))
-        if assigned:
-            log.info("group %s: reading %s", self.group, self._transport_state()["partitions"])
+        if assigned and log.isEnabledFor(logging.INFO):
+            log.info("group %s: reading %s", self.group, self._partition_states())
 
     async def _group_offsets(self, tps: list[TopicPartition]) -> dict[TP, int]:
         """The group's committed offsets of ``tps`` (absent where it has none)."""
@@ -347,24 +347,28 @@ class _KafkaSubscription(ConsumerCore):
         coordinator = consumer._coordinator  # aiokafka keeps the membership private
         state["generation"] = getattr(coordinator, "generation", None)
         state["member_id"] = getattr(coordinator, "member_id", None)
+        state["partitions"] = self._partition_states()
+        return state
+
+    def _partition_states(self) -> dict[str, dict[str, Any]]:
+        """Each assigned partition's highwater, pause and, from aiokafka's private state
+        (read with getattr: a diagnostic must never fail the member), the position the
+        next fetch starts at and whether an offset reset is pending."""
+        consumer = self._consumer
+        if consumer is None:
+            return {}
         paused = consumer.paused()
+        subscription = getattr(getattr(consumer, "_subscription", None), "subscription", None)
+        assignment = getattr(subscription, "assignment", None)
         partitions: dict[str, dict[str, Any]] = {}
-        try:
-            assignment = consumer._subscription.subscription.assignment
-        except AttributeError:  # no subscription or no assignment yet
-            assignment = None
         for tp in consumer.assignment():
             row: dict[str, Any] = {"highwater": consumer.highwater(tp), "paused": tp in paused}
-            if assignment is not None:
-                # aiokafka's partition state: where the next fetch starts and whether an
-                # offset reset is pending (only visible there, without awaiting).
-                tp_state = assignment.state_value(tp)
-                if tp_state is not None:
-                    row["position"] = tp_state._position
-                    row["awaiting_reset"] = tp_state.awaiting_reset
+            tp_state = assignment.state_value(tp) if assignment is not None else None
+            if tp_state is not None:
+                row["position"] = getattr(tp_state, "_position", None)
+                row["awaiting_reset"] = getattr(tp_state, "awaiting_reset", None)
             partitions[f"{tp.topic}:{tp.partition}"] = row
-        state["partitions"] = partitions
-        return state
+        return partitions
 
     async def _stop_fetching(self) -> None:
         if self._fetch_task is not None:
