@@ -114,6 +114,12 @@ class TransformersBackend(ServingBackend):
             model.to(device)
         model.eval()
         self.device = next(model.parameters()).device
+        if self.device.type == "cuda":
+            # PyTorch picks cuDNN's attention for some of our padded sampling batches on an
+            # H200, and it failed there ("mha_graph.execute(...).is_good()", every Coder
+            # call of a `kz run --device cuda`, 2026-12-03); flash and memory-efficient
+            # attention serve the same calls.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.tokenizer = tokenizer
         self._eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id

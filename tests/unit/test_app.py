@@ -126,6 +126,23 @@ def test_every_value_a_run_changes_is_logged_and_a_replaced_setting_warned() -> 
     assert "learner.lora_r" not in by_key  # the user's 4 stands: nothing changed
 
 
+def test_a_gpu_run_puts_many_modules_in_a_call_unless_the_user_said_otherwise() -> None:
+    gpu = RunOptions(device="cuda", group_size=4).apply(Settings())
+    assert (gpu.coder.max_batch, gpu.coder.llm.batch_size) == (16, 64)
+    assert (gpu.proposer.concurrency, gpu.proposer.llm.batch_size) == (8, 16)
+    assert (gpu.learner.micro_batches, gpu.learner.gradient_checkpointing) == (1, False)
+
+    mine = Settings(coder=CoderSettings(max_batch=2), proposer=ProposerSettings(concurrency=1))
+    gpu = RunOptions(device="cuda", group_size=4).apply(mine)
+    assert (gpu.coder.max_batch, gpu.coder.llm.batch_size) == (2, 64)
+    assert gpu.proposer.concurrency == 1
+
+    cpu = RunOptions().apply(Settings())
+    assert (cpu.coder.max_batch, cpu.coder.llm.batch_size) == (
+        Settings().coder.max_batch, Settings().coder.llm.batch_size)
+    assert cpu.proposer.concurrency == Settings().proposer.concurrency
+
+
 def test_a_run_device_reaches_both_generators_and_only_them() -> None:
     applied = RunOptions(device="cuda:1").apply(Settings())
     assert applied.coder.llm.device == applied.proposer.llm.device == "cuda:1"
