@@ -232,13 +232,14 @@ class RunOptions:
         On an H200 a transformers decode step took 80-120 ms whatever a call's rows: a
         run's Coder calls of one module (4 rows) took 43 and 125 s (2026-12-03), so the
         loop was bound by calls, not rows. A GPU run puts many modules and prompts in a
-        call instead: up to 16 modules (64 rows) for the Coder, 8 prompts for the Proposer.
+        call instead: up to 16 modules (64 rows) for the Coder, those that waited behind
+        its running call merged into its next one, and 8 prompts for the Proposer.
         """
         if not self.on_gpu:
             return {}
         coder_rows = 16 * self.group_size
         return {
-            "coder": {"max_batch": 16},
+            "coder": {"max_batch": 16, "merge_waiting": True},
             "coder.llm": {"batch_size": coder_rows},
             "proposer": {"concurrency": 8},
             "proposer.llm": {"batch_size": 8 * self.proposals_per_prompt},

@@ -170,6 +170,12 @@ class CoderSettings(_Section):
     backends: tuple[Backend, ...] = ("triton",)
     max_staleness: int = Field(default=1, ge=0)
     max_batch: int = Field(default=4, ge=1, description="Modules taken from the bus at once.")
+    merge_waiting: bool = Field(
+        default=False,
+        description="Hand the model, in one call, every module that waited behind the "
+        "running call (max_batch at most): on a GPU a call's rows are nearly free, on the "
+        "CPU each row costs its share.",
+    )
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

@@ -178,7 +178,9 @@ class CoderService(Service):
             [topics.modules],
             self.handle_modules,
             max_batch=self.config.max_batch,
-            max_in_flight=2,
+            # Merging: room for a batch per module that arrives during a model call.
+            max_in_flight=self.config.max_batch if self.config.merge_waiting else 2,
+            merge_waiting=self.config.merge_waiting,
             dead_letter_topic=topics.dead_letter,
         )
         self.log.info("coder_started", replica=self.replica, backends=self.config.backends)

@@ -90,6 +90,12 @@ class Batch:
                        r.value if r.value is not None else b"",
                        dict(r.headers) if r.headers else {})
 
+    def merge(self, later: Batch) -> None:
+        """Appends a batch fetched after this one (same epoch): its records and offsets."""
+        self.messages.extend(later.messages)
+        self.rejects.extend(later.rejects)
+        self.positions.update(later.positions)
+
     def _take(self, topic: str, partition: int, offset: int, key: bytes | None,
               value: bytes, headers: Mapping[str, bytes]) -> None:
         event = None
@@ -126,6 +132,7 @@ class ConsumerConfig:
     offsets: OffsetStore | None = None
     max_batch: int = 500
     max_in_flight: int = 2
+    merge_waiting: bool = False
     max_retries: int = 3
     retry_backoff: float = 0.2
     max_backoff: float = _MAX_BACKOFF_S
@@ -162,6 +169,7 @@ class ConsumerCore(ABC):
         self._offsets = config.offsets
         self._max_batch = config.max_batch
         self._max_in_flight = config.max_in_flight
+        self._merge_waiting = config.merge_waiting
         self._max_retries = config.max_retries
         self._backoff = Backoff(config.retry_backoff, config.max_backoff)
         self._dead_letter_topic = config.dead_letter_topic
@@ -259,6 +267,7 @@ class ConsumerCore(ABC):
             "stopping": self._stopping,
             "epoch": self._epoch,
             "queued": len(self._queue),
+            "queued_messages": sum(len(b.messages) + len(b.rejects) for b in self._queue),
             "running": self._running is not None,
             "outage": self.outage,
             "failure": self.failure,
@@ -371,6 +380,8 @@ class ConsumerCore(ABC):
                 self._queue_ready.clear()
                 await self._queue_ready.wait()
             batch = self._queue.popleft()
+            if self._merge_waiting:
+                self._merge_waiting_into(batch)
             if not self._settling and self._room():
                 self._on_room()
             if batch.epoch != self._epoch:
@@ -404,6 +415,17 @@ class ConsumerCore(ABC):
             if exc is not None:
                 self._fail(exc)
                 return
+
+    def _merge_waiting_into(self, batch: Batch) -> None:
+        """Moves the batches queued behind ``batch`` into it, in fetch order, while they
+        are of its epoch and the whole stays within ``max_batch`` messages."""
+        while self._queue:
+            nxt = self._queue[0]
+            size = len(batch.messages) + len(batch.rejects) + len(nxt.messages) + len(
+                nxt.rejects)
+            if nxt.epoch != batch.epoch or size > self._max_batch:
+                return
+            batch.merge(self._queue.popleft())
 
     async def _process(self, batch: Batch) -> None:
         for msg, error in batch.rejects:

@@ -108,6 +108,9 @@ class SubscribeOptions(TypedDict, total=False):
     offsets: OffsetStore | None  # where the group's positions are kept [the broker only]
     max_batch: int  # messages per handler call at most [500]
     max_in_flight: int  # fetched batches waiting behind the running one [2]
+    # Hand the handler every batch that waited behind the running one in one call (up to
+    # max_batch messages): for handlers that pay per call, not per message [False]
+    merge_waiting: bool
     max_retries: int  # handler retries before a batch is bisected [3]
     retry_backoff: float  # first retry delay in seconds, doubling [0.2]
     max_backoff: float  # cap of the doubling delay in seconds [30]
@@ -222,7 +225,9 @@ class Bus(Protocol):
         """Joins ``group`` and feeds ``handler`` batches of at most ``max_batch`` messages.
 
         Fetching pauses while ``max_in_flight`` batches wait behind the running one, so a
-        slow handler keeps its partitions. A handler that raises is retried ``max_retries``
+        slow handler keeps its partitions; with ``merge_waiting`` the batches that waited
+        behind it reach the handler together, in order, as one call of at most
+        ``max_batch`` messages. A handler that raises is retried ``max_retries``
         times (backoff ``retry_backoff`` seconds, doubling); then the batch is split to
         isolate the failing messages, which go to ``dead_letter_topic``; the rest are
         applied and the consumer goes on. Undecodable records go there at once. An outage

@@ -401,6 +401,39 @@ async def test_slow_handler_keeps_partitions_and_gets_each_event_once(
     assert assignment == {(topic, 0), (topic, 1)}
 
 
+async def test_batches_that_waited_behind_a_busy_handler_reach_it_together_when_asked(
+    make_bus: MakeBus,
+) -> None:
+    bus = await make_bus()
+    topic, group = unique("merge"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=1)])
+    events = [verdict(i, "kernel-0") for i in range(11)]
+    release = asyncio.Event()
+    calls: list[list[uuid.UUID]] = []
+
+    async def busy_first(batch: Sequence[BusMessage]) -> None:
+        calls.append([m.event.event_id for m in batch if m.event is not None])
+        if len(calls) == 1:
+            await release.wait()  # a long model call: the rest arrive meanwhile
+
+    sub = await bus.subscribe(group, [topic], busy_first, max_batch=8, max_in_flight=16,
+                              merge_waiting=True)
+    await bus.publish(topic, events[0])
+    await wait_for(lambda: len(calls) == 1, "the first call")
+    for i, e in enumerate(events[1:], start=1):  # one at a time: a batch each
+        await bus.publish(topic, e)
+        await wait_for(lambda i=i: sub.describe_state()["queued_messages"] == i,  # type: ignore[misc]
+                       f"{i} messages waiting")
+    assert sub.describe_state()["queued"] == 10
+    release.set()
+    await wait_for(lambda: sum(map(len, calls)) == 11, "all 11 events")
+    await sub.stop()
+    # Eight waiting batches in one call (max_batch), the other two in the next, in order.
+    assert [len(c) for c in calls] == [1, 8, 2]
+    assert [i for c in calls for i in c] == [e.event_id for e in events]
+    assert sub.stats.batches == 3
+
+
 async def test_poison_event_goes_to_dead_letter_and_consumer_goes_on(
     make_bus: MakeBus,
 ) -> None:

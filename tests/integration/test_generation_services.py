@@ -31,7 +31,7 @@ from kz_stream.llm import (
 from kz_stream.producers.coder import CoderService
 from kz_stream.producers.proposer import ProposerService
 from kz_stream.producers.seeds import SEED_MODULES
-from kz_stream.runtime import ServiceContext
+from kz_stream.runtime import REGISTRY, ServiceContext
 
 pytestmark = pytest.mark.slow
 
@@ -319,6 +319,44 @@ async def test_an_all_invalid_prompt_is_followed_by_a_synthesized_module(
         resynthesized = [m for m in later if m.group_id.startswith("synth-")]
         assert resynthesized and resynthesized[0].validation.valid, resynthesized
         assert resynthesized[0].source != synthesized.source
+    finally:
+        await stop_all(services, tasks)
+        await backend.close()
+
+
+def _module_event(name: str, seed_index: int) -> Any:
+    seed = SEED_MODULES[seed_index]
+    return new_event(
+        ModuleProposed(module_id=name, api_set=list(seed.api_set), source=seed.source,
+                       validation={"valid": True}),  # type: ignore[arg-type]
+        stream_id=f"module-{name}",
+        stream_version=0,
+    )
+
+
+async def test_modules_that_waited_behind_a_coder_call_share_its_next_call(
+    ctx: ServiceContext, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = TransformersBackend.from_pretrained(smollm2_dir())
+    llm = LLMConfig(max_tokens=48, temperature=1.0, seed=0)
+    coder = CoderService(ctx, backend, CoderSettings(group_size=2, llm=llm, max_batch=4,
+                                                     merge_waiting=True))
+    services = [Recorder(ctx), coder]
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    modules = ctx.settings.topics.modules
+    try:
+        with caplog.at_level("INFO", logger="kz_stream.llm._transformers_backend"):
+            await ctx.bus.publish(modules, _module_event("first", 0))
+            for _ in range(6000):  # until the first call is running
+                if (REGISTRY.get_sample_value("kz_in_flight", {"service": "coder"}) or 0) >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            for i in (1, 2, 3):  # one at a time, each its own fetched batch
+                await ctx.bus.publish(modules, _module_event(f"later-{i}", i))
+                await asyncio.sleep(0.05)
+            await wait_until(ctx, "KernelGenerated", 8, tasks)
+        rows = [r.args[0] for r in caplog.records if r.getMessage().startswith("generate:")]
+        assert rows == [2, 6]  # the three that waited: one call, not three
     finally:
         await stop_all(services, tasks)
         await backend.close()

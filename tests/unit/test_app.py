@@ -128,7 +128,8 @@ def test_every_value_a_run_changes_is_logged_and_a_replaced_setting_warned() -> 
 
 def test_a_gpu_run_puts_many_modules_in_a_call_unless_the_user_said_otherwise() -> None:
     gpu = RunOptions(device="cuda", group_size=4).apply(Settings())
-    assert (gpu.coder.max_batch, gpu.coder.llm.batch_size) == (16, 64)
+    assert (gpu.coder.max_batch, gpu.coder.llm.batch_size, gpu.coder.merge_waiting) == (
+        16, 64, True)
     assert (gpu.proposer.concurrency, gpu.proposer.llm.batch_size) == (8, 16)
     assert (gpu.learner.micro_batches, gpu.learner.gradient_checkpointing) == (1, False)
 
@@ -141,6 +142,7 @@ def test_a_gpu_run_puts_many_modules_in_a_call_unless_the_user_said_otherwise() 
     assert (cpu.coder.max_batch, cpu.coder.llm.batch_size) == (
         Settings().coder.max_batch, Settings().coder.llm.batch_size)
     assert cpu.proposer.concurrency == Settings().proposer.concurrency
+    assert cpu.coder.merge_waiting is False
 
 
 def test_a_run_device_reaches_both_generators_and_only_them() -> None:
