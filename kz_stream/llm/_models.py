@@ -8,6 +8,7 @@ safetensors that transformers, peft and vLLM all load in about a second.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -50,6 +51,22 @@ def smollm2_gguf() -> tuple[Path, str]:
     return root, ggufs[0]
 
 
+def _quiet_gguf_conversion() -> None:
+    """Turns off the progress bar transformers draws while it converts a GGUF.
+
+    It is a plain ``tqdm`` of that module's own, which no transformers switch reaches: one
+    bar per model load (four in ``kz run``) among the run's own lines. Replacing it once
+    is idempotent and leaves every other bar alone.
+    """
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None and not isinstance(bar, functools.partial):
+        setattr(gguf_utils, "tqdm", functools.partial(bar, disable=True))  # noqa: B010
+
+
 def load_smollm2_gguf(
     dtype: Any = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -57,6 +74,7 @@ def load_smollm2_gguf(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _quiet_gguf_conversion()
     directory, name = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(
