@@ -347,6 +347,22 @@ def _checkpoint_name(role: Role, version: int) -> str:
     return f"{role}-v{version:08d}"
 
 
+# Resuming needs the optimizer state of the newest version only; the one before stays too,
+# in case the newest is damaged. Older versions keep their weights (what the store's
+# kernels were sampled from) without it: a state is twice an adapter's size.
+_STATES_KEPT = 2
+
+
+def _drop_old_states(root: Path, role: Role, newest: int) -> None:
+    """Deletes the optimizer state of ``role``'s versions older than the last kept."""
+    versions = sorted(
+        (int(p.name[len(role) + 2 :]), p) for p in root.glob(f"{role}-v*")
+        if p.name[len(role) + 2 :].isdigit() and int(p.name[len(role) + 2 :]) <= newest
+    )
+    for _, path in versions[:-_STATES_KEPT]:
+        (path / _STATE).unlink(missing_ok=True)
+
+
 def latest_checkpoint(directory: str | Path, role: Role) -> Path | None:
     """Returns the newest complete checkpoint of ``role`` under ``directory``, if any."""
     root = Path(directory)
@@ -750,6 +766,7 @@ class GRPOLearner:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        _drop_old_states(root, self.role, v)
 
 
 class CoderLearner(GRPOLearner):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kz_stream.llm import uri_to_path
 from kz_stream.rl.groups import Group, Sample
 from kz_stream.rl.trainer import (
     CoderLearner,
@@ -309,6 +310,21 @@ def test_save_and_resume(tmp_path: Path) -> None:
         torch.testing.assert_close(new_state[key]["exp_avg"], st["exp_avg"])
     result = resumed.train_step(make_groups(resumed.model, [0, 1], 4, resumed.version, "r"))
     assert result.trained and result.policy_version == 3
+
+
+def test_every_version_keeps_its_weights_and_only_the_newest_two_their_optimizer_state(
+    tmp_path: Path,
+) -> None:
+    cfg = LearnerConfig(learning_rate=1e-2, output_dir=str(tmp_path / "scratch"))
+    learner = CoderLearner(cfg, model=tiny_model(init_range=0.3), tokenizer=tiny_tokenizer())
+    saved = []
+    for step in range(3):
+        learner.train_step(make_groups(learner.model, [0, 1], 4, learner.version, f"s{step}"))
+        saved.append(Path(uri_to_path(learner.save_policy(tmp_path / "policies")[0])))
+    assert [p.name for p in saved] == [f"coder-v0000000{i}" for i in (1, 2, 3)]
+    assert all((p / "adapter_model.safetensors").is_file() for p in saved)
+    assert [(p / "learner_state.pt").is_file() for p in saved] == [False, True, True]
+    assert latest_checkpoint(tmp_path / "policies", "coder") == saved[-1]
 
 
 def test_saving_a_lora_policy_looks_nothing_up_on_the_hub(tmp_path: Path) -> None:
