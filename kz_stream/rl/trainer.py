@@ -353,13 +353,21 @@ def _checkpoint_name(role: Role, version: int) -> str:
 _STATES_KEPT = 2
 
 
+def _versions(root: Path, role: Role) -> list[tuple[int, Path]]:
+    """``role``'s saved versions under ``root``, oldest first. Only renamed-into-place
+    directories count: a crash mid-save leaves a ``*.tmp-*`` one."""
+    found = []
+    for p in root.glob(f"{role}-v*"):
+        suffix = p.name[len(role) + 2 :]
+        if suffix.isdigit():
+            found.append((int(suffix), p))
+    return sorted(found)
+
+
 def _drop_old_states(root: Path, role: Role, newest: int) -> None:
     """Deletes the optimizer state of ``role``'s versions older than the last kept."""
-    versions = sorted(
-        (int(p.name[len(role) + 2 :]), p) for p in root.glob(f"{role}-v*")
-        if p.name[len(role) + 2 :].isdigit() and int(p.name[len(role) + 2 :]) <= newest
-    )
-    for _, path in versions[:-_STATES_KEPT]:
+    older = [p for v, p in _versions(root, role) if v <= newest]
+    for path in older[:-_STATES_KEPT]:
         (path / _STATE).unlink(missing_ok=True)
 
 
@@ -368,15 +376,9 @@ def latest_checkpoint(directory: str | Path, role: Role) -> Path | None:
     root = Path(directory)
     if not root.is_dir():
         return None
-    best: tuple[int, Path] | None = None
-    for p in root.glob(f"{role}-v*"):
-        suffix = p.name[len(role) + 2 :]
-        # Only renamed-into-place directories count: a crash mid-save leaves a *.tmp-* one.
-        if not suffix.isdigit() or not (p / _MANIFEST).is_file() or not (p / _STATE).is_file():
-            continue
-        if best is None or int(suffix) > best[0]:
-            best = (int(suffix), p)
-    return best[1] if best else None
+    complete = [p for _, p in _versions(root, role)
+                if (p / _MANIFEST).is_file() and (p / _STATE).is_file()]
+    return complete[-1] if complete else None
 
 
 # -- the learner -------------------------------------------------------------------------
