@@ -214,26 +214,24 @@ class RunOptions:
         """The learner values this run needs where the user set none."""
         if self.on_gpu:
             # A step's groups in one batch: the small model's activations fit a GPU.
-            return {"learning_rate": 1e-4, "lora_r": 8, "micro_batches": 1,
-                    "gradient_checkpointing": False}
-        return {
-            "learning_rate": 1e-4,
-            "lora_r": 8,
+            batching = {"micro_batches": 1, "gradient_checkpointing": False}
+        else:
             # One completion per micro-batch, activations recomputed: a step peaked at
             # 15.6 GB on the CPU in one batch (two learners' steps then exceeded a 23 GB
             # machine), 4.2 GB this way, and ran faster.
-            "micro_batches": self.group_size * self.groups_per_step,
-            "gradient_checkpointing": True,
-        }
+            batching = {"micro_batches": self.group_size * self.groups_per_step,
+                        "gradient_checkpointing": True}
+        return {"learning_rate": 1e-4, "lora_r": 8, **batching}
 
     def generator_defaults(self) -> dict[str, dict[str, Any]]:
         """The generators' values a GPU run needs where the user set none, by section.
 
-        On an H200 a transformers decode step took 80-120 ms whatever a call's rows: a
-        run's Coder calls of one module (4 rows) took 43 and 125 s (2026-12-03), so the
-        loop was bound by calls, not rows. A GPU run puts many modules and prompts in a
-        call instead: up to 16 modules (64 rows) for the Coder, those that waited behind
-        its running call merged into its next one, and 8 prompts for the Proposer.
+        On an H200 a transformers decode step took 95-180 ms in the loop whatever a call's
+        rows, and every Coder call held one module (4 rows) and took 37-142 s (2026-12-03,
+        docs/operations.md), so the loop was bound by calls, not rows. A GPU run puts many
+        modules and prompts in a call instead: up to 16 modules (64 rows) for the Coder,
+        those that waited behind its running call merged into its next one, and 8 prompts
+        for the Proposer.
         """
         if not self.on_gpu:
             return {}

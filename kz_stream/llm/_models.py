@@ -54,9 +54,9 @@ def smollm2_gguf() -> tuple[Path, str]:
 def _quiet_gguf_conversion() -> None:
     """Turns off the progress bar transformers draws while it converts a GGUF.
 
-    It is a plain ``tqdm`` of that module's own, which no transformers switch reaches: one
-    bar per model load (four in ``kz run``) among the run's own lines. Replacing it once
-    is idempotent and leaves every other bar alone.
+    It is a plain ``tqdm`` of that module's own, which no transformers switch reaches (seen
+    among ``kz run``'s lines on a host's first conversion). Replacing it once is
+    idempotent and leaves every other bar alone.
     """
     try:
         import transformers.modeling_gguf_pytorch_utils as gguf_utils
