@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from kz_stream.config import Settings, validated_copy
 from kz_stream.database_url import ensure_sqlite_dir
+from kz_stream.events import Event, KernelGenerated, KernelVerified, ModuleProposed
 from kz_stream.logging import configure_logging, get_logger
 from kz_stream.runtime import Service, ServiceContext, run_services
 from kz_stream.warmstart import warm_adapter
@@ -37,6 +38,7 @@ __all__ = [
     "make_verifier",
     "open_context",
     "projection_by_name",
+    "redeliver_unfinished",
     "run_coevolution",
     "run_named_services",
     "service_by_name",
@@ -132,7 +134,7 @@ def _backend(settings: Settings, role: Role) -> LLMBackend:
     extra: dict[str, Any] = {"adapter": str(adapter)} if adapter is not None else {}
     if llm.kind == "transformers":
         extra |= {"device": llm.device, "max_batch_size": llm.batch_size,
-                  "kv_cache": llm.kv_cache}
+                  "kv_cache": llm.kv_cache, "merge_adapter": llm.merge_adapter}
     return create_backend(llm.kind, model=llm.model, base_url=llm.base_url, **extra)
 
 
@@ -156,9 +158,60 @@ def _make_learner(settings: Settings, role: Role, directory: Path) -> GRPOLearne
     return cls(cfg, checkpoint_dir=directory)
 
 
+@dataclass(frozen=True)
+class Redelivered:
+    """What ``redeliver_unfinished`` published again."""
+
+    modules: int = 0
+    kernels: int = 0
+
+
+async def redeliver_unfinished(ctx: ServiceContext) -> Redelivered:
+    """Publishes again the run's work that the store holds unfinished: valid modules of
+    which no kernel was generated, and kernels without a verdict.
+
+    The embedded bus of a new process starts empty while the store keeps everything, so a
+    resumed embedded run would otherwise never code or verify what the last session left in
+    flight (its proposal and Coder groups would wait for them for ever). The events go out
+    as stored (same ids): the recorder skips them as duplicates, the Coder and the verifier
+    act on them. A broker keeps its logs and the groups' offsets, so a Kafka stack needs
+    none of this.
+    """
+    modules: dict[str, Event] = {}
+    kernels: dict[str, Event] = {}
+    coded: set[str] = set()
+    verified: set[str] = set()
+    types = ("ModuleProposed", "KernelGenerated", "KernelVerified")
+    async for batch in ctx.store.read_all(0, types=types, correlation_id=ctx.settings.run_id):
+        for r in batch:
+            payload = r.event.decode()
+            if isinstance(payload, ModuleProposed):
+                if payload.validation.valid:
+                    modules.setdefault(payload.module_id, r.event)
+            elif isinstance(payload, KernelGenerated):
+                coded.add(payload.module_id)
+                kernels.setdefault(payload.kernel_id, r.event)
+            elif isinstance(payload, KernelVerified):
+                verified.add(payload.kernel_id)
+    uncoded = [e for mid, e in modules.items() if mid not in coded]
+    unverified = [e for kid, e in kernels.items() if kid not in verified]
+    topics = ctx.settings.topics
+    if uncoded:
+        await ctx.bus.publish_many(topics.modules, uncoded)
+    if unverified:
+        await ctx.bus.publish_many(topics.kernels, unverified)
+    if uncoded or unverified:
+        get_logger("kz.run").info(
+            "unfinished_work_redelivered", modules=len(uncoded), kernels=len(unverified),
+            reason="the embedded bus starts empty; the store holds these unfinished")
+    return Redelivered(modules=len(uncoded), kernels=len(unverified))
+
+
 async def run_named_services(settings: Settings, names: Sequence[str]) -> None:
     configure_logging(settings.log_level, json=settings.log_json)
     async with open_context(settings) as ctx:
+        if ctx.settings.embedded:
+            await redeliver_unfinished(ctx)
         services = [service_by_name(n, ctx) for n in names]
         await run_services(services, http_host=settings.http_host, http_port=settings.http_port)
 
@@ -231,16 +284,18 @@ class RunOptions:
         docs/operations.md), so the loop was bound by calls, not rows. A GPU run puts many
         modules and prompts in a call instead: up to 16 modules (64 rows) for the Coder,
         those that waited behind its running call merged into its next one, and 8 prompts
-        for the Proposer.
+        for the Proposer; and both decode with their LoRA versions folded into the weights
+        (peft's unmerged layers add kernels to a launch-bound step).
         """
         if not self.on_gpu:
             return {}
         coder_rows = 16 * self.group_size
         return {
             "coder": {"max_batch": 16, "merge_waiting": True},
-            "coder.llm": {"batch_size": coder_rows},
+            "coder.llm": {"batch_size": coder_rows, "merge_adapter": True},
             "proposer": {"concurrency": 8},
-            "proposer.llm": {"batch_size": 8 * self.proposals_per_prompt},
+            "proposer.llm": {"batch_size": 8 * self.proposals_per_prompt,
+                             "merge_adapter": True},
         }
 
     def apply(self, settings: Settings) -> Settings:
@@ -370,6 +425,8 @@ async def run_coevolution(
     started = datetime.now(UTC)
     t0 = _time.monotonic()
     async with open_context(settings) as ctx:
+        if settings.embedded:
+            await redeliver_unfinished(ctx)
         names = ["recorder", "verifier", "coder", "proposer", "learner"]
         services = [service_by_name(n, ctx) for n in names]
         learner: Any = services[-1]

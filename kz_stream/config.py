@@ -107,6 +107,12 @@ class LLMConfig(_Section):
         description="A transformers model's KV cache: dynamic, static, or compiled (static, "
                     "decode step under torch.compile with CUDA graphs).",
     )
+    merge_adapter: bool = Field(
+        default=False,
+        description="A transformers model's LoRA versions folded into its weights before "
+                    "the calls that use them (decodes as the plain model; a copy of the "
+                    "bare weights is kept).",
+    )
     max_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     seed: int | None = Field(

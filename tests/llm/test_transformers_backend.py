@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kz_stream.llm import BackendError, ChatMessage, SamplingParams, TransformersBackend
+from tests.llm.conftest import make_lora
 from tests.llm.prompts_data import CHAT, TEXT
 
 pytest.importorskip("transformers")
@@ -147,8 +148,11 @@ async def test_close_ends_a_generation_in_flight(smollm2_path: Path) -> None:
     await asyncio.wait_for(asyncio.to_thread(backend._generation_thread.shutdown, True), 60)
 
 
-async def test_lora_hot_swap_mid_stream(smollm2_path: Path, lora_path: Path) -> None:
-    backend = TransformersBackend.from_pretrained(smollm2_path)
+@pytest.mark.parametrize("merge_adapter", [False, True], ids=["unmerged", "folded"])
+async def test_lora_hot_swap_mid_stream(
+    smollm2_path: Path, lora_path: Path, merge_adapter: bool
+) -> None:
+    backend = TransformersBackend.from_pretrained(smollm2_path, merge_adapter=merge_adapter)
     greedy = SamplingParams(max_tokens=8, temperature=0)
     try:
         ((base,),) = await backend.generate([TEXT], sampling=greedy)
@@ -203,26 +207,38 @@ async def test_a_warm_start_adapter_is_version_zero(smollm2_path: Path, lora_pat
         await warm.close()
 
 
-async def test_a_merged_adapter_decodes_as_the_adapter_and_serves_only_it(
-    smollm2_path: Path, lora_path: Path
+async def test_folded_lora_versions_decode_as_the_unmerged_ones(
+    smollm2_path: Path, lora_path: Path, tmp_path: Path
 ) -> None:
+    other = make_lora(smollm2_path, tmp_path / "other", seed=1)
     greedy = SamplingParams(max_tokens=8, temperature=0)
-    warm = TransformersBackend.from_pretrained(smollm2_path, adapter=str(lora_path))
-    merged = TransformersBackend.from_pretrained(
+    unmerged = TransformersBackend.from_pretrained(smollm2_path, adapter=str(lora_path))
+    folded = TransformersBackend.from_pretrained(
         smollm2_path, adapter=str(lora_path), merge_adapter=True, policy_version=3
     )
+    bare = TransformersBackend.from_pretrained(smollm2_path)
     try:
-        ((tuned,),) = await warm.generate([TEXT], sampling=greedy)
-        ((folded,),) = await merged.generate([TEXT], sampling=greedy)
-        assert folded.policy_version == 3
-        assert folded.token_ids == tuned.token_ids
-        assert folded.logprobs == pytest.approx(tuned.logprobs, abs=TOL)
-        assert not hasattr(merged._policies[3].model, "peft_config")  # no LoRA layers left
-        with pytest.raises(ValueError, match="merged its adapter"):
-            await merged.load_policy(4, str(lora_path))
+        # The warm start, another adapter, the bare model, the first adapter again.
+        for version, uri in [(3, None), (4, str(other)), (5, ""), (6, str(lora_path))]:
+            if uri is not None:
+                await unmerged.load_policy(version, uri)
+                await folded.load_policy(version, uri)
+            ((want,),) = await unmerged.generate([TEXT], sampling=greedy)
+            ((got,),) = await folded.generate([TEXT], sampling=greedy)
+            assert got.policy_version == version
+            assert got.token_ids == want.token_ids
+            assert got.logprobs == pytest.approx(want.logprobs, abs=TOL)
+            again = folded.sequence_logprobs(got.prompt_token_ids, got.token_ids)
+            assert again == pytest.approx(got.logprobs, abs=TOL)
+            if uri == "":  # each fold starts from the bare weights: nothing drifts
+                peft_model = folded._policies[5].model.get_base_model()
+                mine = {k.replace(".base_layer", ""): w
+                        for k, w in peft_model.state_dict().items() if "lora_" not in k}
+                for name, weight in bare._policies[0].model.state_dict().items():
+                    assert mine[name].equal(weight), name
     finally:
-        await warm.close()
-        await merged.close()
+        for b in (unmerged, folded, bare):
+            await b.close()
 
 
 async def test_a_static_kv_cache_decodes_as_the_dynamic_one(
