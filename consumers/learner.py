@@ -83,6 +83,7 @@ class LearnerService(Service):
             for role in self.config.roles:
                 await self._load_learner(role)
             self._idle_since = time.perf_counter()  # waiting for groups starts now
+            self.state.waiting_since = time.time()  # and group timeouts count from now
             await self.run_until_stopped(self._follow())
         finally:
             for learner in self.learners.values():

@@ -9,9 +9,11 @@ the append skips (idempotent on event_id).
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 
-from kz_stream.bus import BusMessage, offsets_after
+from kz_stream.bus import BusMessage, Subscription, offsets_after
 from kz_stream.runtime import Service, StoreOffsets
 
 __all__ = ["Recorder"]
@@ -20,6 +22,7 @@ __all__ = ["Recorder"]
 class Recorder(Service):
     name = "recorder"
     group = "kz-recorder"
+    stop_stage = 2  # last: what the others publish as they stop is archived too
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -37,9 +40,20 @@ class Recorder(Service):
         self.log.info("recorder_started", topics=names)
         try:
             await self.run_until_stopped(sub.wait())
+            await self.drain(sub)
         finally:
             await sub.stop()
         self.log.info("recorder_stopped")
+
+    async def drain(self, sub: Subscription, timeout_s: float = 30.0) -> None:
+        """Waits, up to ``timeout_s``, until the topics hold nothing this recorder has not
+        archived: a stop comes after the other services' (``stop_stage``), and the embedded
+        bus keeps nothing past the process, so what they published last is archived now."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and sub.failure is None:
+            await asyncio.sleep(0.2)  # the fetch loop takes up what was just published
+            if not sub.lag() and sub.busy_since is None:
+                return
 
     async def record(self, batch: Sequence[BusMessage]) -> None:
         """Appends the batch's events and the offsets after it in one transaction."""

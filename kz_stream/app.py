@@ -175,8 +175,10 @@ async def redeliver_unfinished(ctx: ServiceContext) -> Redelivered:
     flight (its proposal and Coder groups would wait for them for ever). The events go out
     as stored (same ids): the recorder skips them as duplicates, the Coder and the verifier
     act on them. A broker keeps its logs and the groups' offsets, so a Kafka stack needs
-    none of this.
+    none of this: on a bus whose logs outlive the process this publishes nothing.
     """
+    if ctx.bus.logs_outlive_the_process:
+        return Redelivered()
     modules: dict[str, Event] = {}
     kernels: dict[str, Event] = {}
     coded: set[str] = set()
@@ -210,8 +212,7 @@ async def redeliver_unfinished(ctx: ServiceContext) -> Redelivered:
 async def run_named_services(settings: Settings, names: Sequence[str]) -> None:
     configure_logging(settings.log_level, json=settings.log_json)
     async with open_context(settings) as ctx:
-        if ctx.settings.embedded:
-            await redeliver_unfinished(ctx)
+        await redeliver_unfinished(ctx)
         services = [service_by_name(n, ctx) for n in names]
         await run_services(services, http_host=settings.http_host, http_port=settings.http_port)
 
@@ -425,8 +426,7 @@ async def run_coevolution(
     started = datetime.now(UTC)
     t0 = _time.monotonic()
     async with open_context(settings) as ctx:
-        if settings.embedded:
-            await redeliver_unfinished(ctx)
+        await redeliver_unfinished(ctx)
         names = ["recorder", "verifier", "coder", "proposer", "learner"]
         services = [service_by_name(n, ctx) for n in names]
         learner: Any = services[-1]
@@ -442,17 +442,19 @@ async def run_coevolution(
                     break
             report.finished = learner.finished.is_set()
             report.outcome = "finished" if report.finished else "time_limit"
-            # Let the last policies reach the generators (and their loads the store).
-            for _ in range(600):
+            # A finished run lets its last policies reach the generators (and their loads
+            # the store); at a time limit the slot's time is up: a resumed run loads them.
+            for _ in range(600 if report.finished else 0):
                 if learner.state.policies_loaded():
                     break
                 await asyncio.sleep(0.2)
-            for s in services:
-                s.request_stop()
+            stop.set()
 
+        stop = asyncio.Event()
         sup = asyncio.create_task(supervise())
         try:
-            await run_services(services, http_host=settings.http_host, http_port=settings.http_port)
+            await run_services(services, http_host=settings.http_host,
+                               http_port=settings.http_port, stop=stop)
         finally:
             sup.cancel()
             for s in services:

@@ -81,16 +81,19 @@ class GroupState:
     kernel_ids: list[str] = field(default_factory=list)
     used: bool = False
 
-    def complete(self, kernels: dict[str, KernelRecord], *, timeout_s: float, now: float) -> bool:
-        """Every member has a verdict, or the group is older than ``timeout_s``."""
-        if len(self.kernel_ids) < self.size:
-            members_done = False
-        else:
-            members_done = all(kernels[k].verdict is not None for k in self.kernel_ids)
-        if members_done:
+    def complete(
+        self, kernels: dict[str, KernelRecord], *, timeout_s: float, now: float,
+        waiting_since: float = 0.0,
+    ) -> bool:
+        """Every member has a verdict, or some have and the group has waited ``timeout_s``
+        for the others: since its oldest kernel, or since ``waiting_since`` if later."""
+        verdicts = [kernels[k].verdict is not None for k in self.kernel_ids]
+        if len(verdicts) >= self.size and all(verdicts):
             return True
+        if not any(verdicts):
+            return False  # nothing to learn from yet, however long it waits
         oldest = min((kernels[k].generated_at for k in self.kernel_ids), default=now)
-        return now - oldest > timeout_s
+        return now - max(oldest, waiting_since) > timeout_s
 
 
 @dataclass
@@ -111,6 +114,10 @@ class RunState:
     counts: dict[str, int] = field(default_factory=dict)
     # Events this process applied as it stored them (``apply_own``), not yet read back.
     applied_ahead: set[uuid.UUID] = field(default_factory=set)
+    # When this process began to wait for verdicts (the learner's start): a group's
+    # timeout runs from then at the earliest, since a resumed run's verifier has the last
+    # session's unverified kernels to judge again.
+    waiting_since: float = 0.0
 
     def apply_all(self, records: Iterable[RecordedEvent]) -> None:
         """Applies stored events in order; one already applied by ``apply_own`` is skipped,
@@ -195,7 +202,8 @@ class RunState:
         return [
             g
             for g in self.groups.values()
-            if not g.used and g.complete(self.kernels, timeout_s=timeout_s, now=now)
+            if not g.used and g.complete(self.kernels, timeout_s=timeout_s, now=now,
+                                         waiting_since=self.waiting_since)
         ]
 
     def policies_loaded(self) -> bool:
@@ -220,7 +228,8 @@ class RunState:
         complete: set[str] = set()
         for g in self.groups.values():
             started.add(g.module_id)
-            if g.complete(self.kernels, timeout_s=timeout_s, now=now):
+            if g.complete(self.kernels, timeout_s=timeout_s, now=now,
+                          waiting_since=self.waiting_since):
                 complete.add(g.module_id)
         ready: list[str] = []
         being_scored = 0

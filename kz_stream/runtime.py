@@ -330,6 +330,10 @@ class Service(ABC):
     work is finished or handed back."""
 
     name: str = "service"
+    # ``run_services`` stops services stage by stage, lowest first, each stage once the one
+    # before has finished: generators (0) before the consumers of what they publish (1),
+    # the recorder (2) last, so what a stopping generator publishes last is still archived.
+    stop_stage: int = 1
 
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
@@ -454,11 +458,14 @@ async def run_services(
     http_host: str = "127.0.0.1",
     http_port: int = 0,
     install_signal_handlers: bool = True,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Runs services until all return or SIGTERM/SIGINT asks them to stop.
+    """Runs services until all return, or SIGTERM/SIGINT or ``stop`` asks them to stop.
 
-    A service that fails stops the others (one process, one fate), and the error re-raises.
-    While they run, a DependencyMonitor probes their store and bus (when they have them).
+    A stop goes stage by stage (``Service.stop_stage``): each stage's services are asked to
+    stop once those of the stages before have returned. A service that fails stops the
+    others at once (one process, one fate), and the error re-raises. While they run, a
+    DependencyMonitor probes their store and bus (when they have them).
     """
     log = get_logger("kz.runtime")
     _tune_gc()
@@ -472,16 +479,32 @@ async def run_services(
     probes = asyncio.create_task(monitor.run()) if monitor is not None else None
     log.info("http_listening", port=health.port, services=[s.name for s in services])
     loop = asyncio.get_running_loop()
+    tasks = [asyncio.create_task(s.run(), name=s.name) for s in services]
+    staged: list[asyncio.Task[None]] = []
+
+    async def stop_in_stages() -> None:
+        for stage in sorted({s.stop_stage for s in services}):
+            members = [(s, t) for s, t in zip(services, tasks, strict=True)
+                       if s.stop_stage == stage]
+            for s, _ in members:
+                s.request_stop()
+            await asyncio.wait([t for _, t in members])
+
+    def stop_staged() -> None:
+        if not staged:
+            log.info("stop_requested")
+            staged.append(asyncio.create_task(stop_in_stages(), name="kz-stop"))
 
     def stop_all() -> None:
-        log.info("stop_requested")
         for s in services:
             s.request_stop()
 
     if install_signal_handlers:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop_all)
-    tasks = [asyncio.create_task(s.run(), name=s.name) for s in services]
+            loop.add_signal_handler(sig, stop_staged)
+    watch = asyncio.create_task(stop.wait()) if stop is not None else None
+    if watch is not None:
+        watch.add_done_callback(lambda t: None if t.cancelled() else stop_staged())
     try:
         done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for t in done:
@@ -492,12 +515,12 @@ async def run_services(
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 raise r
     finally:
-        if probes is not None:
-            probes.cancel()
-        for t in tasks:
+        others: list[asyncio.Task[Any]] = [
+            t for t in (probes, watch, *staged) if t is not None]
+        for t in (*tasks, *others):
             t.cancel()
         with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, *([probes] if probes else []), return_exceptions=True)
+            await asyncio.gather(*tasks, *others, return_exceptions=True)
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)

@@ -154,6 +154,7 @@ class CoderService(Service):
     this process (a fresh name by default)."""
 
     name = "coder"
+    stop_stage = 0  # a generator: stops before the consumers of its kernels
     group = "kz-coder"
 
     def __init__(

@@ -67,6 +67,7 @@ class ProposerService(Service):
     """
 
     name = "proposer"
+    stop_stage = 0  # a generator: stops before the consumers of its modules
 
     def __init__(
         self,
@@ -250,7 +251,7 @@ class ProposerService(Service):
             for i, seed in enumerate(seeds):
                 event = stored[i]
                 if event is not None:
-                    await self._republish_seed(event)
+                    self._resume_seed(event)
                     continue
                 digest, validation = await checks[i]
                 await self._publish_validated(
@@ -264,13 +265,10 @@ class ProposerService(Service):
             # fails them all alike) are not each logged again as never retrieved.
             await asyncio.gather(*checks.values(), return_exceptions=True)
 
-    async def _republish_seed(self, event: Event) -> None:
-        """Hands a seed stored by an earlier session of this run to the embedded bus, which
-        starts empty in each process (same event: the store keeps it once). A broker still
-        holds it, and the Coder has read it: nothing to do there."""
-        if not self.ctx.bus.logs_outlive_the_process:
-            await self.wait_out(
-                lambda: self.ctx.bus.publish(self.ctx.settings.topics.modules, event))
+    def _resume_seed(self, event: Event) -> None:
+        """Counts a seed stored by an earlier session of this run as published. A broker
+        still holds it; a fresh embedded bus gets it again, if no kernel was generated for
+        it, from ``kz_stream.app.redeliver_unfinished``."""
         self.published += 1
         self.valid += 1
         self.log.info("seed_module_resumed", module_id=event.payload["module_id"])

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kz_stream.app import open_context
+from kz_stream.app import open_context, redeliver_unfinished
 from kz_stream.config import CoderSettings, LLMConfig, ProposerSettings, Settings, TopicsConfig
 from kz_stream.consumers.recorder import Recorder
 from kz_stream.events import (
@@ -222,7 +222,7 @@ async def test_seeds_are_validated_together_and_published_in_their_order(
         await backend.close()
 
 
-async def test_a_resumed_runs_stored_seeds_reach_a_fresh_embedded_bus_unvalidated(
+async def test_a_resumed_runs_stored_seeds_are_not_validated_again_and_reach_a_fresh_bus_once(
     ctx: ServiceContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     backend = TransformersBackend.from_pretrained(smollm2_dir())  # never asked: seeds only
@@ -255,6 +255,8 @@ async def test_a_resumed_runs_stored_seeds_reach_a_fresh_embedded_bus_unvalidate
         again = ProposerService(ctx2, backend, options, seed_modules=seeds)
         try:
             await asyncio.wait_for(again.run(), 120)
+            assert again.published == len(seeds)  # counted, not proposed or published anew
+            await redeliver_unfinished(ctx2)  # as `kz run` does: no kernel has been made
             for _ in range(100):
                 if len(got) >= len(seeds):
                     break

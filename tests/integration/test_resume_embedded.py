@@ -27,6 +27,7 @@ from kz_stream.events import (
     payload_as,
     source_sha256,
 )
+from kz_stream.runtime import Service, run_services
 from kz_stream.testing.corpus import problems, triton_honest
 from kz_stream.verify import Verifier, VerifierConfig
 
@@ -136,3 +137,29 @@ async def test_a_kernel_left_unverified_is_verified_when_the_run_resumes(
         assert [r.event.type for r in stream] == ["KernelGenerated", "KernelVerified"]
         assert payload_as(stream[1].event, KernelVerified).status is VerdictStatus.CORRECT
         assert (await redeliver_unfinished(ctx)).kernels == 0  # nothing left to finish
+
+
+class LastWords(Service):
+    """A generator that publishes one more module as it stops, as the Coder and the
+    Proposer do with the call they had in flight."""
+
+    name = "last-words"
+    stop_stage = 0
+
+    async def run(self) -> None:
+        await self.stopping.wait()
+        await asyncio.sleep(0.3)
+        await self.ctx.bus.publish(self.ctx.settings.topics.modules, module("last"))
+
+
+async def test_what_a_generator_publishes_as_it_stops_is_archived(tmp_path: Path) -> None:
+    stop = asyncio.Event()
+    async with open_context(session(tmp_path)) as ctx:
+        run = asyncio.create_task(run_services(
+            [Recorder(ctx), LastWords(ctx)], install_signal_handlers=False, stop=stop))
+        await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.wait_for(run, 30)
+        stored = [r.event.stream_id for b in [await ctx.store.read_stream("module-last")]
+                  for r in b]
+    assert stored == ["module-last"]

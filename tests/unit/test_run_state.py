@@ -66,10 +66,26 @@ def test_a_group_is_ready_once_every_member_has_a_verdict() -> None:
     assert [g.group_id for g in state.ready_groups(now=1.0)] == ["g"]
 
 
-def test_a_group_missing_verdicts_is_ready_after_its_timeout() -> None:
-    state = state_of(module("m", ["torch.relu"]), kernel("k1", "m", "g"), kernel("k2", "m", "g"))
+def test_a_group_missing_some_verdicts_is_ready_after_its_timeout() -> None:
+    state = state_of(module("m", ["torch.relu"]), kernel("k1", "m", "g"), kernel("k2", "m", "g"),
+                     verdict("k1", "m", "g", C, 1.0))
     assert state.ready_groups(timeout_s=10, now=5.0) == []
     assert len(state.ready_groups(timeout_s=10, now=11.0)) == 1
+
+
+def test_a_group_with_no_verdict_is_never_ready_it_has_nothing_to_learn_from() -> None:
+    state = state_of(module("m", ["torch.relu"]), kernel("k1", "m", "g"), kernel("k2", "m", "g"))
+    assert state.ready_groups(timeout_s=10, now=1e9) == []
+
+
+def test_a_resumed_runs_timeouts_count_from_when_it_began_waiting() -> None:
+    # The last session's kernels went to this session's verifier again: their groups wait
+    # ``timeout_s`` from the learner's start, not from when they were generated.
+    state = state_of(module("m", ["torch.relu"]), kernel("k1", "m", "g"), kernel("k2", "m", "g"),
+                     verdict("k1", "m", "g", C, 1.0))
+    state.waiting_since = 1000.0
+    assert state.ready_groups(timeout_s=10, now=1005.0) == []
+    assert len(state.ready_groups(timeout_s=10, now=1011.0)) == 1
 
 
 def test_a_group_named_by_a_training_step_is_not_ready_again() -> None:

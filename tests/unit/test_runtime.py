@@ -271,3 +271,33 @@ async def test_run_until_stopped_raises_what_ended_the_work_and_cancels_it_on_st
     waiting.request_stop()
     await asyncio.wait_for(task, 5)
     assert waiting.subscriptions[0].failure is None
+
+
+class Staged(Service):
+    """Notes when it is asked to stop and when it returns, after ``linger_s`` of work."""
+
+    def __init__(self, context: ServiceContext, stage: int, log: list[str],
+                 linger_s: float = 0.0) -> None:
+        super().__init__(context)
+        self.name, self.stop_stage, self.notes, self.linger_s = f"s{stage}", stage, log, linger_s
+
+    async def run(self) -> None:
+        await self.stopping.wait()
+        self.notes.append(f"{self.name} asked")
+        await asyncio.sleep(self.linger_s)
+        self.notes.append(f"{self.name} returned")
+
+
+async def test_a_stop_goes_stage_by_stage_each_after_the_one_before_has_returned() -> None:
+    notes: list[str] = []
+    services: list[Service] = [Staged(ctx(), 2, notes), Staged(ctx(), 0, notes, 0.2),
+                               Staged(ctx(), 1, notes, 0.1)]
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        run_services(services, install_signal_handlers=False, stop=stop))
+    await asyncio.sleep(0.05)
+    assert notes == []
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert notes == ["s0 asked", "s0 returned", "s1 asked", "s1 returned",
+                     "s2 asked", "s2 returned"]
