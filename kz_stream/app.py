@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 from kz_stream.config import Settings, validated_copy
 from kz_stream.database_url import ensure_sqlite_dir
-from kz_stream.events import Event, KernelGenerated, KernelVerified, ModuleProposed
 from kz_stream.logging import configure_logging, get_logger
+from kz_stream.run_state import read_unfinished_work
 from kz_stream.runtime import Service, ServiceContext, run_services
 from kz_stream.warmstart import warm_adapter
 
@@ -179,24 +179,8 @@ async def redeliver_unfinished(ctx: ServiceContext) -> Redelivered:
     """
     if ctx.bus.logs_outlive_the_process:
         return Redelivered()
-    modules: dict[str, Event] = {}
-    kernels: dict[str, Event] = {}
-    coded: set[str] = set()
-    verified: set[str] = set()
-    types = ("ModuleProposed", "KernelGenerated", "KernelVerified")
-    async for batch in ctx.store.read_all(0, types=types, correlation_id=ctx.settings.run_id):
-        for r in batch:
-            payload = r.event.decode()
-            if isinstance(payload, ModuleProposed):
-                if payload.validation.valid:
-                    modules.setdefault(payload.module_id, r.event)
-            elif isinstance(payload, KernelGenerated):
-                coded.add(payload.module_id)
-                kernels.setdefault(payload.kernel_id, r.event)
-            elif isinstance(payload, KernelVerified):
-                verified.add(payload.kernel_id)
-    uncoded = [e for mid, e in modules.items() if mid not in coded]
-    unverified = [e for kid, e in kernels.items() if kid not in verified]
+    work = await read_unfinished_work(ctx.store, ctx.settings.run_id)
+    uncoded, unverified = list(work.modules.values()), list(work.kernels.values())
     topics = ctx.settings.topics
     if uncoded:
         await ctx.bus.publish_many(topics.modules, uncoded)
@@ -286,15 +270,19 @@ class RunOptions:
         modules and prompts in a call instead: up to 16 modules (64 rows) for the Coder,
         those that waited behind its running call merged into its next one, and 8 prompts
         for the Proposer; and both decode with their LoRA versions folded into the weights
-        (peft's unmerged layers add kernels to a launch-bound step).
+        (peft's unmerged layers add kernels to a launch-bound step). The Proposer waits
+        while two Coder calls' worth of modules (32) have no kernel: in three slots of
+        2026-12-04 it ran 60 valid modules ahead, proposals for an old frontier that took
+        the GPU and the GIL from the Coder.
         """
         if not self.on_gpu:
             return {}
-        coder_rows = 16 * self.group_size
+        modules_per_call = 16
+        coder_rows = modules_per_call * self.group_size
         return {
-            "coder": {"max_batch": 16, "merge_waiting": True},
+            "coder": {"max_batch": modules_per_call, "merge_waiting": True},
             "coder.llm": {"batch_size": coder_rows, "merge_adapter": True},
-            "proposer": {"concurrency": 8},
+            "proposer": {"concurrency": 8, "max_ahead": 2 * modules_per_call},
             "proposer.llm": {"batch_size": 8 * self.proposals_per_prompt,
                              "merge_adapter": True},
         }

@@ -166,6 +166,12 @@ class ProposerSettings(_Section):
         description="Seed modules validated at once; None: half the cores, 1 to 8.",
     )
     seed: int = Field(default=0, description="Seed of the API-set sampler and synthesizer.")
+    max_ahead: int | None = Field(
+        default=None, ge=1,
+        description="A prompt waits while this many of the run's valid modules have no "
+        "kernel yet (the Coder is behind, and proposals made now would meet an old "
+        "frontier); None: never wait.",
+    )
 
 
 class CoderSettings(_Section):

@@ -28,7 +28,7 @@ from kz_stream.events import (
     VerdictStatus,
     is_evaluation,
 )
-from kz_stream.store import RecordedEvent
+from kz_stream.store import EventStore, RecordedEvent
 
 __all__ = [
     "ApiStats",
@@ -37,8 +37,44 @@ __all__ = [
     "KernelRecord",
     "ModuleRecord",
     "RunState",
+    "UnfinishedWork",
     "compute_frontier",
+    "read_unfinished_work",
 ]
+
+@dataclass
+class UnfinishedWork:
+    """A run's stored work that no later event finished, each as its stored event."""
+
+    # Valid modules of which no kernel was generated (the Coder has not taken them up).
+    modules: dict[str, Event] = field(default_factory=dict)
+    # Kernels without a verdict.
+    kernels: dict[str, Event] = field(default_factory=dict)
+
+
+async def read_unfinished_work(store: EventStore, run_id: str) -> UnfinishedWork:
+    """Reads run ``run_id``'s unfinished work from ``store``."""
+    work = UnfinishedWork()
+    coded: set[str] = set()
+    verified: set[str] = set()
+    types = ("ModuleProposed", "KernelGenerated", "KernelVerified")
+    async for batch in store.read_all(0, types=types, correlation_id=run_id):
+        for r in batch:
+            payload = r.event.decode()
+            if isinstance(payload, ModuleProposed):
+                if payload.validation.valid:
+                    work.modules.setdefault(payload.module_id, r.event)
+            elif isinstance(payload, KernelGenerated):
+                coded.add(payload.module_id)
+                work.kernels.setdefault(payload.kernel_id, r.event)
+            elif isinstance(payload, KernelVerified):
+                verified.add(payload.kernel_id)
+    for mid in coded:
+        work.modules.pop(mid, None)
+    for kid in verified:
+        work.kernels.pop(kid, None)
+    return work
+
 
 # Verdicts that say nothing about the Coder's skill (the check could not run here).
 _UNDECIDED = {VerdictStatus.UNCHECKED, VerdictStatus.INFRA_ERROR}

@@ -15,6 +15,7 @@ the problem's fingerprint (the same API set on inputs of the same shapes and dty
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import Mapping, Sequence
@@ -44,6 +45,7 @@ from kz_stream.modules import (
     validate_with_fingerprint,
 )
 from kz_stream.producers.coder import PolicyFollower
+from kz_stream.run_state import read_unfinished_work
 from kz_stream.runtime import Service, ServiceContext
 from kz_stream.warmstart.synth import Synthesizer, feasible, synthesize
 
@@ -99,6 +101,11 @@ class ProposerService(Service):
         self._synthesizer: Synthesizer | None = None
         # This run's valid seed modules stored by an earlier session, by normalized hash.
         self._stored_seeds: dict[str, Event] = {}
+        # The run's valid modules of which the Coder has generated no kernel yet, and a
+        # wake-up for prompts waiting on them (``config.max_ahead``).
+        self.uncoded: set[str] = set()
+        self._coded = asyncio.Event()
+        self._waiting_logged = False
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -112,6 +119,17 @@ class ProposerService(Service):
             dead_letter_topic=topics.dead_letter,
         )
         policy_sub = await self.policy.subscribe()
+        subs = [frontier_sub, policy_sub]
+        if self.config.max_ahead is not None:
+            # From the end: what the store holds is read next, so nothing falls between.
+            subs.append(await self.subscribe(
+                f"kz-{self.replica}-kernels-{uuid.uuid4().hex[:8]}",
+                [topics.kernels], self.handle_kernels, from_beginning=False,
+                dead_letter_topic=topics.dead_letter,
+            ))
+            work = await self.wait_out(
+                lambda: read_unfinished_work(self.ctx.store, self.ctx.settings.run_id))
+            self.uncoded.update(work.modules)
         self.log.info("proposer_started", replica=self.replica)
         try:
             await self._publish_seeds()
@@ -125,7 +143,7 @@ class ProposerService(Service):
                 if isinstance(r, Exception):
                     raise r
         finally:
-            await _stop_all([frontier_sub, policy_sub])
+            await _stop_all(subs)
 
     async def _load_seen_hashes(self) -> None:
         """Dedup survives restarts: every proposal ever stored is known by hash, and so is
@@ -225,8 +243,34 @@ class ProposerService(Service):
 
     async def _worker(self) -> None:
         while not self.stopping.is_set() and self._budget_left():
+            if await self._coder_is_behind():
+                continue
             await self.propose_once()
         self.done.set()
+
+    async def handle_kernels(self, batch: Sequence[BusMessage]) -> None:
+        """Notes the modules the Coder has taken up (``config.max_ahead``)."""
+        for m in batch:
+            if m.event is not None and m.event.type == "KernelGenerated":
+                self.uncoded.discard(m.event.payload["module_id"])
+        self._coded.set()
+
+    async def _coder_is_behind(self) -> bool:
+        """Waits (up to a second, then the caller looks again) while ``max_ahead`` of the
+        run's valid modules have no kernel; whether it did."""
+        limit = self.config.max_ahead
+        if limit is None or len(self.uncoded) < limit:
+            return False
+        if not self._waiting_logged:
+            self._waiting_logged = True
+            self.log.info("proposer_waits_for_coder", uncoded=len(self.uncoded),
+                          max_ahead=limit)
+        self._coded.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._coded.wait(), 1.0)
+        if len(self.uncoded) < limit:
+            self._waiting_logged = False
+        return True
 
     async def _publish_seeds(self) -> None:
         """Validates the seeds a few at once and publishes them in their order.
@@ -363,6 +407,8 @@ class ProposerService(Service):
         await self.wait_out(lambda: self.ctx.bus.publish(self.ctx.settings.topics.modules, event))
         self.published += 1
         self.valid += validation.valid
+        if validation.valid:
+            self.uncoded.add(event.payload["module_id"])
         self.metrics.validated(validation.valid)
         self.metrics.published("ModuleProposed")
         self.log.info(

@@ -362,3 +362,48 @@ async def test_modules_that_waited_behind_a_coder_call_share_its_next_call(
     finally:
         await stop_all(services, tasks)
         await backend.close()
+
+
+async def test_the_proposer_waits_while_max_ahead_modules_have_no_kernel(
+    ctx: ServiceContext,
+) -> None:
+    # Eight-token proposals are never valid, so each prompt ends with one synthesized
+    # (valid) module: the Coder's supply grows by one a prompt until it is two ahead.
+    backend = TransformersBackend.from_pretrained(smollm2_dir())
+    options = ProposerSettings(
+        llm=LLMConfig(max_tokens=8, temperature=1.0, seed=0), proposals_per_prompt=1,
+        concurrency=1, max_ahead=2)
+    proposer = ProposerService(ctx, backend, options)
+    services = [Recorder(ctx), proposer]
+    tasks = [asyncio.create_task(s.run()) for s in services]
+
+    def valid(events: list[Any]) -> list[ModuleProposed]:
+        modules = [payload_as(e, ModuleProposed) for e in events]
+        return [m for m in modules if m.validation.valid]
+
+    try:
+        for _ in range(600):
+            if len(proposer.uncoded) >= 2:
+                break
+            assert not any(t.done() for t in tasks), [t.exception() for t in tasks]
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(3)  # a prompt would take ~2 s here: none is made
+        waiting = valid(await events_of(ctx, "ModuleProposed"))
+        assert len(waiting) == 2 and proposer.uncoded == {m.module_id for m in waiting}
+
+        # The Coder takes one up: a kernel for it lets one more prompt through.
+        taken = waiting[0]
+        await ctx.bus.publish(ctx.settings.topics.kernels, new_event(
+            KernelGenerated(kernel_id="k", module_id=taken.module_id, group_id="g",
+                            group_size=1, backend="triton", source="..."),
+            stream_id="kernel-k", stream_version=0))
+        for _ in range(600):
+            if len(valid(await events_of(ctx, "ModuleProposed"))) == 3:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(3)
+        assert len(valid(await events_of(ctx, "ModuleProposed"))) == 3
+        assert taken.module_id not in proposer.uncoded and len(proposer.uncoded) == 2
+    finally:
+        await stop_all(services, tasks)
+        await backend.close()

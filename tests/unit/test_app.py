@@ -131,6 +131,7 @@ def test_a_gpu_run_puts_many_modules_in_a_call_unless_the_user_said_otherwise() 
     assert (gpu.coder.max_batch, gpu.coder.llm.batch_size, gpu.coder.merge_waiting) == (
         16, 64, True)
     assert (gpu.proposer.concurrency, gpu.proposer.llm.batch_size) == (8, 16)
+    assert gpu.proposer.max_ahead == 32  # two Coder calls' worth of modules
     assert gpu.coder.llm.merge_adapter and gpu.proposer.llm.merge_adapter
     assert (gpu.learner.micro_batches, gpu.learner.gradient_checkpointing) == (1, False)
 
@@ -145,6 +146,7 @@ def test_a_gpu_run_puts_many_modules_in_a_call_unless_the_user_said_otherwise() 
     assert cpu.proposer.concurrency == Settings().proposer.concurrency
     assert cpu.coder.merge_waiting is False
     assert not cpu.coder.llm.merge_adapter
+    assert cpu.proposer.max_ahead is None
 
 
 def test_a_run_device_reaches_both_generators_and_only_them() -> None:
