@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from typing import Any
 
 from benchmarks._results import metric, write_result
 from kz_stream.events import TrainingStepCompleted, payload_as
-from kz_stream.run_state import KernelRecord, RunState
+from kz_stream.run_state import CapabilityMap, KernelRecord, RunState
 from kz_stream.store import open_store
 
 _TYPES = ["ModuleProposed", "KernelGenerated", "KernelVerified", "TrainingStepCompleted"]
@@ -48,6 +49,8 @@ class Run:
     verified_at: dict[str, float] = field(default_factory=dict)  # kernel id -> newest verdict
     steps: list[tuple[float, TrainingStepCompleted]] = field(default_factory=list)
     first_at: float | None = None
+    # Step number -> (decided kernels, correct ones) per API, as the learner saw at that step.
+    capability: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
     def role_steps(self, role: str) -> list[TrainingStepCompleted]:
         return sorted((s for _, s in self.steps if s.role == role), key=lambda s: s.step)
@@ -67,8 +70,33 @@ async def load_run(url: str, run_id: str) -> Run:
                 if e.type == "KernelVerified":
                     run.verified_at[e.payload["kernel_id"]] = at
                 elif e.type == "TrainingStepCompleted":
-                    run.steps.append((at, payload_as(e, TrainingStepCompleted)))
+                    step = payload_as(e, TrainingStepCompleted)
+                    run.steps.append((at, step))
+                    cmap = CapabilityMap.from_state(run.state)
+                    run.capability[step.step] = {a: (st.n, st.correct)
+                                                 for a, st in cmap.apis.items()}
     return run
+
+
+def frontier_by_round(run: Run) -> list[dict[str, Any]]:
+    """Per round of the schedule (a turn of each role): the per-API pass rates the learner
+    saw at its first and at its last step, summarized as the APIs judged, their mean pass
+    rate and the three weakest (APIs with at least 4 decided kernels)."""
+    steps = sorted((s for _, s in run.steps), key=lambda s: s.step)
+    rounds: list[list[TrainingStepCompleted]] = []
+    for s in steps:
+        if not rounds or (s.role == steps[0].role and rounds[-1][-1].role != s.role):
+            rounds.append([])
+        rounds[-1].append(s)
+
+    def summary(step: int) -> dict[str, Any]:
+        apis = {a: c / n for a, (n, c) in run.capability.get(step, {}).items() if n >= 4}
+        weakest = sorted(apis.items(), key=lambda kv: (kv[1], kv[0]))[:3]
+        return {"apis": len(apis), "mean_pass_rate": _mean(list(apis.values())),
+                "weakest": {a: round(r, 3) for a, r in weakest}}
+
+    return [{"round": i, "steps": [s.step for s in r], "start": summary(r[0].step),
+             "end": summary(r[-1].step)} for i, r in enumerate(rounds, start=1)]
 
 
 def _fast(k: KernelRecord) -> bool:
@@ -127,7 +155,8 @@ def throughput(run: Run) -> dict[str, float | None]:
     for s in run.role_steps("coder"):
         ks = run.kernels(s)
         per_group = {k.group_id: k.generated.generation_s for k in ks}
-        gen.append(sum(v for v in per_group.values() if v is not None))
+        # Groups of one call carry that call's wall time: count each call once.
+        gen.append(sum({v for v in per_group.values() if v is not None}))
         lat += [run.verified_at[k.kernel_id] - k.generated_at for k in ks
                 if k.kernel_id in run.verified_at]
     ratios = [s.losses["sampling/importance_sampling_ratio/mean"] for _, s in steps
@@ -220,6 +249,8 @@ def main() -> None:
     ap.add_argument("--machine", default=None, help="Where the runs ran (default: here).")
     ap.add_argument("--command", default="", help="The kz run commands that made them.")
     ap.add_argument("--notes", default="")
+    ap.add_argument("--frontier-out", type=Path, default=None,
+                    help="Write the per-round frontier summaries of both runs here (JSON).")
     args = ap.parse_args()
     treated = asyncio.run(load_run(*args.run))
     control = asyncio.run(load_run(*args.control))
@@ -227,6 +258,15 @@ def main() -> None:
     for name, m in metrics.items():
         base = "" if m["baseline"] is None else f"  control {m['baseline']:.4g}"
         print(f"{name:50s} {m['value']:10.4g} {m['unit']}{base}")
+    for name, run in (("run", treated), ("control", control)):
+        for r in frontier_by_round(run):
+            print(f"{name} round {r['round']} (steps {r['steps']}): start {r['start']}"
+                  f"  end {r['end']}")
+    if args.frontier_out:
+        args.frontier_out.write_text(json.dumps(
+            {"run": frontier_by_round(treated), "control": frontier_by_round(control)},
+            indent=2) + "\n")
+        print(f"wrote {args.frontier_out}")
     if args.plot:
         plot(treated, control, args.plot)
         print(f"wrote {args.plot}")
