@@ -499,9 +499,17 @@ async def run_services(
         for s in services:
             s.request_stop()
 
+    def on_signal() -> None:
+        # A second signal does not wait for the stages: every service is asked at once.
+        if staged:
+            log.info("stop_requested_again", detail="every service is asked to stop now")
+            stop_all()
+        else:
+            stop_staged()
+
     if install_signal_handlers:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop_staged)
+            loop.add_signal_handler(sig, on_signal)
     watch = asyncio.create_task(stop.wait()) if stop is not None else None
     if watch is not None:
         watch.add_done_callback(lambda t: None if t.cancelled() else stop_staged())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -301,3 +303,33 @@ async def test_a_stop_goes_stage_by_stage_each_after_the_one_before_has_returned
     await asyncio.wait_for(task, 5)
     assert notes == ["s0 asked", "s0 returned", "s1 asked", "s1 returned",
                      "s2 asked", "s2 returned"]
+
+
+class Held(Service):
+    """A generator whose call in flight lasts until ``release`` is set."""
+
+    name = "held"
+    stop_stage = 0
+
+    def __init__(self, context: ServiceContext, release: asyncio.Event) -> None:
+        super().__init__(context)
+        self.release = release
+
+    async def run(self) -> None:
+        await self.stopping.wait()
+        await self.release.wait()
+
+
+async def test_a_second_signal_asks_every_service_to_stop_without_waiting_for_stages() -> None:
+    release = asyncio.Event()
+    held, last = Held(ctx(), release), Staged(ctx(), 2, [])
+    task = asyncio.create_task(run_services([held, last]))
+    await asyncio.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGINT)
+    await asyncio.sleep(0.1)
+    assert held.stopping.is_set() and not last.stopping.is_set()  # waits for the first stage
+    os.kill(os.getpid(), signal.SIGINT)
+    await asyncio.sleep(0.1)
+    assert last.stopping.is_set()
+    release.set()
+    await asyncio.wait_for(task, 5)
