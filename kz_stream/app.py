@@ -135,6 +135,11 @@ def _backend(settings: Settings, role: Role) -> LLMBackend:
     if llm.kind == "transformers":
         extra |= {"device": llm.device, "max_batch_size": llm.batch_size,
                   "kv_cache": llm.kv_cache, "merge_adapter": llm.merge_adapter}
+    if llm.process:
+        from kz_stream.llm import ProcessBackend
+
+        return ProcessBackend(llm.kind, model=llm.model, base_url=llm.base_url,
+                              log_level=settings.log_level, log_json=settings.log_json, **extra)
     return create_backend(llm.kind, model=llm.model, base_url=llm.base_url, **extra)
 
 
@@ -371,6 +376,8 @@ class RunReport:
     # "finished", "time_limit", or "interrupted" (SIGINT/SIGTERM stopped the services).
     outcome: Outcome | None = None
     summary: RunSummary | None = None
+    # Set once the run has begun to stop on its own (schedule done or time limit).
+    stopping: bool = False
 
 
 async def load_summary(
@@ -430,6 +437,9 @@ async def run_coevolution(
                     break
             report.finished = learner.finished.is_set()
             report.outcome = "finished" if report.finished else "time_limit"
+            report.stopping = True
+            if on_tick:
+                on_tick(report)
             # A finished run lets its last policies reach the generators (and their loads
             # the store); at a time limit the slot's time is up: a resumed run loads them.
             for _ in range(600 if report.finished else 0):

@@ -113,6 +113,12 @@ class LLMConfig(_Section):
                     "the calls that use them (decodes as the plain model; a copy of the "
                     "bare weights is kept).",
     )
+    process: bool = Field(
+        default=False,
+        description="The engine runs in a process of its own (ProcessBackend), so that its "
+                    "decoding does not share the GIL with the other generator and the "
+                    "services.",
+    )
     max_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     seed: int | None = Field(

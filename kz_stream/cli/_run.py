@@ -130,6 +130,7 @@ def run_loop(
         raise _bad_option(e) from None
     total_steps = rounds * steps_per_turn * len(options.order)
     shown_rounds: set[int] = set()
+    stop_told: list[bool] = []
 
     with _progress_bars() as progress:
         steps = progress.add_task("training steps", total=total_steps, detail="")
@@ -147,6 +148,12 @@ def run_loop(
                     f"verdicts {c.get('KernelVerified', 0)}"
                 ),
             )
+            if report.stopping and not stop_told:
+                stop_told.append(True)
+                why = "schedule done" if report.finished else "time limit reached"
+                progress.console.print(
+                    f"{why}: stopping (the Coder and the Proposer finish the calls they have "
+                    "in flight and their results are stored)")
             for rnd in sorted({s["round"] for s in report.steps}):
                 done = [s for s in report.steps if s["round"] == rnd]
                 if rnd not in shown_rounds and len(done) == steps_per_turn * len(options.order):

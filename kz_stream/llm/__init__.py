@@ -30,6 +30,7 @@ from kz_stream.llm._models import smollm2_dir
 
 if TYPE_CHECKING:
     from kz_stream.llm._factory import BackendKind, create_backend
+    from kz_stream.llm._process_backend import ProcessBackend
     from kz_stream.llm._transformers_backend import TransformersBackend
     from kz_stream.llm._vllm_engine import VLLMEngineBackend
     from kz_stream.llm._vllm_server import VLLMServer, VLLMServerBackend
@@ -41,6 +42,7 @@ __all__ = [
     "ChatMessage",
     "KVCache",
     "LLMBackend",
+    "ProcessBackend",
     "Prompt",
     "Sample",
     "SamplingParams",
@@ -59,6 +61,7 @@ __all__ = [
 __getattr__ = lazy_exports(__name__, {
     "BackendKind": "._factory",
     "create_backend": "._factory",
+    "ProcessBackend": "._process_backend",
     "TransformersBackend": "._transformers_backend",
     "VLLMEngineBackend": "._vllm_engine",
     "VLLMServer": "._vllm_server",

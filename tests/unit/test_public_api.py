@@ -24,7 +24,7 @@ PUBLIC = {
     ],
     "kz_stream.llm": [
         "LOGPROB_DEFINITION", "BackendError", "BackendKind", "ChatMessage", "KVCache",
-        "LLMBackend",
+        "LLMBackend", "ProcessBackend",
         "Prompt", "Sample", "SamplingParams", "ServingBackend", "TransformersBackend",
         "VLLMEngineBackend", "VLLMServer", "VLLMServerBackend", "create_backend",
         "encode_prompt", "smollm2_dir", "uri_to_path",
