@@ -11,6 +11,10 @@ runs on a GPU host (stores carried back as SQLite files):
         --control sqlite+aiosqlite:///control.sqlite3 run-... \\
         --plot docs/learning_curve.png --machine "1x H200" --command "kz run ..."
 
+Several replicates (independent pairs of runs with the same command) are given by repeating
+``--run`` and ``--control`` in the same order: their curves are pooled by step index (the
+kernels of step i of every replicate together), and so are the totals and throughput.
+
 Per Coder step: the step's mean reward (the learner's), its pass rate and fast_1 (correct
 and faster than eager PyTorch) over the step's decided kernels. The difference of the
 cumulative pass rates, treatment minus control, is compared with two standard errors
@@ -53,10 +57,17 @@ class Run:
     capability: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
 
     def role_steps(self, role: str) -> list[TrainingStepCompleted]:
-        return sorted((s for _, s in self.steps if s.role == role), key=lambda s: s.step)
+        """The role's steps that trained on something (a step of only expired groups, as
+        learners before 2026-12-04 took, is no step of the curve)."""
+        return sorted((s for _, s in self.steps if s.role == role and _trained(s)),
+                      key=lambda s: s.step)
 
     def kernels(self, step: TrainingStepCompleted) -> list[KernelRecord]:
         return [self.state.kernels[k] for k in step.kernel_ids if k in self.state.kernels]
+
+
+def _trained(step: TrainingStepCompleted) -> bool:
+    return bool(step.kernel_ids or step.module_ids)
 
 
 async def load_run(url: str, run_id: str) -> Run:
@@ -105,7 +116,7 @@ def _fast(k: KernelRecord) -> bool:
 
 def coder_curve(run: Run) -> list[dict[str, Any]]:
     """Per Coder step: mean reward, pass rate, fast_1 and how many kernels were decided."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for s in run.role_steps("coder"):
         ks = [k for k in run.kernels(s) if k.decided]
         n = len(ks)
@@ -145,35 +156,61 @@ def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def throughput(run: Run) -> dict[str, float | None]:
-    """Steps per hour (from the run's first event to its last step: the time between
-    slots of a run spread over several counts too) and the per-step split of where the
-    time went."""
-    steps = sorted(run.steps, key=lambda t: t[0])
-    hours = (steps[-1][0] - run.first_at) / 3600 if steps and run.first_at else 0.0
-    gen, lat = [], []
-    for s in run.role_steps("coder"):
-        ks = run.kernels(s)
-        per_group = {k.group_id: k.generated.generation_s for k in ks}
-        # Groups of one call carry that call's wall time: count each call once.
-        gen.append(sum({v for v in per_group.values() if v is not None}))
-        lat += [run.verified_at[k.kernel_id] - k.generated_at for k in ks
-                if k.kernel_id in run.verified_at]
-    ratios = [s.losses["sampling/importance_sampling_ratio/mean"] for _, s in steps
+def throughput(runs: list[Run]) -> dict[str, float | None]:
+    """Steps per hour (from each run's first event to its last step: the time between
+    slots of a run spread over several counts too; replicates add their steps and hours)
+    and the per-step split of where the time went."""
+    hours = 0.0
+    all_steps: list[TrainingStepCompleted] = []
+    gen: list[float] = []
+    lat: list[float] = []
+    verdicts = 0
+    for run in runs:
+        steps = sorted(run.steps, key=lambda t: t[0])
+        if steps and run.first_at:
+            hours += (steps[-1][0] - run.first_at) / 3600
+        all_steps += [s for _, s in steps if _trained(s)]
+        verdicts += len(run.verified_at)
+        for s in run.role_steps("coder"):
+            ks = run.kernels(s)
+            per_group = {k.group_id: k.generated.generation_s for k in ks}
+            # Groups of one call carry that call's wall time: count each call once.
+            gen.append(sum({v for v in per_group.values() if v is not None}))
+            lat += [run.verified_at[k.kernel_id] - k.generated_at for k in ks
+                    if k.kernel_id in run.verified_at]
+    ratios = [s.losses["sampling/importance_sampling_ratio/mean"] for s in all_steps
               if "sampling/importance_sampling_ratio/mean" in s.losses]
     return {
-        "steps_per_hour": len(steps) / hours if hours > 0 else None,
-        "train_s": _mean([s.train_seconds for _, s in steps if s.train_seconds is not None]),
-        "waited_s": _mean([s.waited_seconds for _, s in steps if s.waited_seconds is not None]),
+        "steps_per_hour": len(all_steps) / hours if hours > 0 else None,
+        "train_s": _mean([s.train_seconds for s in all_steps if s.train_seconds is not None]),
+        "waited_s": _mean([s.waited_seconds for s in all_steps
+                           if s.waited_seconds is not None]),
         "generation_s": _mean(gen),
         "verification_latency_s": _mean(lat),
-        "staleness_max": max((s.staleness.get("max", 0.0) for _, s in steps), default=None),
-        "staleness_mean": _mean([s.staleness["mean"] for _, s in steps
+        "staleness_max": max((s.staleness.get("max", 0.0) for s in all_steps), default=None),
+        "staleness_mean": _mean([s.staleness["mean"] for s in all_steps
                                  if "mean" in s.staleness]),
         "is_ratio_mean": _mean(ratios),
-        "verdicts_per_min": (len(run.verified_at)
-                             / (hours * 60)) if hours > 0 else None,
+        "verdicts_per_min": verdicts / (hours * 60) if hours > 0 else None,
     }
+
+
+def pooled_curve(curves: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Coder curves of several replicates pooled by step index: the i-th row sums the
+    decided, correct and fast kernels of every replicate's i-th step and averages their
+    mean rewards."""
+    rows = []
+    for i in range(max((len(c) for c in curves), default=0)):
+        at = [c[i] for c in curves if i < len(c)]
+        n = sum(r["n"] for r in at)
+        row: dict[str, Any] = {"step": i + 1, "replicates": len(at), "n": n,
+                               "correct": sum(r["correct"] for r in at),
+                               "fast": sum(r["fast"] for r in at),
+                               "mean_reward": statistics.fmean(r["mean_reward"] for r in at)}
+        row["pass_rate"] = row["correct"] / n if n else None
+        row["fast_1"] = row["fast"] / n if n else None
+        rows.append(row)
+    return rows
 
 
 def _pooled(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -181,16 +218,20 @@ def _pooled(rows: list[dict[str, Any]], key: str) -> float | None:
     return sum(r[key] for r in rows) / n if n else None
 
 
-def compare(treated: Run, control: Run) -> dict[str, dict[str, Any]]:
-    tc, cc = coder_curve(treated), coder_curve(control)
-    tp, cp = proposer_curve(treated), proposer_curve(control)
+def compare(treated: list[Run], control: list[Run]) -> dict[str, dict[str, Any]]:
+    """Treatment against control, each a list of replicates pooled by step index."""
+    tc = pooled_curve([coder_curve(r) for r in treated])
+    cc = pooled_curve([coder_curve(r) for r in control])
+    tp = [row for r in treated for row in proposer_curve(r)]
+    cp = [row for r in control for row in proposer_curve(r)]
     out: dict[str, dict[str, Any]] = {}
 
     def add(name: str, unit: str, a: float | None, b: float | None) -> None:
         if a is not None:
             out[name] = metric(a, unit, b)
 
-    add("coder steps", "steps", float(len(tc)), float(len(cc)))
+    add("coder steps", "steps", float(sum(r["replicates"] for r in tc)),
+        float(sum(r["replicates"] for r in cc)))
     add("coder pass rate, all steps", "fraction", _pooled(tc, "correct"), _pooled(cc, "correct"))
     add("coder fast_1, all steps", "fraction", _pooled(tc, "fast"), _pooled(cc, "fast"))
     half = max(1, len(tc) // 2)
@@ -207,6 +248,7 @@ def compare(treated: Run, control: Run) -> dict[str, dict[str, Any]]:
     if k is not None:  # absent: not within the run (the notes say so)
         out["coder steps until pass rate > control + 2 SE"] = metric(float(k), "steps")
     t, c = throughput(treated), throughput(control)
+    add("replicates", "runs", float(len(treated)), float(len(control)))
     units = {"steps_per_hour": "steps/h", "verdicts_per_min": "verdicts/min",
              "staleness_max": "versions", "staleness_mean": "versions", "is_ratio_mean": "ratio"}
     for key, value in t.items():
@@ -214,25 +256,35 @@ def compare(treated: Run, control: Run) -> dict[str, dict[str, Any]]:
     return out
 
 
-def plot(treated: Run, control: Run, path: Path) -> None:
+def plot(treated: list[Run], control: list[Run], path: Path) -> None:
+    """Pooled curves (thick) over each replicate's own (thin), treatment and control."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for run, label in ((treated, "run"), (control, "control (lr 0)")):
-        rows = coder_curve(run)
-        steps = [r["step"] for r in rows]
-        axes[0].plot(steps, [r["mean_reward"] for r in rows], marker="o", label=label)
-        axes[1].plot(steps, [r["pass_rate"] for r in rows], marker="o", label=label)
-        prop = proposer_curve(run)
-        axes[2].plot([r["step"] for r in prop], [r["valid_rate"] for r in prop], marker="o",
+    for runs, label, color in ((treated, "run", "C0"), (control, "control (lr 0)", "C1")):
+        curves = [coder_curve(r) for r in runs]
+        pooled = pooled_curve(curves)
+        steps = [r["step"] for r in pooled]
+        axes[0].plot(steps, [r["mean_reward"] for r in pooled], marker="o", color=color,
                      label=label)
+        axes[1].plot(steps, [r["pass_rate"] for r in pooled], marker="o", color=color,
+                     label=f"{label}, {len(runs)} pooled")
+        if len(runs) > 1:
+            for rows in curves:
+                axes[1].plot([i + 1 for i in range(len(rows))], [r["pass_rate"] for r in rows],
+                             color=color, alpha=0.3, linewidth=0.8)
+        for i, run in enumerate(runs):
+            prop = proposer_curve(run)
+            axes[2].plot([j + 1 for j in range(len(prop))], [r["valid_rate"] for r in prop],
+                         marker="o", color=color, alpha=1.0 if i == 0 else 0.4,
+                         label=label if i == 0 else None)
     for ax, title in zip(axes, ("Coder mean reward", "Coder pass rate", "Proposer valid rate"),
                          strict=True):
         ax.set_title(title)
-        ax.set_xlabel("training step")
+        ax.set_xlabel("training step of its role")
         ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,8 +295,11 @@ def plot(treated: Run, control: Run, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", nargs=2, required=True, metavar=("STORE_URL", "RUN_ID"))
-    ap.add_argument("--control", nargs=2, required=True, metavar=("STORE_URL", "RUN_ID"))
+    ap.add_argument("--run", nargs=2, action="append", required=True,
+                    metavar=("STORE_URL", "RUN_ID"), help="A treatment run; repeat for "
+                    "replicates.")
+    ap.add_argument("--control", nargs=2, action="append", required=True,
+                    metavar=("STORE_URL", "RUN_ID"), help="Its control, in the same order.")
     ap.add_argument("--plot", type=Path, default=None, help="Write the curves here (PNG).")
     ap.add_argument("--machine", default=None, help="Where the runs ran (default: here).")
     ap.add_argument("--command", default="", help="The kz run commands that made them.")
@@ -252,20 +307,28 @@ def main() -> None:
     ap.add_argument("--frontier-out", type=Path, default=None,
                     help="Write the per-round frontier summaries of both runs here (JSON).")
     args = ap.parse_args()
-    treated = asyncio.run(load_run(*args.run))
-    control = asyncio.run(load_run(*args.control))
+    if len(args.run) != len(args.control):
+        ap.error("give one --control for each --run")
+    treated = [asyncio.run(load_run(*r)) for r in args.run]
+    control = [asyncio.run(load_run(*r)) for r in args.control]
     metrics = compare(treated, control)
     for name, m in metrics.items():
         base = "" if m["baseline"] is None else f"  control {m['baseline']:.4g}"
         print(f"{name:50s} {m['value']:10.4g} {m['unit']}{base}")
-    for name, run in (("run", treated), ("control", control)):
-        for r in frontier_by_round(run):
-            print(f"{name} round {r['round']} (steps {r['steps']}): start {r['start']}"
-                  f"  end {r['end']}")
+    for name, runs in (("run", treated), ("control", control)):
+        for r in pooled_curve([coder_curve(r) for r in runs]):
+            print(f"{name} coder step {r['step']}: {r['correct']}/{r['n']} correct, "
+                  f"fast {r['fast']}, mean reward {r['mean_reward']:+.3f} "
+                  f"({r['replicates']} replicates)")
+    frontier = {name: [frontier_by_round(r) for r in runs]
+                for name, runs in (("run", treated), ("control", control))}
+    for name, per_run in frontier.items():
+        for i, rounds in enumerate(per_run, start=1):
+            for r in rounds:
+                print(f"{name} {i} round {r['round']} (steps {r['steps']}): start "
+                      f"{r['start']}  end {r['end']}")
     if args.frontier_out:
-        args.frontier_out.write_text(json.dumps(
-            {"run": frontier_by_round(treated), "control": frontier_by_round(control)},
-            indent=2) + "\n")
+        args.frontier_out.write_text(json.dumps(frontier, indent=2) + "\n")
         print(f"wrote {args.frontier_out}")
     if args.plot:
         plot(treated, control, args.plot)

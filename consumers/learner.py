@@ -67,6 +67,7 @@ class LearnerService(Service):
         self._frontier_basis: tuple[int, int] = (-1, -1)
         # When the learner last became ready to train: its start, then each step's end.
         self._idle_since = time.perf_counter()
+        self._expired: set[str] = set()  # groups logged as too stale to train on
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -120,6 +121,14 @@ class LearnerService(Service):
         _discard_unpublished(directory, role, published.version if published else 0)
         learner = await asyncio.to_thread(self.make_learner, role, directory)
         self.learners[role] = learner
+        if published is not None and learner.version < published.version:
+            # Training on from an older version would publish version numbers the store
+            # already holds, for other weights.
+            raise MissingCheckpointError(
+                f"the {role} policy's last published version is v{published.version} "
+                f"({published.uri}), but its checkpoint is not in {directory} (the newest "
+                f"there is v{learner.version}); restore the run's checkpoints to "
+                f"{self.config.checkpoint_dir} or start a new run with a new store")
         history = await self.wait_out(lambda: self.ctx.store.read_stream(f"policy-{role}"))
         if not history and learner.version == 0 and learner.config.init_adapter:
             await self._record_warm_start(role, learner.config)
@@ -270,7 +279,7 @@ class LearnerService(Service):
                 )
             groups.append(Group(gid, tuple(samples)))
         return proposer_step_groups(
-            groups, self.config.groups_per_step,
+            self._unexpired("proposer", groups), self.config.groups_per_step,
             invalid_reward=self.learners["proposer"].config.rewards.invalid_module_reward,
             waiting=being_scored > 0,
         )
@@ -291,7 +300,10 @@ class LearnerService(Service):
         if role is None:
             self.finished.set()
             return False
-        groups = self.coder_groups() if role == "coder" else self.proposer_step_groups()
+        if role == "coder":
+            groups = self._unexpired(role, self.coder_groups())
+        else:
+            groups = self.proposer_step_groups()
         if len(groups) < self.config.groups_per_step:
             return False
         groups = groups[: self.config.groups_per_step]
@@ -303,6 +315,22 @@ class LearnerService(Service):
                                 waited)
         self._idle_since = time.perf_counter()
         return True
+
+    def _unexpired(self, role: Role, groups: list[Group]) -> list[Group]:
+        """Leaves out groups too stale to train on: a step of them would train on nothing
+        and spend the role's turn (seen on an H200: groups redelivered to a resumed run,
+        generated five versions before, made three empty steps in a row)."""
+        learner = self.learners[role]
+        c = learner.config
+        keep = []
+        for g in groups:
+            if not g.expired(learner.version, c.max_staleness, c.min_group_size):
+                keep.append(g)
+            elif g.group_id not in self._expired:
+                self._expired.add(g.group_id)
+                self.log.info("group_expired", role=role, group_id=g.group_id,
+                              policy_version=learner.version, max_staleness=c.max_staleness)
+        return keep
 
     async def _commit_step(
         self,
@@ -405,6 +433,10 @@ class LearnerService(Service):
             lambda: self.ctx.bus.publish(self.ctx.settings.topics.policy, event, key=role)
         )
         self.metrics.published("PolicyVersionPublished")
+
+
+class MissingCheckpointError(RuntimeError):
+    """The store says a policy version was published whose checkpoint is not on disk."""
 
 
 def _discard_unpublished(directory: Path, role: Role, published_version: int) -> None:

@@ -133,6 +133,7 @@ def test_a_gpu_run_puts_many_modules_in_a_call_unless_the_user_said_otherwise() 
     assert (gpu.proposer.concurrency, gpu.proposer.llm.batch_size) == (8, 16)
     assert gpu.proposer.max_ahead == 32  # two Coder calls' worth of modules
     assert gpu.coder.llm.merge_adapter and gpu.proposer.llm.merge_adapter
+    assert gpu.coder.llm.process and gpu.proposer.llm.process  # each engine apart: the GIL
     assert (gpu.learner.micro_batches, gpu.learner.gradient_checkpointing) == (1, False)
 
     mine = Settings(coder=CoderSettings(max_batch=2), proposer=ProposerSettings(concurrency=1))
@@ -146,6 +147,7 @@ def test_a_gpu_run_puts_many_modules_in_a_call_unless_the_user_said_otherwise() 
     assert cpu.proposer.concurrency == Settings().proposer.concurrency
     assert cpu.coder.merge_waiting is False
     assert not cpu.coder.llm.merge_adapter
+    assert not (cpu.coder.llm.process or cpu.proposer.llm.process)
     assert cpu.proposer.max_ahead is None
 
 
