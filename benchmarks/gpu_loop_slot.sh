@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One GPU slot of the loop's learning-curve benchmark: a treatment run and its control
+# (learning rate 0) side by side on one GPU for T seconds, each in a folder of its own,
+# resuming what the folder holds. Then each store is copied out (gzip) with its log, for
+# benchmarks/bench_gpu_loop.py to read:
+#
+#   benchmarks/gpu_loop_slot.sh OUT SLOT T [STORES]
+#
+# OUT: where the stores (run.sqlite3.gz, control.sqlite3.gz), logs and nvidia-smi samples
+# go; SLOT: a name for this slot's files; T: the run's --time-limit in seconds; STORES: a
+# folder holding run.sqlite3.gz and control.sqlite3.gz to resume from (a run carried off
+# its host and back), instead of the stores already in the run folders. Environment:
+# RUN_DIR and CONTROL_DIR (default /tmp/kz-run, /tmp/kz-control), ONLY_RUN=1 (the
+# treatment alone), GUARD (seconds past T before the run is interrupted, default 170), and
+# any KZ_* setting. The checkpoints stay in each folder's .kz/policies: carry them too
+# when the next slot runs on another host (the learner refuses to start without its last
+# published version).
+set -uo pipefail
+OUT=$1 SLOT=$2 T=$3 STORES=${4:-}
+RUN_DIR=${RUN_DIR:-/tmp/kz-run} CONTROL_DIR=${CONTROL_DIR:-/tmp/kz-control}
+export PYTHONUNBUFFERED=1 KZ_LOG_LEVEL=${KZ_LOG_LEVEL:-INFO}
+mkdir -p "$OUT"
+dirs=("$RUN_DIR") names=(run)
+if [ -z "${ONLY_RUN:-}" ]; then dirs+=("$CONTROL_DIR"); names+=(control); fi
+
+for i in "${!dirs[@]}"; do
+  mkdir -p "${dirs[$i]}/.kz"
+  if [ -n "$STORES" ]; then
+    rm -f "${dirs[$i]}"/.kz/kz.sqlite3*
+    gunzip -c "$STORES/${names[$i]}.sqlite3.gz" > "${dirs[$i]}/.kz/kz.sqlite3"
+  fi
+done
+
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 \
+  > "$OUT/smi-$SLOT.csv" 2>&1 &
+smi=$!
+start=$(date +%s)
+pids=()
+for i in "${!dirs[@]}"; do
+  lr=()
+  [ "${names[$i]}" = control ] && lr=(env KZ_LEARNER__LEARNING_RATE=0)
+  (
+    cd "${dirs[$i]}" || exit 1
+    "${lr[@]}" timeout -s INT -k 40 $((T + ${GUARD:-170})) python3 -m kz_stream.cli run \
+      --device cuda --rounds 200 --steps-per-turn 1 --group-size 4 --groups-per-step 4 \
+      --max-new-tokens 1024 --time-limit "$T" > "/tmp/${names[$i]}-$SLOT.log" 2>&1
+    echo "exit $? after $(($(date +%s) - start)) s" >> "/tmp/${names[$i]}-$SLOT.log"
+  ) &
+  pids+=($!)
+done
+wait "${pids[@]}"
+kill "$smi" 2>/dev/null
+
+for i in "${!dirs[@]}"; do
+  name=${names[$i]}
+  # SQLite's backup API: a consistent copy whatever the journal holds.
+  python3 -c "import sqlite3, sys; d = sqlite3.connect(sys.argv[2]); \
+sqlite3.connect(sys.argv[1]).backup(d); d.close()" \
+    "${dirs[$i]}/.kz/kz.sqlite3" "/tmp/$name-copy.sqlite3"
+  gzip -c "/tmp/$name-copy.sqlite3" > "$OUT/$name.sqlite3.gz"
+  gzip -c "/tmp/$name-$SLOT.log" > "$OUT/$name-$SLOT.log.gz"
+  echo "== $name: $(tail -n 1 "/tmp/$name-$SLOT.log"); checkpoints" \
+    "$(du -sh "${dirs[$i]}/.kz/policies" 2>/dev/null | cut -f1)"
+done
