@@ -90,13 +90,20 @@ class ProcessBackend(ServingBackend):
             except (EOFError, OSError):
                 break
             future = self._pending.get(call_id)
-            if future is not None and self._loop is not None:
-                self._loop.call_soon_threadsafe(_settle, future, ok, value)
+            if future is not None:
+                self._settle_threadsafe(future, ok, value)
         self._process.join(5)
         self._lost = f"the engine process exited (exit code {self._process.exitcode})"
-        if self._loop is not None:
-            for future in list(self._pending.values()):
-                self._loop.call_soon_threadsafe(_settle, future, False, self._lost)
+        for future in list(self._pending.values()):
+            self._settle_threadsafe(future, False, self._lost)
+
+    def _settle_threadsafe(self, future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_settle, future, ok, value)
+        except RuntimeError:
+            pass  # the caller's loop is closed: nobody awaits the answer any more
 
     async def _generate(
         self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams
@@ -155,9 +162,13 @@ async def _answer(conn: Connection, backend: Any) -> None:
             try:
                 request = conn.recv()
             except (EOFError, OSError):
-                loop.call_soon_threadsafe(requests.put_nowait, None)  # the parent is gone
+                request = None  # the parent is gone
+            try:
+                loop.call_soon_threadsafe(requests.put_nowait, request)
+            except RuntimeError:
+                return  # the child's loop has ended (it was told to close)
+            if request is None:
                 return
-            loop.call_soon_threadsafe(requests.put_nowait, request)
 
     threading.Thread(target=receive, name="kz-engine-requests", daemon=True).start()
     tasks: set[asyncio.Task[None]] = set()
