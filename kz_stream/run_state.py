@@ -26,6 +26,7 @@ from kz_stream.events import (
     PolicyVersionPublished,
     TrainingStepCompleted,
     VerdictStatus,
+    current_payload,
     is_evaluation,
 )
 from kz_stream.store import EventStore, RecordedEvent
@@ -60,15 +61,17 @@ async def read_unfinished_work(store: EventStore, run_id: str) -> UnfinishedWork
     types = ("ModuleProposed", "KernelGenerated", "KernelVerified")
     async for batch in store.read_all(0, types=types, correlation_id=run_id):
         for r in batch:
-            payload = r.event.decode()
-            if isinstance(payload, ModuleProposed):
-                if payload.validation.valid:
-                    work.modules.setdefault(payload.module_id, r.event)
-            elif isinstance(payload, KernelGenerated):
-                coded.add(payload.module_id)
-                work.kernels.setdefault(payload.kernel_id, r.event)
-            elif isinstance(payload, KernelVerified):
-                verified.add(payload.kernel_id)
+            # The ids alone, from the stored JSON: validating every kernel (source, token
+            # ids, logprobs) into its model would cost a long run's start far more.
+            e, p = r.event, current_payload(r.event)
+            if e.type == "ModuleProposed":
+                if p["validation"]["valid"]:
+                    work.modules.setdefault(p["module_id"], e)
+            elif e.type == "KernelGenerated":
+                coded.add(p["module_id"])
+                work.kernels.setdefault(p["kernel_id"], e)
+            elif e.type == "KernelVerified":
+                verified.add(p["kernel_id"])
     for mid in coded:
         work.modules.pop(mid, None)
     for kid in verified:
