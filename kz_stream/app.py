@@ -49,10 +49,15 @@ __all__ = [
 async def open_context(
     settings: Settings, *, migrate: bool = True
 ) -> AsyncIterator[ServiceContext]:
-    """Opens the store (migrated to head) and the bus (topics created) for services."""
+    """Opens the store (migrated to head) and the bus (topics created) for services, on
+    the cores ``settings.cpus`` names."""
     from kz_stream.bus import open_bus
     from kz_stream.store import open_store
 
+    cores = settings.cpu_set
+    if cores is not None:
+        # This thread's mask: the threads and processes the services start inherit it.
+        os.sched_setaffinity(0, cores)
     ensure_sqlite_dir(settings.database_url)
     async with open_store(settings.database_url, create_schema=migrate) as store:
         bus = open_bus(settings.bus_url)
@@ -134,7 +139,8 @@ def _backend(settings: Settings, role: Role) -> LLMBackend:
     extra: dict[str, Any] = {"adapter": str(adapter)} if adapter is not None else {}
     if llm.kind == "transformers":
         extra |= {"device": llm.device, "max_batch_size": llm.batch_size,
-                  "kv_cache": llm.kv_cache, "merge_adapter": llm.merge_adapter}
+                  "kv_cache": llm.kv_cache, "merge_adapter": llm.merge_adapter,
+                  "gpu_memory_fraction": llm.gpu_memory_fraction}
     if llm.process:
         from kz_stream.llm import ProcessBackend
 

@@ -119,6 +119,12 @@ class LLMConfig(_Section):
                     "decoding does not share the GIL with the other generator and the "
                     "services.",
     )
+    gpu_memory_fraction: float | None = Field(
+        default=None, gt=0, le=1,
+        description="A transformers model on a GPU: the share of the device's memory its "
+                    "process may allocate (torch's per-process cap; with `process`, the "
+                    "engine's own process). None: no cap.",
+    )
     max_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     seed: int | None = Field(
@@ -285,6 +291,12 @@ class Settings(BaseSettings):
     http_port: int = Field(default=0, description="Health and /metrics port; 0 picks a free one.")
     log_level: str = "INFO"
     log_json: bool = True
+    cpus: str | None = Field(
+        default=None, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
+        description="The cores this process and the processes it starts run on, as a list "
+                    "of cores and ranges (0-7,12), for services and runs that share a host; "
+                    "None: all (Linux only).",
+    )
     proposer: ProposerSettings = Field(default_factory=ProposerSettings)
     coder: CoderSettings = Field(default_factory=CoderSettings)
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
@@ -314,6 +326,17 @@ class Settings(BaseSettings):
     @property
     def embedded(self) -> bool:
         return self.bus_url.startswith("memory://")
+
+    @property
+    def cpu_set(self) -> set[int] | None:
+        """The cores of ``cpus`` as a set; None when it is not set."""
+        if self.cpus is None:
+            return None
+        cores: set[int] = set()
+        for part in self.cpus.split(","):
+            first, _, last = part.partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+        return cores
 
 
 Loc = tuple[int | str, ...]

@@ -88,6 +88,7 @@ class TransformersBackend(ServingBackend):
         adapter: str | None = None,
         merge_adapter: bool = False,
         kv_cache: KVCache = "dynamic",
+        gpu_memory_fraction: float | None = None,
     ) -> None:
         """``adapter``: a LoRA adapter folder that policy version ``policy_version`` is (a
         warm start); None: that version is the bare model.
@@ -108,6 +109,11 @@ class TransformersBackend(ServingBackend):
         in place (a copy of the bare ones is kept) whenever a call's version differs from
         the folded one, so calls of one version in a row fold once, and a compiled decode
         step keeps its CUDA graphs across versions.
+
+        ``gpu_memory_fraction``: on a GPU, the share of its memory this process may
+        allocate (``torch.cuda.set_per_process_memory_fraction``), so the generators, the
+        learner and the verifier can divide one device; a call that needs more fails with
+        an out-of-memory error instead of taking the others' memory.
         """
         import torch
 
@@ -118,6 +124,8 @@ class TransformersBackend(ServingBackend):
             model.to(device)
         model.eval()
         self.device = next(model.parameters()).device
+        if self.device.type == "cuda" and gpu_memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, self.device)
         if self.device.type == "cuda":
             # PyTorch picks cuDNN's attention for some of our padded sampling batches on an
             # H200, and it failed there ("mha_graph.execute(...).is_good()", every Coder

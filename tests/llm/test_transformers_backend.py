@@ -305,3 +305,22 @@ async def test_full_weight_version(smollm2_path: Path) -> None:
         assert again.policy_version == 7 and again.token_ids == base.token_ids
     finally:
         await backend.close()
+
+
+@pytest.mark.gpu
+async def test_a_gpu_memory_fraction_caps_what_the_process_may_allocate(
+    smollm2_path: Path,
+) -> None:
+    import torch
+
+    backend = TransformersBackend.from_pretrained(smollm2_path, device="cuda",
+                                                  gpu_memory_fraction=0.05)
+    try:
+        total = torch.cuda.get_device_properties(0).total_memory
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(total * 0.1), dtype=torch.uint8, device="cuda")
+        [[sample]] = await backend.generate([CHAT], sampling=SamplingParams(max_tokens=4))
+        assert sample.token_ids  # the model itself fits its share
+    finally:
+        await backend.close()
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)

@@ -166,7 +166,8 @@ async def test_a_transformers_generator_gets_its_device_batch_size_and_cache(
     settings = Settings(
         database_url=f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3",
         bus_url=f"memory://{uuid.uuid4().hex}",
-        coder=CoderSettings(llm=LLMConfig(device="cpu", batch_size=3, kv_cache="static")),
+        coder=CoderSettings(llm=LLMConfig(device="cpu", batch_size=3, kv_cache="static",
+                                          gpu_memory_fraction=0.5)),  # no GPU: no cap
         warm_start=False,
         log_level="WARNING",
     )

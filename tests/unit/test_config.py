@@ -213,3 +213,43 @@ def test_the_proposer_samples_cooler_than_the_coder_unless_told_otherwise() -> N
     assert settings.coder.llm.temperature == 1.0
     told = Settings.model_validate({"proposer": {"llm": {"temperature": 0.9}}})
     assert told.proposer.llm.temperature == 0.9
+
+
+def test_cpus_is_a_list_of_cores_and_ranges() -> None:
+    assert Settings(cpus="0-2,5").cpu_set == {0, 1, 2, 5}
+    assert Settings(cpus="3").cpu_set == {3}
+    assert Settings().cpu_set is None
+    for bad in ("0-", "a", "1;2", "1,,2"):
+        with pytest.raises(ValueError):
+            Settings(cpus=bad)
+
+
+def test_services_run_on_the_cores_cpus_names_and_so_do_the_processes_they_start(
+    tmp_path: Path,
+) -> None:
+    script = """
+import asyncio, multiprocessing, os
+from kz_stream.app import open_context
+from kz_stream.config import load_settings
+
+def child(q):
+    q.put(sorted(os.sched_getaffinity(0)))
+
+async def main():
+    async with open_context(load_settings()):
+        print(sorted(os.sched_getaffinity(0)))
+        q = multiprocessing.get_context("spawn").Queue()
+        p = multiprocessing.get_context("spawn").Process(target=child, args=(q,))
+        p.start(); print(q.get()); p.join()
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+    (tmp_path / "pin.py").write_text(script)
+    core = max(os.sched_getaffinity(0))
+    env = {**os.environ, "KZ_CPUS": str(core),
+           "KZ_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"}
+    out = subprocess.run([sys.executable, str(tmp_path / "pin.py")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == [f"[{core}]", f"[{core}]"]
