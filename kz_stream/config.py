@@ -184,6 +184,11 @@ class ProposerSettings(_Section):
         "kernel yet (the Coder is behind, and proposals made now would meet an old "
         "frontier); None: never wait.",
     )
+    max_ahead_wait_s: float = Field(
+        default=600.0, gt=0,
+        description="A module the Coder has not taken up within this long (it may have "
+        "dead-lettered it) no longer holds prompts back under max_ahead.",
+    )
 
 
 class CoderSettings(_Section):

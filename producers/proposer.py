@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -101,9 +102,10 @@ class ProposerService(Service):
         self._synthesizer: Synthesizer | None = None
         # This run's valid seed modules stored by an earlier session, by normalized hash.
         self._stored_seeds: dict[str, Event] = {}
-        # The run's valid modules of which the Coder has generated no kernel yet, and a
-        # wake-up for prompts waiting on them (``config.max_ahead``).
-        self.uncoded: set[str] = set()
+        # The run's valid modules of which the Coder has generated no kernel yet (by id,
+        # with when they were counted), and a wake-up for prompts waiting on them
+        # (``config.max_ahead``).
+        self.uncoded: dict[str, float] = {}
         self._coded = asyncio.Event()
         self._waiting_logged = False
 
@@ -129,7 +131,8 @@ class ProposerService(Service):
             ))
             work = await self.wait_out(
                 lambda: read_unfinished_work(self.ctx.store, self.ctx.settings.run_id))
-            self.uncoded.update(work.modules)
+            now = time.monotonic()
+            self.uncoded.update(dict.fromkeys(work.modules, now))
         self.log.info("proposer_started", replica=self.replica)
         try:
             await self._publish_seeds()
@@ -252,14 +255,17 @@ class ProposerService(Service):
         """Notes the modules the Coder has taken up (``config.max_ahead``)."""
         for m in batch:
             if m.event is not None and m.event.type == "KernelGenerated":
-                self.uncoded.discard(m.event.payload["module_id"])
+                self.uncoded.pop(m.event.payload["module_id"], None)
         self._coded.set()
 
     async def _coder_is_behind(self) -> bool:
         """Waits (up to a second, then the caller looks again) while ``max_ahead`` of the
         run's valid modules have no kernel; whether it did."""
         limit = self.config.max_ahead
-        if limit is None or len(self.uncoded) < limit:
+        if limit is None:
+            return False
+        self._forget_modules_never_coded()
+        if len(self.uncoded) < limit:
             return False
         if not self._waiting_logged:
             self._waiting_logged = True
@@ -271,6 +277,19 @@ class ProposerService(Service):
         if len(self.uncoded) < limit:
             self._waiting_logged = False
         return True
+
+    def _forget_modules_never_coded(self) -> None:
+        """Stops counting modules older than ``config.max_ahead_wait_s``: the Coder may have
+        dead-lettered them (a call that kept failing), and a kernel for them may never come;
+        counted for ever, enough of them would stop the Proposer for good."""
+        oldest = time.monotonic() - self.config.max_ahead_wait_s
+        stale = [mid for mid, at in self.uncoded.items() if at < oldest]
+        for mid in stale:
+            del self.uncoded[mid]
+        if stale:
+            self.log.warning("modules_never_coded", modules=len(stale),
+                             waited_s=self.config.max_ahead_wait_s,
+                             reason="no kernel came for them; prompts no longer wait on them")
 
     async def _publish_seeds(self) -> None:
         """Validates the seeds a few at once and publishes them in their order.
@@ -408,7 +427,7 @@ class ProposerService(Service):
         self.published += 1
         self.valid += validation.valid
         if validation.valid:
-            self.uncoded.add(event.payload["module_id"])
+            self.uncoded[event.payload["module_id"]] = time.monotonic()
         self.metrics.validated(validation.valid)
         self.metrics.published("ModuleProposed")
         self.log.info(

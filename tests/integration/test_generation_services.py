@@ -389,7 +389,7 @@ async def test_the_proposer_waits_while_max_ahead_modules_have_no_kernel(
             await asyncio.sleep(0.1)
         await asyncio.sleep(3)  # a prompt would take ~2 s here: none is made
         waiting = valid(await events_of(ctx, "ModuleProposed"))
-        assert len(waiting) == 2 and proposer.uncoded == {m.module_id for m in waiting}
+        assert len(waiting) == 2 and set(proposer.uncoded) == {m.module_id for m in waiting}
 
         # The Coder takes one up: a kernel for it lets one more prompt through.
         taken = waiting[0]
@@ -404,6 +404,15 @@ async def test_the_proposer_waits_while_max_ahead_modules_have_no_kernel(
         await asyncio.sleep(3)
         assert len(valid(await events_of(ctx, "ModuleProposed"))) == 3
         assert taken.module_id not in proposer.uncoded and len(proposer.uncoded) == 2
+
+        # No kernel ever comes for the other two (the Coder dead-lettered them, say): once
+        # they are older than max_ahead_wait_s they hold prompts back no more.
+        proposer.config = proposer.config.model_copy(update={"max_ahead_wait_s": 0.5})
+        for _ in range(600):
+            if len(valid(await events_of(ctx, "ModuleProposed"))) >= 4:
+                break
+            await asyncio.sleep(0.1)
+        assert len(valid(await events_of(ctx, "ModuleProposed"))) >= 4
     finally:
         await stop_all(services, tasks)
         await backend.close()
