@@ -176,7 +176,8 @@ async def load_evaluation(store: EventStore, run_id: str) -> EvalRecord | None:
         record.times[kid] = StageTimes(gen_at, gen_s, ver_at, details.get("seconds"),
                                        details.get("prepare_s"), max(builds, default=0.0),
                                        float(details.get("preflight_s") or 0.0),
-                                       float(details.get("host_wait_s") or 0.0))
+                                       float(details.get("host_wait_s") or 0.0),
+                                       float(details.get("reference_facts_s") or 0.0))
     return record
 
 

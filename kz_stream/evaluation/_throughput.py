@@ -25,11 +25,13 @@ class StageTimes:
     verified_at: float | None = None
     verification_s: float | None = None
     # Inside the verification, in this order after the static scan: CUDA builds, the
-    # preflight, the wait for the host's memory, the preparation, the GPU stage.
+    # preflight, the reference's facts (its sizes, read in a sandboxed child), the wait
+    # for the host's memory, the preparation, the GPU stage.
     preparation_s: float | None = None
     build_s: float = 0.0
     preflight_s: float = 0.0
     host_wait_s: float = 0.0
+    reference_facts_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def throughput(kernels: Mapping[str, StageTimes]) -> Throughput:
             continue
         start = t.verified_at - t.verification_s
         ver.append((start, t.verified_at))
-        waits_from = start + t.build_s + t.preflight_s
+        waits_from = start + t.build_s + t.preflight_s + t.reference_facts_s
         if t.host_wait_s:
             wait.append((waits_from, min(waits_from + t.host_wait_s, t.verified_at)))
         if t.preparation_s:

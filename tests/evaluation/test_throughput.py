@@ -48,6 +48,20 @@ def test_host_waits_come_after_the_preflight_and_before_the_preparation() -> Non
     assert t.as_dict()["host_wait_minutes"] == round(20 / 60, 3)
 
 
+def test_the_reference_facts_come_between_the_preflight_and_the_host_wait() -> None:
+    # verified in [0, 30]: preflight [0, 2], facts [2, 10], host wait [10, 12],
+    # preparation [12, 17]
+    t = throughput({"k": StageTimes(verified_at=30, verification_s=30, preflight_s=2,
+                                    reference_facts_s=8, host_wait_s=2, preparation_s=5)})
+    assert t.host_wait_s == 2 and t.preparation_s == 5
+    later = throughput({
+        "k": StageTimes(verified_at=30, verification_s=30, preflight_s=2, reference_facts_s=8,
+                        host_wait_s=2, preparation_s=5),
+        "j": StageTimes(verified_at=16, verification_s=4, preparation_s=1),  # [12, 13]
+    })
+    assert later.preparation_s == 5  # [12, 13] inside [12, 17] (not [4, 9]: after the facts)
+
+
 def test_kernels_without_times_count_but_add_no_time() -> None:
     t = throughput({"old": StageTimes(verified_at=5)})  # stored before times were recorded
     assert (t.kernels, t.active_s, t.kernels_per_minute) == (1, 0, None)
