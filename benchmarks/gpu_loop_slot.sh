@@ -26,8 +26,11 @@ if [ -z "${ONLY_RUN:-}" ]; then dirs+=("$CONTROL_DIR"); names+=(control); fi
 for i in "${!dirs[@]}"; do
   mkdir -p "${dirs[$i]}/.kz"
   if [ -n "$STORES" ]; then
+    # Whole or not at all: an empty store beside the checkpoints is another run.
+    gunzip -c "$STORES/${names[$i]}.sqlite3.gz" > "${dirs[$i]}/.kz/carried.tmp" \
+      || { echo "cannot read $STORES/${names[$i]}.sqlite3.gz" >&2; exit 1; }
     rm -f "${dirs[$i]}"/.kz/kz.sqlite3*
-    gunzip -c "$STORES/${names[$i]}.sqlite3.gz" > "${dirs[$i]}/.kz/kz.sqlite3"
+    mv "${dirs[$i]}/.kz/carried.tmp" "${dirs[$i]}/.kz/kz.sqlite3"
   fi
 done
 
@@ -38,13 +41,15 @@ start=$(date +%s)
 pids=()
 for i in "${!dirs[@]}"; do
   lr=()
-  [ "${names[$i]}" = control ] && lr=(env KZ_LEARNER__LEARNING_RATE=0)
+  [ "${names[$i]}" = control ] && lr=(KZ_LEARNER__LEARNING_RATE=0)
+  log="${dirs[$i]}/.kz/slot-$SLOT.log"
   (
     cd "${dirs[$i]}" || exit 1
-    "${lr[@]}" timeout -s INT -k 40 $((T + ${GUARD:-170})) python3 -m kz_stream.cli run \
-      --device cuda --rounds 200 --steps-per-turn 1 --group-size 4 --groups-per-step 4 \
-      --max-new-tokens 1024 --time-limit "$T" > "/tmp/${names[$i]}-$SLOT.log" 2>&1
-    echo "exit $? after $(($(date +%s) - start)) s" >> "/tmp/${names[$i]}-$SLOT.log"
+    env "${lr[@]+"${lr[@]}"}" timeout -s INT -k 40 $((T + ${GUARD:-170})) \
+      python3 -m kz_stream.cli run --device cuda --rounds 200 --steps-per-turn 1 \
+      --group-size 4 --groups-per-step 4 --max-new-tokens 1024 --time-limit "$T" \
+      > "$log" 2>&1
+    echo "exit $? after $(($(date +%s) - start)) s" >> "$log"
   ) &
   pids+=($!)
 done
@@ -52,13 +57,13 @@ wait "${pids[@]}"
 kill "$smi" 2>/dev/null
 
 for i in "${!dirs[@]}"; do
-  name=${names[$i]}
+  name=${names[$i]} kz="${dirs[$i]}/.kz"
+  gzip -c "$kz/slot-$SLOT.log" > "$OUT/$name-$SLOT.log.gz"
+  echo "== $name: $(tail -n 1 "$kz/slot-$SLOT.log"); checkpoints" \
+    "$(du -sh "$kz/policies" 2>/dev/null | cut -f1)"
+  if [ ! -s "$kz/kz.sqlite3" ]; then echo "no store in $kz" >&2; continue; fi
   # SQLite's backup API: a consistent copy whatever the journal holds.
   python3 -c "import sqlite3, sys; d = sqlite3.connect(sys.argv[2]); \
-sqlite3.connect(sys.argv[1]).backup(d); d.close()" \
-    "${dirs[$i]}/.kz/kz.sqlite3" "/tmp/$name-copy.sqlite3"
-  gzip -c "/tmp/$name-copy.sqlite3" > "$OUT/$name.sqlite3.gz"
-  gzip -c "/tmp/$name-$SLOT.log" > "$OUT/$name-$SLOT.log.gz"
-  echo "== $name: $(tail -n 1 "/tmp/$name-$SLOT.log"); checkpoints" \
-    "$(du -sh "${dirs[$i]}/.kz/policies" 2>/dev/null | cut -f1)"
+sqlite3.connect(sys.argv[1]).backup(d); d.close()" "$kz/kz.sqlite3" "$kz/copy.sqlite3"
+  gzip -c "$kz/copy.sqlite3" > "$OUT/$name.sqlite3.gz" && rm -f "$kz/copy.sqlite3"
 done

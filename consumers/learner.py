@@ -124,7 +124,7 @@ class LearnerService(Service):
         if published is not None and learner.version < published.version:
             # Training on from an older version would publish version numbers the store
             # already holds, for other weights.
-            raise MissingCheckpointError(
+            raise CheckpointMismatchError(
                 f"the {role} policy's last published version is v{published.version} "
                 f"({published.uri}), but its checkpoint is not in {directory} (the newest "
                 f"there is v{learner.version}); restore the run's checkpoints to "
@@ -242,6 +242,8 @@ class LearnerService(Service):
     def coder_groups(self) -> list[Group]:
         out = []
         for g in self.state.ready_groups(timeout_s=self.config.group_timeout_s):
+            if g.group_id in self._expired:
+                continue  # for good; not worth building its samples again
             samples = []
             for kid in g.kernel_ids:
                 k = self.state.kernels[kid]
@@ -264,6 +266,8 @@ class LearnerService(Service):
         lbar = self.state.module_correctness()
         groups = []
         for gid in ready:
+            if gid in self._expired:
+                continue
             samples = []
             for mid in self.state.proposals[gid]:
                 m = self.state.modules[mid].event
@@ -317,19 +321,20 @@ class LearnerService(Service):
         return True
 
     def _unexpired(self, role: Role, groups: list[Group]) -> list[Group]:
-        """Leaves out groups too stale to train on: a step of them would train on nothing
-        and spend the role's turn (seen on an H200: groups redelivered to a resumed run,
-        generated five versions before, made three empty steps in a row)."""
+        """Leaves out groups too stale to train on, for good (``Group.expired``): a step of
+        them would train on nothing and spend the role's turn (seen on an H200: groups
+        redelivered to a resumed run, generated four and five versions before, made three
+        empty steps in a row)."""
         learner = self.learners[role]
-        c = learner.config
         keep = []
         for g in groups:
-            if not g.expired(learner.version, c.max_staleness, c.min_group_size):
+            if not g.expired(learner.version, learner.config.max_staleness):
                 keep.append(g)
             elif g.group_id not in self._expired:
                 self._expired.add(g.group_id)
                 self.log.info("group_expired", role=role, group_id=g.group_id,
-                              policy_version=learner.version, max_staleness=c.max_staleness)
+                              policy_version=learner.version,
+                              max_staleness=learner.config.max_staleness)
         return keep
 
     async def _commit_step(
@@ -435,21 +440,33 @@ class LearnerService(Service):
         self.metrics.published("PolicyVersionPublished")
 
 
-class MissingCheckpointError(RuntimeError):
-    """The store says a policy version was published whose checkpoint is not on disk."""
+class CheckpointMismatchError(RuntimeError):
+    """The store and the checkpoint folder disagree: a published version's checkpoint is
+    not on disk, or checkpoints are there that no step of this store could have left."""
 
 
 def _discard_unpublished(directory: Path, role: Role, published_version: int) -> None:
-    """Removes checkpoints newer than the last published version: their step never
-    committed to the store, so its groups will be offered (and trained on) again."""
+    """Removes the checkpoint of the version after the last published one: its step never
+    committed to the store, so its groups will be offered (and trained on) again. Newer
+    ones than that no crash leaves (a step writes one version, then commits): they belong
+    to another store, and are not deleted."""
     if not directory.exists():
         return
     prefix = f"{role}-v"
+    unknown = []
     for child in directory.iterdir():
         if child.is_dir() and child.name.startswith(prefix):
             try:
                 version = int(child.name[len(prefix) :].split(".", 1)[0])
             except ValueError:
                 continue
-            if version > published_version or ".tmp-" in child.name:
+            if ".tmp-" in child.name or version == published_version + 1:
                 shutil.rmtree(child, ignore_errors=True)
+            elif version > published_version + 1:
+                unknown.append(version)
+    if unknown:
+        raise CheckpointMismatchError(
+            f"{directory} holds {role} checkpoints up to v{max(unknown)}, but the store's "
+            f"last published {role} version is v{published_version}: this is not the "
+            "store those checkpoints were trained with (a store replaced or lost?); use "
+            "the run's own store, or another checkpoint folder for a new run")

@@ -57,7 +57,12 @@ async def open_context(
     cores = settings.cpu_set
     if cores is not None:
         # This thread's mask: the threads and processes the services start inherit it.
-        os.sched_setaffinity(0, cores)
+        try:
+            os.sched_setaffinity(0, cores)
+        except (OSError, AttributeError) as e:  # cores not here; no affinity (not Linux)
+            here = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+            raise ValueError(f"cpus = {settings.cpus}: cannot run on those cores here "
+                             f"({e}); this process may use {here or 'no core list'}") from None
     ensure_sqlite_dir(settings.database_url)
     async with open_store(settings.database_url, create_schema=migrate) as store:
         bus = open_bus(settings.bus_url)

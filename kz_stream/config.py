@@ -13,7 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -186,8 +186,9 @@ class ProposerSettings(_Section):
     )
     max_ahead_wait_s: float = Field(
         default=600.0, gt=0,
-        description="A module the Coder has not taken up within this long (it may have "
-        "dead-lettered it) no longer holds prompts back under max_ahead.",
+        description="A module with no kernel while the Coder has coded modules counted "
+        "this long after it (it passed it over: dead-lettered it, say) no longer holds "
+        "prompts back under max_ahead.",
     )
 
 
@@ -331,6 +332,15 @@ class Settings(BaseSettings):
     @property
     def embedded(self) -> bool:
         return self.bus_url.startswith("memory://")
+
+    @field_validator("cpus")
+    @classmethod
+    def _ranges_go_up(cls, value: str | None) -> str | None:
+        for part in (value or "").split(","):
+            first, _, last = part.partition("-")
+            if last and int(last) < int(first):
+                raise ValueError(f"the range {part} runs backwards")
+        return value
 
     @property
     def cpu_set(self) -> set[int] | None:

@@ -106,6 +106,7 @@ class ProposerService(Service):
         # with when they were counted), and a wake-up for prompts waiting on them
         # (``config.max_ahead``).
         self.uncoded: dict[str, float] = {}
+        self._newest_coded_at = float("-inf")  # when the newest module coded was counted
         self._coded = asyncio.Event()
         self._waiting_logged = False
 
@@ -255,7 +256,9 @@ class ProposerService(Service):
         """Notes the modules the Coder has taken up (``config.max_ahead``)."""
         for m in batch:
             if m.event is not None and m.event.type == "KernelGenerated":
-                self.uncoded.pop(m.event.payload["module_id"], None)
+                at = self.uncoded.pop(m.event.payload["module_id"], None)
+                if at is not None:
+                    self._newest_coded_at = max(self._newest_coded_at, at)
         self._coded.set()
 
     async def _coder_is_behind(self) -> bool:
@@ -279,17 +282,20 @@ class ProposerService(Service):
         return True
 
     def _forget_modules_never_coded(self) -> None:
-        """Stops counting modules older than ``config.max_ahead_wait_s``: the Coder may have
-        dead-lettered them (a call that kept failing), and a kernel for them may never come;
-        counted for ever, enough of them would stop the Proposer for good."""
-        oldest = time.monotonic() - self.config.max_ahead_wait_s
+        """Stops counting modules counted more than ``config.max_ahead_wait_s`` before one
+        the Coder has since coded: it passed them over (dead-lettered them after a call
+        that kept failing, say), and a kernel for them may never come; counted for ever,
+        enough of them would stop the Proposer for good. A Coder that codes nothing (slow,
+        or stopped) holds prompts back however long it takes."""
+        oldest = self._newest_coded_at - self.config.max_ahead_wait_s
         stale = [mid for mid, at in self.uncoded.items() if at < oldest]
         for mid in stale:
             del self.uncoded[mid]
         if stale:
             self.log.warning("modules_never_coded", modules=len(stale),
                              waited_s=self.config.max_ahead_wait_s,
-                             reason="no kernel came for them; prompts no longer wait on them")
+                             reason="the Coder has coded newer modules but not these; "
+                                    "prompts no longer wait on them")
 
     async def _publish_seeds(self) -> None:
         """Validates the seeds a few at once and publishes them in their order.

@@ -143,14 +143,15 @@ class Group:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def expired(self, policy_version: int, max_staleness: int, min_group_size: int = 2) -> bool:
-        """Says whether too few samples are fresh enough to train on at ``policy_version``.
+    def expired(self, policy_version: int, max_staleness: int) -> bool:
+        """Says whether the group's samples are too stale to train on at ``policy_version``.
 
-        Staleness only grows, so an expired group never becomes trainable: a step that took
-        it would train on nothing (``build_batch`` drops it whole) and spend its turn.
+        A group's samples come from one policy version and staleness only grows, so an
+        expired group never becomes trainable: a step that took it would train on nothing
+        (``build_batch`` drops it whole) and spend its turn.
         """
-        fresh, _ = filter_stale(self.samples, policy_version, max_staleness)
-        return len(fresh) < min_group_size
+        fresh, stale = filter_stale(self.samples, policy_version, max_staleness)
+        return stale > 0 and not fresh
 
     @property
     def accuracy(self) -> float:

@@ -405,9 +405,18 @@ async def test_the_proposer_waits_while_max_ahead_modules_have_no_kernel(
         assert len(valid(await events_of(ctx, "ModuleProposed"))) == 3
         assert taken.module_id not in proposer.uncoded and len(proposer.uncoded) == 2
 
-        # No kernel ever comes for the other two (the Coder dead-lettered them, say): once
-        # they are older than max_ahead_wait_s they hold prompts back no more.
+        # A Coder that codes nothing holds prompts back however long it takes...
         proposer.config = proposer.config.model_copy(update={"max_ahead_wait_s": 0.5})
+        await asyncio.sleep(3)
+        assert len(valid(await events_of(ctx, "ModuleProposed"))) == 3
+        # ...but one that codes the newest and passes the older one over (dead-lettered
+        # it, say) no longer holds them back for it.
+        newest = [m for m in valid(await events_of(ctx, "ModuleProposed"))
+                  if m.module_id in proposer.uncoded][-1]
+        await ctx.bus.publish(ctx.settings.topics.kernels, new_event(
+            KernelGenerated(kernel_id="k2", module_id=newest.module_id, group_id="g2",
+                            group_size=1, backend="triton", source="..."),
+            stream_id="kernel-k2", stream_version=0))
         for _ in range(600):
             if len(valid(await events_of(ctx, "ModuleProposed"))) >= 4:
                 break

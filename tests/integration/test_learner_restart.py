@@ -234,14 +234,26 @@ def test_a_learner_whose_published_checkpoint_is_gone_refuses_to_start_and_says_
     finally:
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=60) == 0, log.read_text()[-3000:]
-    # The run moves to another host without its checkpoints (the store alone came along).
-    shutil.rmtree(tmp_path / "policies")
     fill_store(url, range(2, 4))
 
-    second = subprocess.run(
-        [sys.executable, "-m", "kz_stream.cli", "train", "--role", "coder",
-         "--steps-per-turn", str(GROUPS), "--rounds", "1", "--groups-per-step", "1"],
-        env=env, capture_output=True, text=True, timeout=300)
+    def train() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kz_stream.cli", "train", "--role", "coder",
+             "--steps-per-turn", str(GROUPS), "--rounds", "1", "--groups-per-step", "1"],
+            env=env, capture_output=True, text=True, timeout=300)
+
+    # Checkpoints newer than any step of this store could have left (another run's, say)
+    # are neither deleted nor trained on from.
+    coder = tmp_path / "policies" / "coder"
+    shutil.copytree(coder / "coder-v00000002", coder / "coder-v00000005")
+    second = train()
+    assert second.returncode != 0
+    assert "holds coder checkpoints up to v5" in second.stderr, second.stderr[-3000:]
+    assert (coder / "coder-v00000005").exists()
+
+    # The run moves to another host without its checkpoints (the store alone came along).
+    shutil.rmtree(tmp_path / "policies")
+    second = train()
     assert second.returncode != 0
     assert "last published version is v2" in second.stderr, second.stderr[-3000:]
     assert "restore the run's checkpoints" in second.stderr

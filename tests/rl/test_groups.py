@@ -169,12 +169,12 @@ def test_with_nothing_left_to_score_groups_of_equal_rewards_fill_the_step() -> N
     assert len(proposer_step_groups(ready[:1], 2, invalid_reward=-1.0, waiting=False)) == 1
 
 
-def test_a_group_expires_when_fewer_than_two_samples_are_fresh_enough() -> None:
-    group = Group("g", (_sample("g", 0, version=5), _sample("g", 1, version=3)))
-    assert not group.expired(policy_version=6, max_staleness=1, min_group_size=1)
-    assert group.expired(policy_version=6, max_staleness=1)  # version 3 is 3 behind
+def test_a_group_expires_when_its_samples_are_too_stale_to_train_on() -> None:
+    group = Group("g", (_sample("g", 0, version=3), _sample("g", 1, version=3)))
     assert not group.expired(policy_version=6, max_staleness=3)
+    assert group.expired(policy_version=6, max_staleness=2)  # three behind, two allowed
     assert group.expired(policy_version=10, max_staleness=4)
+    assert not Group("empty", ()).expired(policy_version=10, max_staleness=0)
     # An expired group is one build_batch would drop whole.
     batch = build_batch([group], policy_version=10, max_staleness=4)
     assert batch.group_ids == [] and batch.dropped_groups == 1

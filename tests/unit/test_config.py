@@ -219,7 +219,7 @@ def test_cpus_is_a_list_of_cores_and_ranges() -> None:
     assert Settings(cpus="0-2,5").cpu_set == {0, 1, 2, 5}
     assert Settings(cpus="3").cpu_set == {3}
     assert Settings().cpu_set is None
-    for bad in ("0-", "a", "1;2", "1,,2"):
+    for bad in ("0-", "a", "1;2", "1,,2", "5-2"):
         with pytest.raises(ValueError):
             Settings(cpus=bad)
 
@@ -253,3 +253,8 @@ if __name__ == "__main__":
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == [f"[{core}]", f"[{core}]"]
+
+    env["KZ_CPUS"] = "4096"
+    out = subprocess.run([sys.executable, str(tmp_path / "pin.py")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "cpus = 4096: cannot run on those cores here" in out.stderr
