@@ -12,7 +12,7 @@ runs on a GPU host (stores carried back as SQLite files):
         --plot docs/learning_curve.png --machine "1x H200" --command "kz run ..."
 
 Several replicates (independent pairs of runs with the same command) are given by repeating
-``--run`` and ``--control`` in the same order: their curves are pooled by step index (the
+``--run`` and ``--control``, one control for each run: their curves are pooled by step index (the
 kernels of step i of every replicate together), and so are the totals and throughput.
 
 Per Coder step: the step's mean reward (the learner's), its pass rate and fast_1 (correct
@@ -299,7 +299,7 @@ def main() -> None:
                     metavar=("STORE_URL", "RUN_ID"), help="A treatment run; repeat for "
                     "replicates.")
     ap.add_argument("--control", nargs=2, action="append", required=True,
-                    metavar=("STORE_URL", "RUN_ID"), help="Its control, in the same order.")
+                    metavar=("STORE_URL", "RUN_ID"), help="A control run; one for each --run.")
     ap.add_argument("--plot", type=Path, default=None, help="Write the curves here (PNG).")
     ap.add_argument("--machine", default=None, help="Where the runs ran (default: here).")
     ap.add_argument("--command", default="", help="The kz run commands that made them.")
