@@ -255,7 +255,7 @@ class LearnerService(Service):
                     Sample.from_kernel(k.generated, k.verdict, prompt_ids=prompt_ids or None)
                 )
             out.append(Group(g.group_id, tuple(samples)))
-        return out
+        return self._unexpired("coder", out)
 
     def proposer_step_groups(self) -> list[Group]:
         """The groups of the next Proposer step: ones whose rewards differ, waiting for
@@ -304,10 +304,7 @@ class LearnerService(Service):
         if role is None:
             self.finished.set()
             return False
-        if role == "coder":
-            groups = self._unexpired(role, self.coder_groups())
-        else:
-            groups = self.proposer_step_groups()
+        groups = self.coder_groups() if role == "coder" else self.proposer_step_groups()
         if len(groups) < self.config.groups_per_step:
             return False
         groups = groups[: self.config.groups_per_step]

@@ -336,10 +336,9 @@ class Settings(BaseSettings):
     @field_validator("cpus")
     @classmethod
     def _ranges_go_up(cls, value: str | None) -> str | None:
-        for part in (value or "").split(","):
-            first, _, last = part.partition("-")
-            if last and int(last) < int(first):
-                raise ValueError(f"the range {part} runs backwards")
+        for first, last in _core_ranges(value or ""):
+            if last < first:
+                raise ValueError(f"the range {first}-{last} runs backwards")
         return value
 
     @property
@@ -347,11 +346,16 @@ class Settings(BaseSettings):
         """The cores of ``cpus`` as a set; None when it is not set."""
         if self.cpus is None:
             return None
-        cores: set[int] = set()
-        for part in self.cpus.split(","):
-            first, _, last = part.partition("-")
-            cores.update(range(int(first), int(last or first) + 1))
-        return cores
+        return {c for first, last in _core_ranges(self.cpus) for c in range(first, last + 1)}
+
+
+def _core_ranges(spec: str) -> list[tuple[int, int]]:
+    """``0-7,12`` as ``[(0, 7), (12, 12)]`` (the pattern of ``Settings.cpus`` checked)."""
+    ranges = []
+    for part in filter(None, spec.split(",")):
+        first, _, last = part.partition("-")
+        ranges.append((int(first), int(last or first)))
+    return ranges
 
 
 Loc = tuple[int | str, ...]

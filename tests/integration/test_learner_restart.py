@@ -244,12 +244,16 @@ def test_a_learner_whose_published_checkpoint_is_gone_refuses_to_start_and_says_
 
     # Checkpoints newer than any step of this store could have left (another run's, say)
     # are neither deleted nor trained on from.
+    # The one a crash can leave (the version after the last published one, its step never
+    # committed) is discarded.
     coder = tmp_path / "policies" / "coder"
+    shutil.copytree(coder / "coder-v00000002", coder / "coder-v00000003")
     shutil.copytree(coder / "coder-v00000002", coder / "coder-v00000005")
     second = train()
     assert second.returncode != 0
     assert "holds coder checkpoints up to v5" in second.stderr, second.stderr[-3000:]
     assert (coder / "coder-v00000005").exists()
+    assert not (coder / "coder-v00000003").exists()
 
     # The run moves to another host without its checkpoints (the store alone came along).
     shutil.rmtree(tmp_path / "policies")
