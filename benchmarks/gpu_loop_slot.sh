@@ -14,7 +14,10 @@
 # treatment alone), GUARD (seconds past T before the run is interrupted, default 170), and
 # any KZ_* setting. The checkpoints stay in each folder's .kz/policies: carry them too
 # when the next slot runs on another host (the learner refuses to start without its last
-# published version).
+# published version). PACK=DIR writes each run's newest checkpoint of each role (what a
+# resumed learner and the generators load) to DIR as NAME-policies.part-NN, 15 MiB each (a
+# size the device tool carries); POLICIES=DIR, with STORES, restores a run from them into
+# an emptied folder: what the slot finds on the host is then only what was carried.
 set -uo pipefail
 OUT=$1 SLOT=$2 T=$3 STORES=${4:-}
 RUN_DIR=${RUN_DIR:-/tmp/kz-run} CONTROL_DIR=${CONTROL_DIR:-/tmp/kz-control}
@@ -24,6 +27,12 @@ dirs=("$RUN_DIR") names=(run)
 if [ -z "${ONLY_RUN:-}" ]; then dirs+=("$CONTROL_DIR"); names+=(control); fi
 
 for i in "${!dirs[@]}"; do
+  if [ -n "${POLICIES:-}" ]; then
+    [ -n "$STORES" ] || { echo "POLICIES needs STORES" >&2; exit 1; }
+    rm -rf "${dirs[$i]}/.kz" && mkdir -p "${dirs[$i]}/.kz"
+    cat "$POLICIES/${names[$i]}-policies.part-"* | tar -C "${dirs[$i]}/.kz" -xf - \
+      || { echo "cannot restore $POLICIES/${names[$i]}-policies.part-*" >&2; exit 1; }
+  fi
   mkdir -p "${dirs[$i]}/.kz"
   if [ -n "$STORES" ]; then
     # Whole or not at all: an empty store beside the checkpoints is another run.
@@ -66,4 +75,11 @@ for i in "${!dirs[@]}"; do
   python3 -c "import sqlite3, sys; d = sqlite3.connect(sys.argv[2]); \
 sqlite3.connect(sys.argv[1]).backup(d); d.close()" "$kz/kz.sqlite3" "$kz/copy.sqlite3"
   gzip -c "$kz/copy.sqlite3" > "$OUT/$name.sqlite3.gz" && rm -f "$kz/copy.sqlite3"
+  if [ -n "${PACK:-}" ]; then
+    mkdir -p "$PACK" && rm -f "$PACK/$name-policies.part-"*
+    newest=$(cd "$kz" && for role in coder proposer; do
+      ls -d policies/"$role"-v* 2>/dev/null | grep -E 'v[0-9]+$' | sort | tail -n 1; done)
+    tar -C "$kz" -cf - $newest | split -b 15M -d - "$PACK/$name-policies.part-"
+    echo "== $name: packed $newest into $(ls "$PACK/$name-policies.part-"* | wc -l) parts"
+  fi
 done

@@ -157,6 +157,7 @@ def validate_with_fingerprint(
         (source,),
         timeout_s=timeout_s,
         memory_mb=_SANDBOX_MEMORY_MB,
+        preload=("torch", "kz_stream.modules._validation"),
     )
     if not outcome.ok:
         kind = outcome.error_kind or "crash"

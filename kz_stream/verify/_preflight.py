@@ -19,12 +19,18 @@ import re
 from typing import Any
 
 __all__ = [
+    "IMPORTS",
     "Finding",
     "candidate_preflight",
     "reference_facts",
     "reference_footprint",
     "reference_init_args",
 ]
+
+# What this module's functions import: the children that run them import these before
+# their call arrives (``run_in_sandbox(preload=IMPORTS)``).
+IMPORTS = ("torch", "kz_stream.verify._compare", "kz_stream.verify._ipc",
+           "kz_stream.verify._loader", "kz_stream.verify._reference")
 
 # (stage, "Type: message") of a decisive failure, or None.
 Finding = tuple[str, str] | None

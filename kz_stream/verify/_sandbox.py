@@ -15,6 +15,7 @@ behind in the process group are detected and killed; the group dies with the ver
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import logging
@@ -36,7 +37,7 @@ from typing import Any, Literal
 
 from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._jail import LEFTOVER_MARK
-from kz_stream.verify._sandbox_child import LOADED_MARK
+from kz_stream.verify._sandbox_child import LOADED_MARK, PRELOAD_VAR
 
 __all__ = ["ErrorKind", "Isolation", "SandboxOutcome", "SandboxSetupError", "isolation",
            "jail_command", "run_in_sandbox", "visible_paths"]
@@ -363,6 +364,7 @@ def run_in_sandbox(
     file_size_mb: int = 256,
     env: dict[str, str] | None = None,
     gpu: bool = False,
+    preload: tuple[str, ...] = (),
 ) -> SandboxOutcome:
     """Calls ``target`` ("package.module:function") with ``args`` in a fresh isolated process.
 
@@ -374,6 +376,12 @@ def run_in_sandbox(
     ``SandboxSetupError`` when the child could not load ``target`` itself: at once when
     the child says so, after ``SETUP_ATTEMPTS`` tries when it ended before loading it with
     no word (``KZ_SANDBOX_ATTEMPT`` in its environment counts them).
+
+    ``preload`` names modules (the target's heavy imports, e.g. torch) that the child
+    imports before its request arrives: the call takes a child started earlier with them
+    imported (``SPARES_PER_KIND`` are kept per kind of call, from the first such call on)
+    and starts one in its place, so that only its own work is left to wait for. A retry
+    starts a fresh child.
     """
     module, sep, func = target.partition(":")
     if not sep or not module or not func:
@@ -383,7 +391,8 @@ def run_in_sandbox(
             return _run_once(target, module, func, args, timeout_s=timeout_s,
                              memory_mb=memory_mb, allow_network=allow_network,
                              file_size_mb=file_size_mb, gpu=gpu,
-                             env={**(env or {}), "KZ_SANDBOX_ATTEMPT": str(attempt)})
+                             env={**(env or {}), "KZ_SANDBOX_ATTEMPT": str(attempt)},
+                             preload=preload, spare=attempt == 1)
         except _EndedBeforeLoading as e:
             if attempt == SETUP_ATTEMPTS:
                 raise SandboxSetupError(f"{e} ({attempt} attempts)") from None
@@ -392,13 +401,116 @@ def run_in_sandbox(
     raise AssertionError("unreachable")
 
 
-def _run_once(target: str, module: str, func: str, args: tuple[Any, ...], *,
-              timeout_s: float, memory_mb: int | None, allow_network: bool,
-              file_size_mb: int, gpu: bool, env: dict[str, str]) -> SandboxOutcome:
-    """One sandboxed call (``run_in_sandbox``)."""
+@dataclass
+class _Child:
+    """A sandbox child started and waiting for its request on stdin."""
+
+    proc: subprocess.Popen[bytes]
+    private: str  # its scratch, the one folder it may write
+    iso: Isolation
+
+
+# Children started ahead of their call with modules imported (``preload``), by the
+# spawn parameters they were started with: a call takes one and starts another in its
+# place, so a stream of calls finds its import paid (a CUDA torch's import took 3 s of a
+# reference-facts child's 7-11 s on an H200 host, 2026-12-04). Killed at exit; a child
+# whose verifier dies reads the end of its stdin and exits.
+SPARES_PER_KIND = 4
+_spares: dict[tuple[Any, ...], list[_Child]] = {}
+_spares_lock = threading.Lock()
+
+
+def _start_child(module: str, env: dict[str, str], *, allow_network: bool, gpu: bool,
+                 preload: tuple[str, ...]) -> _Child:
     private = tempfile.mkdtemp(prefix="kz-sbx-")
     work = os.path.join(private, "work")
     os.mkdir(work)
+    iso = Isolation("none") if allow_network else isolation()
+    cmd = jail_command([sys.executable, "-m", "kz_stream.verify._sandbox_child"], private, iso,
+                       gpu=gpu, read_only=_module_files(module), cwd=work)
+    if preload:
+        env = {**env, PRELOAD_VAR: ",".join(preload)}
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=work,
+        env=child_env(private, env),
+        start_new_session=True,
+    )
+    lifeline.track(proc.pid)
+    return _Child(proc, private, iso)
+
+
+def _discard(child: _Child) -> None:
+    kill_group(child.proc.pid)
+    child.proc.wait()
+    for stream in (child.proc.stdin, child.proc.stdout, child.proc.stderr):
+        if stream is not None:
+            stream.close()
+    lifeline.untrack(child.proc.pid)
+    shutil.rmtree(child.private, ignore_errors=True)
+
+
+def _spare_child(module: str, env: dict[str, str], *, allow_network: bool, gpu: bool,
+                 preload: tuple[str, ...]) -> _Child:
+    """A child for one call: a spare started earlier with ``preload`` imported where one
+    is alive, else a fresh one. Spares of this kind are started in its place, two at a
+    time at most, up to ``SPARES_PER_KIND``: a burst of starts would slow this call."""
+    # Everything a child's start depends on: a spare started under another environment
+    # or working directory is not this call's.
+    key = (_module_files(module), allow_network, gpu, preload,
+           tuple(sorted(child_env("", env).items())))
+    taken: _Child | None = None
+    dead: list[_Child] = []
+    with _spares_lock:
+        waiting = _spares.setdefault(key, [])
+        while waiting and taken is None:
+            candidate = waiting.pop(0)
+            if candidate.proc.poll() is None:
+                taken = candidate
+            else:
+                dead.append(candidate)
+        wanted = min(2 if taken else 1, SPARES_PER_KIND - len(waiting))
+    for child in dead:
+        _discard(child)
+    if taken is None:
+        taken = _start_child(module, env, allow_network=allow_network, gpu=gpu,
+                             preload=preload)
+    fresh = [_start_child(module, env, allow_network=allow_network, gpu=gpu, preload=preload)
+             for _ in range(wanted)]
+    with _spares_lock:
+        waiting = _spares.setdefault(key, [])
+        room = max(0, SPARES_PER_KIND - len(waiting))
+        waiting.extend(fresh[:room])
+        extra = fresh[room:]
+    for child in extra:
+        _discard(child)
+    return taken
+
+
+@atexit.register
+def _discard_spares() -> None:
+    with _spares_lock:
+        children = [c for waiting in _spares.values() for c in waiting]
+        _spares.clear()
+    for child in children:
+        _discard(child)
+
+
+def _run_once(target: str, module: str, func: str, args: tuple[Any, ...], *,
+              timeout_s: float, memory_mb: int | None, allow_network: bool,
+              file_size_mb: int, gpu: bool, env: dict[str, str],
+              preload: tuple[str, ...], spare: bool) -> SandboxOutcome:
+    """One sandboxed call (``run_in_sandbox``)."""
+    if preload and spare:
+        child = _spare_child(module, env, allow_network=allow_network, gpu=gpu,
+                             preload=preload)
+    else:
+        child = _start_child(module, env, allow_network=allow_network, gpu=gpu,
+                             preload=preload)
+    proc, private, iso = child.proc, child.private, child.iso
     request = pickle.dumps(
         {
             "module": module,
@@ -410,20 +522,7 @@ def _run_once(target: str, module: str, func: str, args: tuple[Any, ...], *,
             "write_roots": [private],
         }
     )
-    iso = Isolation("none") if allow_network else isolation()
-    cmd = jail_command([sys.executable, "-m", "kz_stream.verify._sandbox_child"], private, iso,
-                       gpu=gpu, read_only=_module_files(module), cwd=work)
     started = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=work,
-        env=child_env(private, env),
-        start_new_session=True,
-    )
-    lifeline.track(proc.pid)
     try:
         out, err, timed_out, leftovers = _collect(proc, request, timeout_s)
     finally:

@@ -44,6 +44,7 @@ from kz_stream.verify._inputs import at_own_shapes
 from kz_stream.verify._ipc import ChildDied, ChildTimeout, reap_left_behind, tail
 from kz_stream.verify._messages import PrepareRequest
 from kz_stream.verify._pool import ByteBudget, Lane, host_memory_bytes
+from kz_stream.verify._preflight import IMPORTS as PREFLIGHT_IMPORTS
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._rewrite import kernel_names
 from kz_stream.verify._sandbox import SandboxOutcome, isolation, run_in_sandbox
@@ -391,7 +392,7 @@ class Verifier:
         out = await asyncio.to_thread(
             run_in_sandbox, "kz_stream.verify._preflight:candidate_preflight",
             (candidate.source, init), timeout_s=self.config.preflight_timeout_s,
-            memory_mb=4096)
+            memory_mb=4096, preload=PREFLIGHT_IMPORTS)
         details["preflight_s"] = round(time.monotonic() - t0, 3)
         if not out.ok or out.value is None:
             return None
@@ -500,7 +501,7 @@ class Verifier:
             pending = self._facts[problem.key] = asyncio.ensure_future(asyncio.to_thread(
                 run_in_sandbox, "kz_stream.verify._preflight:reference_facts",
                 (problem.source,), timeout_s=self.config.preflight_timeout_s,
-                memory_mb=4096))
+                memory_mb=4096, preload=PREFLIGHT_IMPORTS))
             while len(self._facts) > 4 * self.config.problem_cache:
                 self._facts.pop(next(iter(self._facts)))
         return await asyncio.shield(pending)

@@ -139,3 +139,15 @@ def identity(project: str) -> dict[str, Any]:
             "cap_bnd": int(status["CapBnd"], 16), "no_new_privs": status.get("NoNewPrivs"),
             "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
             "project": sorted(os.listdir(project))}
+
+
+def imported(name: str) -> bool:
+    import sys
+
+    return name in sys.modules
+
+
+def start_ticks() -> int:
+    """When this process started, in clock ticks since boot."""
+    with open("/proc/self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])

@@ -267,3 +267,45 @@ def test_bin_on_path_never_shows_the_whole_host(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("HOME", "/")
     monkeypatch.chdir("/")
     assert "/" not in visible_paths()
+
+
+def _ticks_now() -> int:
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def _kill_sandbox_children() -> int:
+    """Kills every sandbox child of this process (spares included); returns how many."""
+    killed = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if ppid == os.getpid() and int(entry) == os.getpgid(int(entry)):
+            os.killpg(int(entry), 9)
+            killed += 1
+    return killed
+
+
+def test_a_preloading_call_runs_in_a_child_started_before_it_with_the_modules_imported(
+) -> None:
+    first = run_in_sandbox(f"{T}:imported", ("colorsys",), timeout_s=60, preload=("colorsys",))
+    assert first.ok and first.value is True, first
+    cold = run_in_sandbox(f"{T}:imported", ("colorsys",), timeout_s=60)
+    assert cold.ok and cold.value is False, cold  # not imported unless asked for
+    asked = _ticks_now()
+    warm = run_in_sandbox(f"{T}:start_ticks", timeout_s=60, preload=("colorsys",))
+    assert warm.ok and warm.value < asked, (warm, asked)  # a spare the first call started
+    again = run_in_sandbox(f"{T}:start_ticks", timeout_s=60, preload=("colorsys",))
+    assert again.ok and again.value < _ticks_now() and again.value != warm.value
+
+
+def test_a_spare_that_died_while_it_waited_is_passed_over() -> None:
+    assert run_in_sandbox(f"{T}:add", (1, 2), timeout_s=60, preload=("colorsys",)).value == 3
+    assert _kill_sandbox_children() >= 1
+    out = run_in_sandbox(f"{T}:add", (2, 3), timeout_s=60, preload=("colorsys",))
+    assert out.ok and out.value == 5, out

@@ -1,0 +1,100 @@
+"""The slot check of a run carried between GPU hosts finds every event lost or applied
+twice, and passes a run that has none."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from benchmarks.gpu_loop_slots import check_slots
+from kz_stream.events import (
+    Event,
+    KernelGenerated,
+    KernelVerified,
+    Payload,
+    PolicyVersionPublished,
+    TrainingStepCompleted,
+    new_event,
+)
+
+T0 = datetime(2026, 12, 4, tzinfo=UTC)
+
+
+class Timeline:
+    """Events of one run, each ``at`` seconds after T0."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def add(self, at: float, payload: Payload) -> None:
+        self.events.append(new_event(payload, stream_id=f"s-{len(self.events)}",
+                                     stream_version=0, correlation_id="run-1",
+                                     occurred_at=T0 + timedelta(seconds=at)))
+
+    def kernel(self, at: float, kernel_id: str) -> None:
+        self.add(at, KernelGenerated(kernel_id=kernel_id, module_id="m", group_id=f"g-{kernel_id}",
+                                     backend="triton", source="..."))
+
+    def verdict(self, at: float, kernel_id: str) -> None:
+        self.add(at, KernelVerified(kernel_id=kernel_id, module_id="m", group_id=f"g-{kernel_id}",
+                                    status="correct", verifier_version="kzv-test"))
+
+    def step(self, at: float, step: int, kernel_ids: list[str]) -> None:
+        self.add(at, TrainingStepCompleted(role="coder", step=step, policy_version=step,
+                                           kernel_ids=kernel_ids,
+                                           group_ids=[f"g-{k}" for k in kernel_ids]))
+        self.add(at, PolicyVersionPublished(role="coder", version=step, uri=f"v{step}",
+                                                  sha256="0" * 64))
+
+
+def three_slots() -> Timeline:
+    t = Timeline()
+    t.kernel(0, "a")
+    t.verdict(5, "a")
+    t.kernel(10, "b")  # verified only in the next slot: carried over, not lost
+    t.step(12, 1, ["a"])
+    t.verdict(600, "b")
+    t.kernel(605, "c")
+    t.verdict(610, "c")
+    t.step(615, 2, ["b", "c"])
+    t.kernel(1200, "d")  # in flight when the run stopped
+    return t
+
+
+def test_a_run_resumed_over_three_slots_with_nothing_lost_passes() -> None:
+    r = check_slots(three_slots().events, gap_s=90)
+    assert r["ok"], r
+    assert [s["seconds"] for s in r["slots"]] == [12.0, 15.0, 0.0]
+    assert r["slots"][1]["verdicts_of_earlier_slots"] == 1
+    assert r["lost"] == [] and r["in_flight_at_end"] == 1
+    assert r["roles"]["coder"]["steps"] == 2
+
+
+def test_a_kernel_of_an_earlier_slot_never_verified_is_lost() -> None:
+    t = three_slots()
+    t.kernel(11, "x")
+    r = check_slots(t.events, gap_s=90)
+    assert not r["ok"] and r["lost"] == ["x"]
+
+
+def test_events_applied_twice_are_each_reported() -> None:
+    t = three_slots()
+    t.verdict(1201, "d")
+    t.verdict(1202, "d")  # a second verdict of one verifier version
+    t.kernel(1203, "a")  # generated again
+    t.step(1204, 2, ["a"])  # step 2 again, on a kernel step 1 trained on
+    r = check_slots(t.events, gap_s=90)
+    assert not r["ok"]
+    assert r["verified_twice"] == [["d", "kzv-test"]]
+    assert r["generated_twice"] == ["a"]
+    assert r["roles"]["coder"]["steps_repeated"] == [2]
+    assert r["roles"]["coder"]["versions_repeated"] == [2]
+    assert r["trained_twice"]["coder_kernel_ids"] == ["a"]
+
+
+def test_a_skipped_step_or_version_is_reported() -> None:
+    t = three_slots()
+    t.add(1300, TrainingStepCompleted(role="coder", step=4, policy_version=4))
+    r = check_slots(t.events, gap_s=90)
+    assert not r["ok"]
+    assert r["roles"]["coder"]["steps_missing"] == [3]
+    assert r["roles"]["coder"]["steps_of_unpublished_versions"] == [4]
