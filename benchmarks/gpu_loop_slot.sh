@@ -74,12 +74,24 @@ for i in "${!dirs[@]}"; do
   # SQLite's backup API: a consistent copy whatever the journal holds.
   python3 -c "import sqlite3, sys; d = sqlite3.connect(sys.argv[2]); \
 sqlite3.connect(sys.argv[1]).backup(d); d.close()" "$kz/kz.sqlite3" "$kz/copy.sqlite3"
-  gzip -c "$kz/copy.sqlite3" > "$OUT/$name.sqlite3.gz" && rm -f "$kz/copy.sqlite3"
+  gzip -c "$kz/copy.sqlite3" > "$OUT/$name.sqlite3.gz"
   if [ -n "${PACK:-}" ]; then
+    # Each role's last published version: an unpublished newer one is what a learner
+    # discards on resuming (a save cut short by the end of the slot).
+    newest=$(python3 -c '
+import json, sqlite3, sys
+last = {}
+for (payload,) in sqlite3.connect(sys.argv[1]).execute(
+        "select payload from events where type = \"PolicyVersionPublished\""):
+    p = json.loads(payload)
+    last[p["role"]] = max(last.get(p["role"], 0), int(p["version"]))
+print(" ".join(f"policies/{r}-v{v:08d}" for r, v in sorted(last.items())))
+' "$kz/copy.sqlite3")
+    present=$(for d in $newest; do [ -d "$kz/$d" ] && echo "$d"; done)
     mkdir -p "$PACK" && rm -f "$PACK/$name-policies.part-"*
-    newest=$(cd "$kz" && for role in coder proposer; do
-      ls -d policies/"$role"-v* 2>/dev/null | grep -E 'v[0-9]+$' | sort | tail -n 1; done)
-    tar -C "$kz" -cf - $newest | split -b 15M -d - "$PACK/$name-policies.part-"
-    echo "== $name: packed $newest into $(ls "$PACK/$name-policies.part-"* | wc -l) parts"
+    tar -C "$kz" -cf - $present | split -b 15M -d - "$PACK/$name-policies.part-"
+    echo "== $name: packed $present ($(du -shc $(printf "$kz/%s " $present) | tail -n 1 \
+      | cut -f1)) into $(ls "$PACK/$name-policies.part-"* | wc -l) parts"
   fi
+  rm -f "$kz/copy.sqlite3"
 done
