@@ -85,7 +85,7 @@ for (payload,) in sqlite3.connect(sys.argv[1]).execute(
         "select payload from events where type = \"PolicyVersionPublished\""):
     p = json.loads(payload)
     last[p["role"]] = max(last.get(p["role"], 0), int(p["version"]))
-print(" ".join(f"policies/{r}-v{v:08d}" for r, v in sorted(last.items())))
+print(" ".join(f"policies/{r}/{r}-v{v:08d}" for r, v in sorted(last.items())))
 ' "$kz/copy.sqlite3")
     present=$(for d in $newest; do [ -d "$kz/$d" ] && echo "$d"; done)
     mkdir -p "$PACK" && rm -f "$PACK/$name-policies.part-"*

@@ -13,8 +13,9 @@ What counts as lost or applied twice:
 - a kernel with no verdict that was generated before the last slot began (the slots after
   it should have verified it: a resumed run re-sends the work it finds unfinished); those
   of the last slot are in flight when the run stopped, and counted apart;
-- a role's training steps not numbered 1, 2, ... once each, a policy version published
-  twice or skipped, a step whose version was never published;
+- training steps not numbered 1, 2, ... once each (the schedule numbers both roles' steps
+  in one sequence), a role's policy version published twice or skipped, a step whose
+  version was never published;
 - a kernel, module or group trained on by two steps.
 
 Writes benchmarks/results/gpu_loop_slots.json and docs/benchmarks.md.
@@ -98,13 +99,13 @@ def check_slots(events: Sequence[Event], gap_s: float = 90.0) -> dict[str, Any]:
     lost = sorted(k for k in unverified if generated[k] < last)
     roles: dict[str, dict[str, Any]] = {}
     trained_twice: dict[str, list[str]] = {}
+    numbers = [int(r["step"]) for rs in steps.values() for r in rs]
+    schedule = {"steps": len(numbers), "steps_missing": _gaps(numbers),
+                "steps_repeated": _repeated(numbers)}
     for role, rs in steps.items():
-        numbers = [int(r["step"]) for r in rs]
         versions = published[role]
         roles[role] = {
             "steps": len(rs),
-            "steps_missing": _gaps(numbers),
-            "steps_repeated": _repeated(numbers),
             "versions_published": len(versions),
             "versions_missing": _gaps(versions),
             "versions_repeated": _repeated(versions),
@@ -122,10 +123,12 @@ def check_slots(events: Sequence[Event], gap_s: float = 90.0) -> dict[str, Any]:
         "verified_twice": [list(k) for k in _repeated(verdict_keys)],
         "lost": lost,
         "in_flight_at_end": len(unverified) - len(lost),
+        "schedule": schedule,
         "roles": roles,
         "trained_twice": trained_twice,
     }
     report["ok"] = not (report["generated_twice"] or report["verified_twice"] or lost
+                        or schedule["steps_missing"] or schedule["steps_repeated"]
                         or any(v for r in roles.values() for k, v in r.items()
                                if k not in ("steps", "versions_published"))
                         or any(trained_twice.values()))
@@ -171,6 +174,7 @@ def main() -> None:
     print(f"run {run_id}: {r['kernels']} kernels, {r['verdicts']} verdicts, lost "
           f"{len(r['lost'])}, in flight at the end {r['in_flight_at_end']}, generated twice "
           f"{len(r['generated_twice'])}, verified twice {len(r['verified_twice'])}")
+    print(f"schedule: {r['schedule']}")
     for role, x in r["roles"].items():
         print(f"{role}: {x}")
     print(f"trained on twice: { {k: len(v) for k, v in r['trained_twice'].items()} }")
@@ -178,8 +182,8 @@ def main() -> None:
     carried = sum(s.get("verdicts_of_earlier_slots", 0) for s in r["slots"])
     twice = (len(r["generated_twice"]) + len(r["verified_twice"])
              + sum(len(v) for v in r["trained_twice"].values())
-             + sum(len(x["steps_repeated"]) + len(x["versions_repeated"])
-                   for x in r["roles"].values()))
+             + len(r["schedule"]["steps_repeated"])
+             + sum(len(x["versions_repeated"]) for x in r["roles"].values()))
     metrics = {
         "slots": metric(len(r["slots"]), "slots"),
         "kernels": metric(r["kernels"], "kernels"),

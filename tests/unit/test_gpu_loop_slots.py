@@ -38,11 +38,13 @@ class Timeline:
         self.add(at, KernelVerified(kernel_id=kernel_id, module_id="m", group_id=f"g-{kernel_id}",
                                     status="correct", verifier_version="kzv-test"))
 
-    def step(self, at: float, step: int, kernel_ids: list[str]) -> None:
-        self.add(at, TrainingStepCompleted(role="coder", step=step, policy_version=step,
+    def step(self, at: float, step: int, kernel_ids: list[str], version: int | None = None,
+             role: str = "coder") -> None:
+        version = step if version is None else version
+        self.add(at, TrainingStepCompleted(role=role, step=step, policy_version=version,
                                            kernel_ids=kernel_ids,
                                            group_ids=[f"g-{k}" for k in kernel_ids]))
-        self.add(at, PolicyVersionPublished(role="coder", version=step, uri=f"v{step}",
+        self.add(at, PolicyVersionPublished(role=role, version=version, uri=f"v{version}",
                                                   sha256="0" * 64))
 
 
@@ -69,6 +71,15 @@ def test_a_run_resumed_over_three_slots_with_nothing_lost_passes() -> None:
     assert r["roles"]["coder"]["steps"] == 2
 
 
+def test_the_roles_steps_are_one_sequence_and_their_versions_one_each() -> None:
+    t = three_slots()
+    t.step(1210, 3, [], version=1, role="proposer")
+    r = check_slots(t.events, gap_s=90)
+    assert r["ok"], r
+    assert r["schedule"]["steps"] == 3
+    assert r["roles"]["proposer"]["versions_published"] == 1
+
+
 def test_a_kernel_of_an_earlier_slot_never_verified_is_lost() -> None:
     t = three_slots()
     t.kernel(11, "x")
@@ -86,7 +97,7 @@ def test_events_applied_twice_are_each_reported() -> None:
     assert not r["ok"]
     assert r["verified_twice"] == [["d", "kzv-test"]]
     assert r["generated_twice"] == ["a"]
-    assert r["roles"]["coder"]["steps_repeated"] == [2]
+    assert r["schedule"]["steps_repeated"] == [2]
     assert r["roles"]["coder"]["versions_repeated"] == [2]
     assert r["trained_twice"]["coder_kernel_ids"] == ["a"]
 
@@ -96,5 +107,5 @@ def test_a_skipped_step_or_version_is_reported() -> None:
     t.add(1300, TrainingStepCompleted(role="coder", step=4, policy_version=4))
     r = check_slots(t.events, gap_s=90)
     assert not r["ok"]
-    assert r["roles"]["coder"]["steps_missing"] == [3]
+    assert r["schedule"]["steps_missing"] == [3]
     assert r["roles"]["coder"]["steps_of_unpublished_versions"] == [4]
