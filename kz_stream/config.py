@@ -22,6 +22,7 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError
 
+from kz_stream._cpus import usable_cpus
 from kz_stream.bus import TopicSpec
 from kz_stream.llm import KVCache
 from kz_stream.rl.options import TrainerOptions
@@ -42,6 +43,7 @@ __all__ = [
     "TopicsConfig",
     "describe_validation_error",
     "load_settings",
+    "usable_cpus",
     "validated_copy",
 ]
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kz_stream._cpus import usable_cpus
 from kz_stream.bus import BusMessage, Subscription
 from kz_stream.config import ProposerSettings
 from kz_stream.events import (
@@ -448,7 +448,7 @@ class ProposerService(Service):
 
 def _seed_validations() -> int:
     """Seed validations at once: half the cores (each is a torch process), 1 to 8."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    return max(1, min(8, usable_cpus() // 2))
 
 
 async def _stop_all(subs: list[Subscription]) -> None:

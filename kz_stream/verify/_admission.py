@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kz_stream._cpus import usable_cpus
 from kz_stream.verify._sandbox import run_in_sandbox
 
 __all__ = ["Admission", "admission_check"]
@@ -89,7 +90,7 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
     )
 
     strict_precision()
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.set_num_threads(max(1, min(4, usable_cpus())))
     try:
         ref = load_reference(source, os.getcwd())
         init = list(ref.get_init_inputs())

@@ -39,6 +39,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Literal, cast
 
+from kz_stream._cpus import usable_cpus
 from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._extract import InlineCall
 from kz_stream.verify._messages import BuildManifest
@@ -174,7 +175,7 @@ class Builder:
         self.link = link
         self.timeout_s = timeout_s
         self.fast = fast
-        self._sem = asyncio.Semaphore(jobs or os.cpu_count() or 1)
+        self._sem = asyncio.Semaphore(jobs or usable_cpus())
         self._inflight: dict[str, _SharedBuild] = {}
         stub = self.cache_dir / "stub" / "c10" / "cuda" / "impl"
         stub.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ if __name__ == "__main__":
 
 import torch
 
+from kz_stream._cpus import usable_cpus
 from kz_stream.verify._compare import all_finite, calibrate, flatten, unstable_limit
 from kz_stream.verify._inputs import (
     InputPlan,
@@ -192,7 +193,7 @@ class Oracle:
                      "device could not hold it)")
         host = copy.deepcopy(model).to("cpu")
         threads = torch.get_num_threads()
-        torch.set_num_threads(max(threads, (os.cpu_count() or 2) // 2))
+        torch.set_num_threads(max(threads, usable_cpus() // 2))
         try:
             return run(host, [v.to("cpu") if isinstance(v, torch.Tensor) else v
                               for v in inputs], "cpu", dtype)

@@ -230,7 +230,7 @@ def test_services_run_on_the_cores_cpus_names_and_so_do_the_processes_they_start
     script = """
 import asyncio, multiprocessing, os
 from kz_stream.app import open_context
-from kz_stream.config import load_settings
+from kz_stream.config import load_settings, usable_cpus
 
 def child(q):
     q.put(sorted(os.sched_getaffinity(0)))
@@ -238,6 +238,7 @@ def child(q):
 async def main():
     async with open_context(load_settings()):
         print(sorted(os.sched_getaffinity(0)))
+        print(usable_cpus())  # what pools are sized from
         q = multiprocessing.get_context("spawn").Queue()
         p = multiprocessing.get_context("spawn").Process(target=child, args=(q,))
         p.start(); print(q.get()); p.join()
@@ -252,7 +253,7 @@ if __name__ == "__main__":
     out = subprocess.run([sys.executable, str(tmp_path / "pin.py")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[:2] == [f"[{core}]", f"[{core}]"]
+    assert out.stdout.split("\n")[:3] == [f"[{core}]", "1", f"[{core}]"]
 
     env["KZ_CPUS"] = "4096"
     out = subprocess.run([sys.executable, str(tmp_path / "pin.py")], env=env, cwd=tmp_path,
