@@ -6,8 +6,8 @@ reference's init arguments and its inputs' and outputs' bytes) and then each can
 ``candidate_preflight``, each in a sandboxed child of its own; a child that starts cold
 imports torch first (7-11 s a problem on an H200 host in a GPU loop, 2026-12-04). With
 ``preload``, a call takes a child started earlier that has imported them already. The
-calls come ``--gap`` seconds apart, as a stream of problems does; the first warm call of
-each kind starts the spares and is left out.
+calls come ``--gap`` seconds apart, as a stream of problems does; the first two warm calls
+of each kind start the spares (a kind gets them from its second call on) and are left out.
 
 Run: ``python -m benchmarks.bench_sandbox_preload [--calls 6] [--gap 3]``.
 """
@@ -86,7 +86,7 @@ def main() -> None:
             ("candidate_preflight", "kz_stream.verify._preflight:candidate_preflight",
              (CANDIDATE, [1]))):
         cold = timed_calls(target, call_args, (), args.calls, args.gap)
-        warm = timed_calls(target, call_args, IMPORTS, args.calls + 1, args.gap)[1:]
+        warm = timed_calls(target, call_args, IMPORTS, args.calls + 2, args.gap)[2:]
         c, w = statistics.median(cold), statistics.median(warm)
         print(f"{name}: fresh child {c:.2f} s (median of {len(cold)}; {min(cold):.2f}-"
               f"{max(cold):.2f}), imports paid ahead {w:.2f} s ({min(warm):.2f}-"

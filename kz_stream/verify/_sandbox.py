@@ -379,7 +379,7 @@ def run_in_sandbox(
 
     ``preload`` names modules (the target's heavy imports, e.g. torch) that the child
     imports before its request arrives: the call takes a child started earlier with them
-    imported (``SPARES_PER_KIND`` are kept per kind of call, from the first such call on)
+    imported (``SPARES_PER_KIND`` are kept per kind of call, from its second call on)
     and starts one in its place, so that only its own work is left to wait for. A retry
     starts a fresh child.
     """
@@ -417,6 +417,7 @@ class _Child:
 # whose verifier dies reads the end of its stdin and exits.
 SPARES_PER_KIND = 4
 _spares: dict[tuple[Any, ...], list[_Child]] = {}
+_kinds_seen: set[tuple[Any, ...]] = set()
 _spares_lock = threading.Lock()
 
 
@@ -456,8 +457,9 @@ def _discard(child: _Child) -> None:
 def _spare_child(module: str, env: dict[str, str], *, allow_network: bool, gpu: bool,
                  preload: tuple[str, ...]) -> _Child:
     """A child for one call: a spare started earlier with ``preload`` imported where one
-    is alive, else a fresh one. Spares of this kind are started in its place, two at a
-    time at most, up to ``SPARES_PER_KIND``: a burst of starts would slow this call."""
+    is alive, else a fresh one. Spares of this kind are started in its place, from the
+    kind's second call on, two at a time at most, up to ``SPARES_PER_KIND``: a burst of
+    starts would slow this call."""
     # Everything a child's start depends on: a spare started under another environment
     # or working directory is not this call's.
     key = (_module_files(module), allow_network, gpu, preload,
@@ -472,7 +474,12 @@ def _spare_child(module: str, env: dict[str, str], *, allow_network: bool, gpu: 
                 taken = candidate
             else:
                 dead.append(candidate)
-        wanted = min(2 if taken else 1, SPARES_PER_KIND - len(waiting))
+        # A kind seen for the first time gets no spare: many kinds recur (the verifier's,
+        # the Proposer's), but a call from a passing working directory or environment
+        # (a test's) would leave one that nothing takes.
+        recurring = key in _kinds_seen
+        _kinds_seen.add(key)
+        wanted = min(2 if taken else int(recurring), SPARES_PER_KIND - len(waiting))
     for child in dead:
         _discard(child)
     if taken is None:

@@ -293,19 +293,23 @@ def _kill_sandbox_children() -> int:
 
 def test_a_preloading_call_runs_in_a_child_started_before_it_with_the_modules_imported(
 ) -> None:
-    first = run_in_sandbox(f"{T}:imported", ("colorsys",), timeout_s=60, preload=("colorsys",))
-    assert first.ok and first.value is True, first
+    for _ in range(2):  # a kind's second call starts the first spare
+        first = run_in_sandbox(f"{T}:imported", ("colorsys",), timeout_s=60,
+                               preload=("colorsys",))
+        assert first.ok and first.value is True, first
     cold = run_in_sandbox(f"{T}:imported", ("colorsys",), timeout_s=60)
     assert cold.ok and cold.value is False, cold  # not imported unless asked for
     asked = _ticks_now()
     warm = run_in_sandbox(f"{T}:start_ticks", timeout_s=60, preload=("colorsys",))
-    assert warm.ok and warm.value < asked, (warm, asked)  # a spare the first call started
+    assert warm.ok and warm.value < asked, (warm, asked)  # a spare an earlier call started
     again = run_in_sandbox(f"{T}:start_ticks", timeout_s=60, preload=("colorsys",))
     assert again.ok and again.value < _ticks_now() and again.value != warm.value
 
 
 def test_a_spare_that_died_while_it_waited_is_passed_over() -> None:
-    assert run_in_sandbox(f"{T}:add", (1, 2), timeout_s=60, preload=("colorsys",)).value == 3
+    for _ in range(2):
+        assert run_in_sandbox(f"{T}:add", (1, 2), timeout_s=60,
+                              preload=("colorsys",)).value == 3
     assert _kill_sandbox_children() >= 1
     out = run_in_sandbox(f"{T}:add", (2, 3), timeout_s=60, preload=("colorsys",))
     assert out.ok and out.value == 5, out
