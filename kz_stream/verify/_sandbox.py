@@ -415,7 +415,7 @@ class _Child:
 # place, so a stream of calls finds its import paid (a CUDA torch's import took 3 s of a
 # reference-facts child's 7-11 s on an H200 host, 2026-12-04). Killed at exit; a child
 # whose verifier dies reads the end of its stdin and exits.
-SPARES_PER_KIND = 4
+SPARES_PER_KIND = int(os.environ.get("KZ_SANDBOX_SPARES", "4"))  # 0: none
 _spares: dict[tuple[Any, ...], list[_Child]] = {}
 _kinds_seen: set[tuple[Any, ...]] = set()
 _spares_lock = threading.Lock()

@@ -1,11 +1,10 @@
-"""The slot check of a run carried between GPU hosts finds every event lost or applied
-twice, and passes a run that has none."""
+"""A run's history replayed: every event lost or applied twice across the slots of a
+resumed run is found, and a run with none passes."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from benchmarks.gpu_loop_slots import check_slots
 from kz_stream.events import (
     Event,
     KernelGenerated,
@@ -15,6 +14,7 @@ from kz_stream.events import (
     TrainingStepCompleted,
     new_event,
 )
+from kz_stream.integrity import check_slots
 
 T0 = datetime(2026, 12, 4, tzinfo=UTC)
 
