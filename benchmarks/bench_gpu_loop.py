@@ -136,6 +136,15 @@ def proposer_curve(run: Run) -> list[dict[str, Any]]:
     return rows
 
 
+def difference_in_se(c1: int, n1: int, c2: int, n2: int) -> float | None:
+    """(p1 - p2) / SE of two binomial pass rates, c of n each; None when SE is 0."""
+    if not (n1 and n2):
+        return None
+    p1, p2 = c1 / n1, c2 / n2
+    se = math.sqrt(p1 * (1 - p1) / n1 + p2 * (1 - p2) / n2)
+    return (p1 - p2) / se if se > 0 else None
+
+
 def steps_to_two_se(treated: list[dict[str, Any]], control: list[dict[str, Any]]
                     ) -> int | None:
     """The first Coder step index (1-based) at which the treatment's cumulative pass rate
@@ -143,13 +152,29 @@ def steps_to_two_se(treated: list[dict[str, Any]], control: list[dict[str, Any]]
     c1 = n1 = c2 = n2 = 0
     for i, (a, b) in enumerate(zip(treated, control, strict=False), start=1):
         c1, n1, c2, n2 = c1 + a["correct"], n1 + a["n"], c2 + b["correct"], n2 + b["n"]
-        if not (n1 and n2):
-            continue
-        p1, p2 = c1 / n1, c2 / n2
-        se = math.sqrt(p1 * (1 - p1) / n1 + p2 * (1 - p2) / n2)
-        if p1 - p2 > 2 * se and se > 0:
+        z = difference_in_se(c1, n1, c2, n2)
+        if z is not None and z > 2:
             return i
     return None
+
+
+def by_version(runs: list[Run]) -> dict[int, tuple[int, int]]:
+    """Per policy version that sampled them: (decided kernels, correct ones), all the
+    runs' kernels, trained on or not. Version 0 is the warm start in both arms; what the
+    updates did shows in the kernels of later versions."""
+    out: dict[int, tuple[int, int]] = {}
+    for run in runs:
+        for k in run.state.kernels.values():
+            if k.decided:
+                n, c = out.get(k.policy_version, (0, 0))
+                out[k.policy_version] = (n + 1, c + k.correct)
+    return out
+
+
+def _updated(versions: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """(decided, correct) over the versions after the first."""
+    return (sum(n for v, (n, _) in versions.items() if v > 0),
+            sum(c for v, (_, c) in versions.items() if v > 0))
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -244,6 +269,17 @@ def compare(treated: list[Run], control: list[Run]) -> dict[str, dict[str, Any]]
         _mean([r["valid_rate"] for r in cp if r["valid_rate"] is not None]))
     add("proposer mean reward, all steps", "reward", _mean([r["mean_reward"] for r in tp]),
         _mean([r["mean_reward"] for r in cp]))
+    tv, cv = by_version(treated), by_version(control)
+    (tn0, tc0), (cn0, cc0) = tv.get(0, (0, 0)), cv.get(0, (0, 0))
+    (tn, tk), (cn, ck) = _updated(tv), _updated(cv)
+    add("coder pass rate, kernels of version 0", "fraction", tc0 / tn0 if tn0 else None,
+        cc0 / cn0 if cn0 else None)
+    add("coder pass rate, kernels of versions >= 1", "fraction", tk / tn if tn else None,
+        ck / cn if cn else None)
+    add("coder kernels of versions >= 1", "kernels", float(tn), float(cn))
+    z = difference_in_se(tk, tn, ck, cn)
+    if z is not None:
+        out["versions >= 1: (run - control) pass rate in SE"] = metric(z, "SE")
     k = steps_to_two_se(tc, cc)
     if k is not None:  # absent: not within the run (the notes say so)
         out["coder steps until pass rate > control + 2 SE"] = metric(float(k), "steps")
@@ -320,6 +356,9 @@ def main() -> None:
             print(f"{name} coder step {r['step']}: {r['correct']}/{r['n']} correct, "
                   f"fast {r['fast']}, mean reward {r['mean_reward']:+.3f} "
                   f"({r['replicates']} replicates)")
+    for name, runs in (("run", treated), ("control", control)):
+        print(f"{name} by sampling version: " + ", ".join(
+            f"v{v} {c}/{n}" for v, (n, c) in sorted(by_version(runs).items())))
     frontier = {name: [frontier_by_round(r) for r in runs]
                 for name, runs in (("run", treated), ("control", control))}
     for name, per_run in frontier.items():
