@@ -65,12 +65,13 @@ done
 wait "${pids[@]}"
 kill "$smi" 2>/dev/null
 
+status=0  # 1: a store or a pack is missing (the runs' own exits are in their logs)
 for i in "${!dirs[@]}"; do
   name=${names[$i]} kz="${dirs[$i]}/.kz"
   gzip -c "$kz/slot-$SLOT.log" > "$OUT/$name-$SLOT.log.gz"
   echo "== $name: $(tail -n 1 "$kz/slot-$SLOT.log"); checkpoints" \
     "$(du -sh "$kz/policies" 2>/dev/null | cut -f1)"
-  if [ ! -s "$kz/kz.sqlite3" ]; then echo "no store in $kz" >&2; continue; fi
+  if [ ! -s "$kz/kz.sqlite3" ]; then echo "no store in $kz" >&2; status=1; continue; fi
   # SQLite's backup API: a consistent copy whatever the journal holds.
   python3 -c "import sqlite3, sys; d = sqlite3.connect(sys.argv[2]); \
 sqlite3.connect(sys.argv[1]).backup(d); d.close()" "$kz/kz.sqlite3" "$kz/copy.sqlite3"
@@ -82,16 +83,29 @@ sqlite3.connect(sys.argv[1]).backup(d); d.close()" "$kz/kz.sqlite3" "$kz/copy.sq
 import json, sqlite3, sys
 last = {}
 for (payload,) in sqlite3.connect(sys.argv[1]).execute(
-        "select payload from events where type = \"PolicyVersionPublished\""):
+        "select payload from events where type = ?", ("PolicyVersionPublished",)):
     p = json.loads(payload)
     last[p["role"]] = max(last.get(p["role"], 0), int(p["version"]))
 print(" ".join(f"policies/{r}/{r}-v{v:08d}" for r, v in sorted(last.items())))
 ' "$kz/copy.sqlite3")
-    present=$(for d in $newest; do [ -d "$kz/$d" ] && echo "$d"; done)
+    # A published version without its folder cannot be resumed from: say so, pack nothing.
+    missing=$(for d in $newest; do [ -d "$kz/$d" ] || echo "$d"; done)
+    if [ -z "$newest" ] || [ -n "$missing" ]; then
+      echo "== $name: cannot pack: ${missing:-no policy version published}" >&2
+      status=1
+      rm -f "$kz/copy.sqlite3"
+      continue
+    fi
     mkdir -p "$PACK" && rm -f "$PACK/$name-policies.part-"*
-    tar -C "$kz" -cf - $present | split -b 15M -d - "$PACK/$name-policies.part-"
-    echo "== $name: packed $present ($(du -shc $(printf "$kz/%s " $present) | tail -n 1 \
+    if ! tar -C "$kz" -cf - $newest | split -b 15M -d - "$PACK/$name-policies.part-"; then
+      echo "== $name: packing $newest failed" >&2
+      status=1
+      rm -f "$kz/copy.sqlite3"
+      continue
+    fi
+    echo "== $name: packed $newest ($(du -shc $(printf "$kz/%s " $newest) | tail -n 1 \
       | cut -f1)) into $(ls "$PACK/$name-policies.part-"* | wc -l) parts"
   fi
   rm -f "$kz/copy.sqlite3"
 done
+exit "$status"

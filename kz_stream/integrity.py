@@ -14,7 +14,13 @@ host). What counts as lost or applied twice:
 - training steps not numbered 1, 2, ... once each (the schedule numbers both roles' steps
   in one sequence), a role's policy version published twice or skipped, a step whose
   version was never published;
-- a kernel, module or group trained on by two steps.
+- a verdict of a kernel the run never generated (its generation lost);
+- a kernel, group or proposed module trained on by two steps (a Coder module may be
+  trained on through several groups: one per backend, or made again after a restart).
+
+Slots are told apart by time alone, so a session resumed within ``gap_s`` of the last one
+merges with it (then a kernel it lost counts as in flight), and a quiet spell longer than
+``gap_s`` inside the last slot splits it: pick ``gap_s`` between the two.
 """
 
 from __future__ import annotations
@@ -107,7 +113,10 @@ def check_slots(events: Sequence[Event], gap_s: float = 90.0) -> dict[str, Any]:
             "steps_of_unpublished_versions": sorted(
                 int(r["step"]) for r in rs if int(r["policy_version"]) not in versions),
         }
-        for what in ("kernel_ids", "module_ids", "group_ids"):
+        # A Coder module may be trained on in two steps through two groups (one per
+        # backend, or generated again after a restart); a proposed module is one sample.
+        whats = ("kernel_ids", "group_ids") if role == "coder" else ("module_ids", "group_ids")
+        for what in whats:
             trained_twice[f"{role}_{what}"] = _repeated([x for r in rs for x in r[what]])
     report: dict[str, Any] = {
         "slots": [{"start": a, "end": b, "seconds": round(b - a, 1), **per_slot[i]}
@@ -117,12 +126,14 @@ def check_slots(events: Sequence[Event], gap_s: float = 90.0) -> dict[str, Any]:
         "generated_twice": _repeated(generated_ids),
         "verified_twice": [list(k) for k in _repeated(verdict_keys)],
         "lost": lost,
+        "verdicts_of_unknown_kernels": sorted(set(verified_in) - set(generated)),
         "in_flight_at_end": len(unverified) - len(lost),
         "schedule": schedule,
         "roles": roles,
         "trained_twice": trained_twice,
     }
     report["ok"] = not (report["generated_twice"] or report["verified_twice"] or lost
+                        or report["verdicts_of_unknown_kernels"]
                         or schedule["steps_missing"] or schedule["steps_repeated"]
                         or any(v for r in roles.values() for k, v in r.items()
                                if k not in ("steps", "versions_published"))
@@ -136,7 +147,8 @@ async def load_events(url: str, run_id: str | None) -> tuple[str, list[Event]]:
         if run_id is None:
             runs = set()
             async for batch in store.read_all(0, types=["TrainingStepCompleted",
-                                                        "KernelGenerated"]):
+                                                        "KernelGenerated"],
+                                              payload_fields=[]):  # run ids alone
                 runs |= {r.event.correlation_id for r in batch if r.event.correlation_id}
             if len(runs) != 1:
                 raise LookupError(f"the store holds {len(runs)} runs ({sorted(runs)}): "

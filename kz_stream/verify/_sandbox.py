@@ -307,14 +307,21 @@ def _collect(
         threading.Thread(target=pump, args=("out", proc.stdout), daemon=True),
         threading.Thread(target=pump, args=("err", proc.stderr), daemon=True),
     ]
+    stdin = proc.stdin
+    assert stdin is not None
+
+    def feed() -> None:
+        # A thread: a child still importing its preload reads stdin late, and a request
+        # larger than the pipe's buffer would block here outside the timeout.
+        try:
+            stdin.write(request)
+            stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    readers.append(threading.Thread(target=feed, daemon=True))
     for r in readers:
         r.start()
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(request)
-        proc.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass
     timed_out = False
     try:
         proc.wait(timeout=timeout_s)
@@ -325,6 +332,11 @@ def _collect(
     proc.wait()
     for r in readers:
         r.join(timeout=5)
+    if not stdin.closed:  # the child died before it read its request
+        try:
+            stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
     return b"".join(chunks["out"]), b"".join(chunks["err"]), timed_out, leftovers
 
 
@@ -445,6 +457,7 @@ def _start_child(module: str, env: dict[str, str], *, allow_network: bool, gpu: 
 
 
 def _discard(child: _Child) -> None:
+    """Kills a child that will serve no call, and removes its scratch folder."""
     kill_group(child.proc.pid)
     child.proc.wait()
     for stream in (child.proc.stdin, child.proc.stdout, child.proc.stderr):
@@ -460,9 +473,11 @@ def _spare_child(module: str, env: dict[str, str], *, allow_network: bool, gpu: 
     is alive, else a fresh one. Spares of this kind are started in its place, from the
     kind's second call on, two at a time at most, up to ``SPARES_PER_KIND``: a burst of
     starts would slow this call."""
-    # Everything a child's start depends on: a spare started under another environment
-    # or working directory is not this call's.
-    key = (_module_files(module), allow_network, gpu, preload,
+    # Everything a child's start depends on: a spare started under another isolation,
+    # environment, working directory (in PYTHONPATH) or HOME (hidden by the jail) is not
+    # this call's.
+    iso = "none" if allow_network else isolation().level
+    key = (_module_files(module), allow_network, gpu, preload, iso, os.environ.get("HOME"),
            tuple(sorted(child_env("", env).items())))
     taken: _Child | None = None
     dead: list[_Child] = []
@@ -485,8 +500,13 @@ def _spare_child(module: str, env: dict[str, str], *, allow_network: bool, gpu: 
     if taken is None:
         taken = _start_child(module, env, allow_network=allow_network, gpu=gpu,
                              preload=preload)
-    fresh = [_start_child(module, env, allow_network=allow_network, gpu=gpu, preload=preload)
-             for _ in range(wanted)]
+    fresh: list[_Child] = []
+    try:
+        for _ in range(wanted):
+            fresh.append(_start_child(module, env, allow_network=allow_network, gpu=gpu,
+                                      preload=preload))
+    except OSError as e:  # a loaded host (EAGAIN, EMFILE): this call has its child
+        log.warning("sandbox: no spare started: %s", e)
     with _spares_lock:
         waiting = _spares.setdefault(key, [])
         room = max(0, SPARES_PER_KIND - len(waiting))
@@ -499,6 +519,7 @@ def _spare_child(module: str, env: dict[str, str], *, allow_network: bool, gpu: 
 
 @atexit.register
 def _discard_spares() -> None:
+    """Kills the spares still waiting (at exit)."""
     with _spares_lock:
         children = [c for waiting in _spares.values() for c in waiting]
         _spares.clear()
@@ -518,17 +539,21 @@ def _run_once(target: str, module: str, func: str, args: tuple[Any, ...], *,
         child = _start_child(module, env, allow_network=allow_network, gpu=gpu,
                              preload=preload)
     proc, private, iso = child.proc, child.private, child.iso
-    request = pickle.dumps(
-        {
-            "module": module,
-            "function": func,
-            "args": args,
-            "memory_mb": memory_mb,
-            "file_size_mb": file_size_mb,
-            "allow_network": allow_network,
-            "write_roots": [private],
-        }
-    )
+    try:
+        request = pickle.dumps(
+            {
+                "module": module,
+                "function": func,
+                "args": args,
+                "memory_mb": memory_mb,
+                "file_size_mb": file_size_mb,
+                "allow_network": allow_network,
+                "write_roots": [private],
+            }
+        )
+    except BaseException:  # an argument that cannot be pickled: the child serves no one
+        _discard(child)
+        raise
     started = time.monotonic()
     try:
         out, err, timed_out, leftovers = _collect(proc, request, timeout_s)

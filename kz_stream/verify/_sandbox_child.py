@@ -59,11 +59,17 @@ def _last_line(e: BaseException) -> str:
 
 
 def _preload(names: str) -> None:
+    """Imports the trusted modules a call of this kind needs, before its request arrives.
+
+    A failed import ends the child before it reads a request, with the error on stderr:
+    an interpreter left half-imported would fail the target's import in other ways, while
+    a child that ends before loading its target is retried in a fresh one."""
     for name in filter(None, names.split(",")):
         try:
             importlib.import_module(name)
-        except BaseException:  # loading the target says what is wrong
-            continue
+        except BaseException as e:
+            os.write(2, f"kz sandbox: preloading {name} failed: {_last_line(e)}\n".encode())
+            os._exit(3)
 
 
 def main() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from kz_stream.events import (
     Event,
     KernelGenerated,
@@ -14,7 +16,8 @@ from kz_stream.events import (
     TrainingStepCompleted,
     new_event,
 )
-from kz_stream.integrity import check_slots
+from kz_stream.integrity import check_slots, load_events
+from kz_stream.store import open_store
 
 T0 = datetime(2026, 12, 4, tzinfo=UTC)
 
@@ -39,10 +42,10 @@ class Timeline:
                                     status="correct", verifier_version="kzv-test"))
 
     def step(self, at: float, step: int, kernel_ids: list[str], version: int | None = None,
-             role: str = "coder") -> None:
+             role: str = "coder", module_ids: list[str] | None = None) -> None:
         version = step if version is None else version
         self.add(at, TrainingStepCompleted(role=role, step=step, policy_version=version,
-                                           kernel_ids=kernel_ids,
+                                           kernel_ids=kernel_ids, module_ids=module_ids or [],
                                            group_ids=[f"g-{k}" for k in kernel_ids]))
         self.add(at, PolicyVersionPublished(role=role, version=version, uri=f"v{version}",
                                                   sha256="0" * 64))
@@ -109,3 +112,53 @@ def test_a_skipped_step_or_version_is_reported() -> None:
     assert not r["ok"]
     assert r["schedule"]["steps_missing"] == [3]
     assert r["roles"]["coder"]["steps_of_unpublished_versions"] == [4]
+
+
+def test_a_skipped_version_is_reported() -> None:
+    t = three_slots()
+    t.step(1300, 3, [], version=4)  # version 3 never published
+    r = check_slots(t.events, gap_s=90)
+    assert not r["ok"] and r["roles"]["coder"]["versions_missing"] == [3]
+
+
+def test_a_proposed_module_trained_on_twice_is_reported() -> None:
+    t = three_slots()
+    t.step(1210, 3, [], version=1, role="proposer", module_ids=["p1", "p2"])
+    t.step(1220, 4, [], version=2, role="proposer", module_ids=["p2"])
+    r = check_slots(t.events, gap_s=90)
+    assert not r["ok"] and r["trained_twice"]["proposer_module_ids"] == ["p2"]
+
+
+def test_a_coder_module_trained_on_through_two_groups_is_not_twice() -> None:
+    # Every kernel of the timeline is of module "m", in a group of its own.
+    t = three_slots()
+    t.verdict(1205, "d")
+    t.kernel(1206, "e")
+    t.verdict(1207, "e")
+    t.step(1210, 3, ["d"], module_ids=["m"])
+    t.step(1215, 4, ["e"], module_ids=["m"])
+    r = check_slots(t.events, gap_s=90)
+    assert r["ok"], r
+    assert "coder_module_ids" not in r["trained_twice"]
+
+
+def test_a_verdict_of_a_kernel_never_generated_is_reported() -> None:
+    t = three_slots()
+    t.verdict(1201, "ghost")
+    r = check_slots(t.events, gap_s=90)
+    assert not r["ok"] and r["verdicts_of_unknown_kernels"] == ["ghost"]
+
+
+async def test_a_store_is_read_back_for_its_one_run_or_the_run_named(store_url: str) -> None:
+    other = Timeline()
+    other.kernel(0, "z")
+    async with open_store(store_url) as store:
+        await store.append(three_slots().events)
+        await store.append([e.model_copy(update={"correlation_id": "run-2", "stream_id": "other"})
+                            for e in other.events])
+    with pytest.raises(LookupError, match="2 runs"):
+        await load_events(store_url, None)
+    run_id, events = await load_events(store_url, "run-1")
+    assert run_id == "run-1" and check_slots(events, gap_s=90)["ok"]
+    assert sorted(e.payload["kernel_id"] for e in events if e.type == "KernelGenerated") == [
+        "a", "b", "c", "d"]

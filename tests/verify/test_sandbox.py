@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -275,20 +278,38 @@ def _ticks_now() -> int:
 
 
 def _kill_sandbox_children() -> int:
-    """Kills every sandbox child of this process (spares included); returns how many."""
+    """Kills every live sandbox child of this process (spares included); returns how
+    many."""
     killed = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
         except OSError:
             continue
-        if ppid == os.getpid() and int(entry) == os.getpgid(int(entry)):
+        if state in ("Z", "X"):  # dead already, waiting for its Popen to reap it
+            continue
+        if int(ppid) == os.getpid() and int(entry) == os.getpgid(int(entry)):
             os.killpg(int(entry), 9)
             killed += 1
+            _wait_dead(int(entry))
     return killed
+
+
+def _wait_dead(pid: int) -> None:
+    """Waits until the killed child is a zombie (dead, not yet reaped by its Popen)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except OSError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"child {pid} still alive 10 s after SIGKILL")
 
 
 def test_a_preloading_call_runs_in_a_child_started_before_it_with_the_modules_imported(
@@ -306,10 +327,38 @@ def test_a_preloading_call_runs_in_a_child_started_before_it_with_the_modules_im
     assert again.ok and again.value < _ticks_now() and again.value != warm.value
 
 
-def test_a_spare_that_died_while_it_waited_is_passed_over() -> None:
+def test_a_spare_that_died_while_it_waited_is_passed_over(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     for _ in range(2):
         assert run_in_sandbox(f"{T}:add", (1, 2), timeout_s=60,
                               preload=("colorsys",)).value == 3
     assert _kill_sandbox_children() >= 1
-    out = run_in_sandbox(f"{T}:add", (2, 3), timeout_s=60, preload=("colorsys",))
+    with caplog.at_level(logging.WARNING):
+        out = run_in_sandbox(f"{T}:add", (2, 3), timeout_s=60, preload=("colorsys",))
     assert out.ok and out.value == 5, out
+    # Served by a fresh child at once, not by a retry after a dead spare took the call.
+    assert not [r for r in caplog.records if "trying again" in r.getMessage()]
+
+
+def test_a_call_served_by_a_spare_keeps_its_limits_and_hooks(tmp_path: Path) -> None:
+    for _ in range(2):  # the kind's second call starts spares
+        assert run_in_sandbox(f"{T}:add", (1, 2), timeout_s=60, memory_mb=512,
+                              preload=("colorsys",)).value == 3
+    target = tmp_path / "escape.txt"
+    out = run_in_sandbox(f"{T}:write_outside", (str(target),), timeout_s=60,
+                         memory_mb=512, preload=("colorsys",))
+    assert out.error_kind == "forbidden" and not target.exists(), out
+    out = run_in_sandbox(f"{T}:allocate", (2048,), timeout_s=60, memory_mb=512,
+                         preload=("colorsys",))
+    assert out.error_kind == "oom", out
+
+
+def test_an_argument_that_cannot_be_pickled_leaves_no_child() -> None:
+    _kill_sandbox_children()  # spares of earlier tests (their folders stay until exit)
+    scratch = Path(tempfile.gettempdir())
+    before = set(scratch.glob("kz-sbx-*"))
+    with pytest.raises((TypeError, pickle.PicklingError)):
+        run_in_sandbox(f"{T}:add", (threading.Lock(), 2), timeout_s=60)
+    assert set(scratch.glob("kz-sbx-*")) == before
+    assert _kill_sandbox_children() == 0
