@@ -7,7 +7,9 @@ reference's init arguments and its inputs' and outputs' bytes) and then each can
 imports torch first (7-11 s a problem on an H200 host in a GPU loop, 2026-12-04). With
 ``preload``, a call takes a child started earlier that has imported them already. The
 calls come ``--gap`` seconds apart, as a stream of problems does; the first two warm calls
-of each kind start the spares (a kind gets them from its second call on) and are left out.
+of each target are left out: the first target's start the spares (a kind gets them from its
+second call on), and the two targets, one module with one preload list, are one kind, so
+the second's find spares waiting and dropping them only costs two samples.
 
 Run: ``python -m benchmarks.bench_sandbox_preload [--calls 6] [--gap 3]``.
 """
