@@ -29,6 +29,11 @@ def main() -> None:
             outcomes.append(f"{type(e).__name__}: {e}")
     rank = learner.trainer.accelerator.process_index
     Path(f"{out}-{rank}.json").write_text(json.dumps(outcomes))
+    # Leave together and close the process group, as the learner service does: exiting
+    # with gloo's threads alive aborted a process now and then ("terminate called without
+    # an active exception", exit -6; CI, 2026-12-04).
+    learner.trainer.accelerator.wait_for_everyone()
+    learner.close()
 
 
 if __name__ == "__main__":
