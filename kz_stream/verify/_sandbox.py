@@ -319,7 +319,8 @@ def _collect(
         except (BrokenPipeError, OSError, ValueError):
             pass
 
-    readers.append(threading.Thread(target=feed, daemon=True))
+    feeder = threading.Thread(target=feed, daemon=True)
+    readers.append(feeder)
     for r in readers:
         r.start()
     timed_out = False
@@ -332,7 +333,9 @@ def _collect(
     proc.wait()
     for r in readers:
         r.join(timeout=5)
-    if not stdin.closed:  # the child died before it read its request
+    # The child died before it read its request. A writer still blocked (an escaped
+    # process holds the pipe) keeps the stream's lock: leave the stream to it then.
+    if not stdin.closed and not feeder.is_alive():
         try:
             stdin.close()
         except (BrokenPipeError, OSError):
