@@ -11,7 +11,7 @@ updated Coder wrote 1 correct kernel in 134 against its control's 20 in 184). Th
 learning rate before a GPU run spends its slots on one.
 
     python -m benchmarks.bench_update_size sqlite+aiosqlite:///control.sqlite3 run-0 \\
-        --rates 1e-5,3e-5,1e-4 --steps 4 [--held 24] [--groups-per-step 4]
+        --rates 1e-5,3e-5,1e-4 --steps 4 [--held 24] [--groups-per-step 4] [--kl-betas 0,0.04]
 
 The run's store must hold the kernels' token ids and logprobs (every ``kz run`` stores
 them). On a CPU a step of 4 groups of 1,024-token kernels takes minutes; on a GPU seconds.
@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("run_id")
     ap.add_argument("--rates", default="1e-5,3e-5,1e-4",
                     help="Learning rates, comma-separated.")
+    ap.add_argument("--kl-betas", default="0",
+                    help="KL penalties toward the warm start to try at each rate (comma list).")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--groups-per-step", type=int, default=4)
     ap.add_argument("--held", type=int, default=24,
@@ -108,14 +110,17 @@ def main() -> None:
     metrics: dict[str, dict[str, Any]] = {}
     rows = []
     adapter = packaged_adapter("coder")
-    for rate in [float(r) for r in args.rates.split(",")]:
+    grid = [(float(r), float(b)) for r in args.rates.split(",") for b in args.kl_betas.split(",")]
+    for rate, beta in grid:
+        label = f"lr {rate:g}" + (f", kl_beta {beta:g}" if beta else "")
         torch.manual_seed(0)
         with tempfile.TemporaryDirectory() as scratch:
             learner = CoderLearner(LearnerConfig(
                 model=str(smollm2_dir()), init_adapter=str(adapter) if adapter else None,
-                learning_rate=rate, temperature=args.temperature, output_dir=scratch))
+                learning_rate=rate, kl_beta=beta, temperature=args.temperature,
+                output_dir=scratch))
             before = {k: mean_token_logprob(learner.model, v) for k, v in sets.items()}
-            rows.append({"rate": rate, "step": 0, **before})
+            rows.append({"rate": rate, "kl_beta": beta, "step": 0, **before})
             print(json.dumps(rows[-1]), flush=True)
             step_s = []
             for step in range(args.steps):
@@ -124,17 +129,18 @@ def main() -> None:
                 learner.train_step(batch)
                 step_s.append(time.monotonic() - t0)
                 after = {k: mean_token_logprob(learner.model, v) for k, v in sets.items()}
-                rows.append({"rate": rate, "step": step + 1, "train_s": step_s[-1], **after})
+                rows.append({"rate": rate, "kl_beta": beta, "step": step + 1,
+                             "train_s": step_s[-1], **after})
                 print(json.dumps(rows[-1]), flush=True)
         for name in sets:
-            metrics[f"lr {rate:g}: {name}, mean token logprob after {args.steps} steps"] = (
+            metrics[f"{label}: {name}, mean token logprob after {args.steps} steps"] = (
                 metric(after[name], "nats/token", before[name]))
-        metrics[f"lr {rate:g}: train s per step"] = metric(sum(step_s) / len(step_s), "s")
+        metrics[f"{label}: train s per step"] = metric(sum(step_s) / len(step_s), "s")
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     command = (f"python -m benchmarks.bench_update_size STORE {args.run_id} --rates "
-               f"{args.rates} --steps {args.steps} --groups-per-step {args.groups_per_step} "
-               f"--held {args.held}")
+               f"{args.rates} --kl-betas {args.kl_betas} --steps {args.steps} "
+               f"--groups-per-step {args.groups_per_step} --held {args.held}")
     notes = (f"From {args.store}: {len(train)} groups of version-0 kernels with differing "
              f"verdicts trained on, {args.groups_per_step} a step, from the packaged warm "
              "start; scored after each step. Baseline: the same figure before the first "

@@ -11,9 +11,16 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -240,6 +247,9 @@ class LearnerSettings(_Section):
     lora_r: int = Field(default=_TRAINER.lora_r, ge=1)
     full_finetune: bool = _TRAINER.full_finetune
     max_staleness: int = Field(default=_TRAINER.max_staleness, ge=0)
+    kl_beta: float = Field(
+        default=_TRAINER.kl_beta, ge=0,
+        description="KL penalty toward the run's version 0 (the warm start); 0: none.")
     micro_batches: int = Field(default=_TRAINER.micro_batches, ge=1)
     gradient_checkpointing: bool = _TRAINER.gradient_checkpointing
     proposer_steps: int = Field(default=_SCHEDULE.proposer_steps, ge=0)
@@ -251,6 +261,13 @@ class LearnerSettings(_Section):
         default=5.0, gt=0, description="Least time between two published frontiers."
     )
     poll_interval: float = Field(default=0.2, gt=0, description="Store tail poll, seconds.")
+
+    @model_validator(mode="after")
+    def _anchor_needs_lora(self) -> Self:
+        if self.kl_beta and self.full_finetune:
+            raise ValueError("kl_beta needs LoRA: under full_finetune the KL reference "
+                             "would be the latest checkpoint, not version 0")
+        return self
 
     def trainer_options(self) -> dict[str, Any]:
         """The settings the trainer (``kz_stream.rl.trainer.LearnerConfig``) takes as they

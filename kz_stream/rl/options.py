@@ -21,6 +21,9 @@ class TrainerOptions:
     full_finetune: bool = False
     # Versions a sample may lag the trained policy by before the step drops it.
     max_staleness: int = 4
+    # KL penalty toward the run's first policy (version 0: the warm-start adapter, or the
+    # bare model without one), TRL's ``beta``; 0 computes no reference.
+    kl_beta: float = 0.0
     # Memory of a training step: gradient accumulation over this many micro-batches, and
     # activations recomputed in the backward pass (both trade a little time for memory).
     micro_batches: int = 1

@@ -54,12 +54,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from datasets import Dataset
-from peft import LoraConfig, PeftModel
+from peft import LoraConfig, PeftModel, load_peft_weights, set_peft_model_state_dict
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -134,7 +134,6 @@ class LearnerConfig(TrainerOptions):
     loss_type: str = "dapo"  # TRL's default: token-level normalisation, no length bias
     epsilon: float = 0.2
     epsilon_high: float | None = None
-    kl_beta: float = 0.0
     scale_rewards: str = "group"
     importance_sampling: bool = True
     # Token-level truncated IS: a kernel is ~1k tokens, and a sequence-level ratio (a
@@ -457,6 +456,10 @@ class GRPOLearner:
         if resume is not None:
             state = torch.load(resume / _STATE, weights_only=True)
 
+        if config.full_finetune and config.kl_beta:
+            # TRL would load its reference from the model's own path: after a resume, the
+            # latest checkpoint rather than version 0.
+            raise ValueError("kl_beta: a KL anchor needs LoRA (full_finetune=False)")
         peft_config: LoraConfig | None = None
         policy: PreTrainedModel | PeftModel
         if config.full_finetune:
@@ -486,6 +489,8 @@ class GRPOLearner:
             rollout_func=self.feed,
             importance_sampling=config.importance_sampling,
         )
+        if config.kl_beta and resume is not None:
+            self._anchor_reference_at_version_0()
         if config.gradient_checkpointing:
             # Trainer.train() would turn it on; train_step drives the trainer itself.
             self.model.gradient_checkpointing_enable(
@@ -495,6 +500,27 @@ class GRPOLearner:
         self._prepare_optimizer(state)
         self.version: int = int(state.get("version", 0))
         self.trainer.state.global_step = int(state.get("global_step", 0))
+
+    def _anchor_reference_at_version_0(self) -> None:
+        """Points TRL's KL reference at version 0 after a resume.
+
+        Given a ``PeftModel``, TRL copies its adapter into a frozen "ref" adapter; resumed,
+        that copy is the latest checkpoint, so each slot of a run would anchor somewhere
+        else. Version 0 is the warm-start adapter (loaded into "ref"), or the bare model
+        (no "ref": TRL then disables the adapter for the reference).
+        """
+        model = self.model
+        if "ref" not in getattr(model, "peft_config", {}):
+            return
+        if self.config.init_adapter:
+            weights = load_peft_weights(self.config.init_adapter, device="cpu")
+            result = set_peft_model_state_dict(model, weights, adapter_name="ref")
+            missing = [k for k in cast(Any, result).missing_keys if ".ref." in k]
+            if missing:
+                raise ValueError(f"init_adapter {self.config.init_adapter} does not fit the "
+                                 f"checkpoint's LoRA shape: {len(missing)} missing weights")
+        else:
+            model.delete_adapter("ref")
 
     def _grpo_config(self) -> GRPOConfig:
         c = self.config
@@ -744,7 +770,9 @@ class GRPOLearner:
         else:
             # LoRA never targets the embeddings here; without this PEFT looks the base model
             # up on the Hub (a network call and a warning) to see if the vocabulary changed.
-            model.save_pretrained(str(tmp), save_embedding_layers=False)
+            # Only the policy: a KL reference adapter ("ref") is not part of it.
+            model.save_pretrained(str(tmp), save_embedding_layers=False,
+                                  selected_adapters=["default"])
         sha = policy_sha256(tmp)
         manifest = {
             "role": self.role,

@@ -259,3 +259,10 @@ if __name__ == "__main__":
     out = subprocess.run([sys.executable, str(tmp_path / "pin.py")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "cpus = 4096: cannot run on those cores here" in out.stderr
+
+
+def test_a_kl_anchor_reaches_the_trainer_and_needs_lora(tmp_path: Path) -> None:
+    settings = load_settings(toml(tmp_path, "[learner]\nkl_beta = 0.04\n"))
+    assert settings.learner.trainer_options()["kl_beta"] == 0.04
+    msg = error_of(toml(tmp_path, "[learner]\nkl_beta = 0.04\nfull_finetune = true\n"))
+    assert "kl_beta needs LoRA" in msg
