@@ -51,6 +51,7 @@ from kz_stream.verify._reference import (
     ReferenceModule,
     build_model,
     float64_copy,
+    forget_built_models,
     load_reference,
     run,
     strict_precision,
@@ -288,6 +289,7 @@ def main() -> None:
                 # problem in 2 ms. Exiting makes the verifier start a fresh oracle.
                 send(conn, reply, spill)
                 os._exit(3)
+        forget_built_models()  # the host copy of this problem's model: the next is another
         send(conn, reply, spill)
     os._exit(0)
 

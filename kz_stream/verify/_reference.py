@@ -4,6 +4,7 @@ implementation the tolerances are calibrated on)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,22 +53,74 @@ def perturb_(model: nn.Module, seed: int) -> None:
         for p in model.parameters():
             if not p.dtype.is_floating_point or p.numel() == 0:
                 continue
-            base = p.detach().to("cpu", torch.float64)
+            # In place where a temporary would be a copy of the weight: a 16384² layer
+            # spent most of its time allocating them. The values are the same
+            # (test_reference.py pins them against the plain expressions).
+            base = p.detach().to("cpu", torch.float64, copy=True)
             spread = float(base.std()) if base.numel() > 1 else 0.0
-            spread = max(spread, 0.1 * float(base.abs().mean()), 0.05)
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64) * spread * 0.5
-            p.add_(noise.to(device=p.device, dtype=p.dtype))
+            spread = max(spread, 0.1 * float(base.abs_().mean()), 0.05)
+            del base
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            p.add_(noise.mul_(spread).mul_(0.5).to(device=p.device, dtype=p.dtype))
+
+
+@dataclass
+class _Built:
+    """A model as ``build_model`` left it before moving it, and the RNG state after."""
+
+    key: tuple[Any, ...]
+    model: nn.Module
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None  # when CUDA is up (a constructor may draw there)
+
+
+# The last model built, on the host: the oracle builds the same model once per input set
+# and admission twice, and building means drawing every weight twice (the module's
+# initialisation, then perturb_'s noise): 21 s for a 671M-parameter level-3 MLP on a
+# 2-core host against 0.8 s for a copy (benchmarks/bench_build_model.py).
+_last_built: list[_Built] = []
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``repr(value)`` names it exactly (no tensor, whose repr elides)."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def build_model(
     ref: ReferenceModule, init_args: Sequence[Any], weight_seed: int, device: str
 ) -> nn.Module:
     """Builds ``Model(*init_args)`` under ``weight_seed`` with perturbed weights, in eval-free
-    default (training) mode as KernelBench runs it."""
+    default (training) mode as KernelBench runs it.
+
+    A model built again with the same class, arguments and seed is a copy of the last one
+    built, with the same weights and the same global RNG state after it as a fresh build."""
+    key = (ref.model_cls, repr(list(init_args)), weight_seed)
     torch.manual_seed(weight_seed)
+    if _plain(list(init_args)) and _last_built and _last_built[0].key == key:
+        built = _last_built[0]
+        torch.set_rng_state(built.cpu_rng)
+        if built.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(built.cuda_rng)
+        return copy.deepcopy(built.model).to(device)
+    forget_built_models()
     model = ref.model_cls(*init_args)
+    cpu_rng = torch.get_rng_state()
+    up = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    cuda_rng = torch.cuda.get_rng_state_all() if up else None
     perturb_(model, weight_seed + 7919)
+    on_host = all(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers()))
+    if _plain(list(init_args)) and on_host:
+        # A module deepcopy cannot take is built each time.
+        with contextlib.suppress(Exception):
+            _last_built.append(_Built(key, copy.deepcopy(model), cpu_rng, cuda_rng))
     return model.to(device)
+
+
+def forget_built_models() -> None:
+    """Drops the host copy ``build_model`` keeps of the last model it built."""
+    _last_built.clear()
 
 
 def float64_copy(model: nn.Module) -> nn.Module:
