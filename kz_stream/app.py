@@ -243,7 +243,8 @@ class RunOptions:
       only where the user left that ``[learner]`` key unset (file, environment or
       arguments): an explicit setting wins.
     - A GPU run (``device`` cuda) fills, the same way, the learner's one-batch step and
-      the generators' rows per call (``generator_defaults``).
+      the generators' rows per call (``generator_defaults``); its learning rate and rank
+      stay the trainer's (``TrainerOptions``).
     """
 
     rounds: int = 1
@@ -267,15 +268,18 @@ class RunOptions:
     def learner_defaults(self) -> dict[str, Any]:
         """The learner values this run needs where the user set none."""
         if self.on_gpu:
-            # A step's groups in one batch: the small model's activations fit a GPU.
-            batching = {"micro_batches": 1, "gradient_checkpointing": False}
-        else:
-            # One completion per micro-batch, activations recomputed: a step peaked at
-            # 15.6 GB on the CPU in one batch (two learners' steps then exceeded a 23 GB
-            # machine), 4.2 GB this way, and ran faster.
-            batching = {"micro_batches": self.group_size * self.groups_per_step,
-                        "gradient_checkpointing": True}
-        return {"learning_rate": 1e-4, "lora_r": 8, **batching}
+            # A step's groups in one batch: the small model's activations fit a GPU. The
+            # rate and rank stay the trainer's: at 1e-4 (this default's until 2026-12-05)
+            # the updated Coder passed 1 of 134 kernels on an H200 against its control's
+            # 20 of 184 (docs/learning.md).
+            return {"micro_batches": 1, "gradient_checkpointing": False}
+        # A rate and rank at which one step moves the policy, in a run of a few steps; one
+        # completion per micro-batch, activations recomputed: a step peaked at 15.6 GB on
+        # the CPU in one batch (two learners' steps then exceeded a 23 GB machine), 4.2 GB
+        # this way, and ran faster.
+        return {"learning_rate": 1e-4, "lora_r": 8,
+                "micro_batches": self.group_size * self.groups_per_step,
+                "gradient_checkpointing": True}
 
     def generator_defaults(self) -> dict[str, dict[str, Any]]:
         """The generators' values a GPU run needs where the user set none, by section.

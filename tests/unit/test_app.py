@@ -25,6 +25,7 @@ from kz_stream.consumers.learner import LearnerService
 from kz_stream.producers.coder import CoderService
 from kz_stream.producers.proposer import ProposerService
 from kz_stream.producers.seeds import SEED_MODULES
+from kz_stream.rl.options import TrainerOptions
 
 
 @pytest.fixture(autouse=True)
@@ -124,6 +125,13 @@ def test_every_value_a_run_changes_is_logged_and_a_replaced_setting_warned() -> 
     assert by_key["learner.learning_rate"]["run"] == 1e-4
     assert "default where none is set" in by_key["learner.learning_rate"]["reason"]
     assert "learner.lora_r" not in by_key  # the user's 4 stands: nothing changed
+
+
+def test_a_gpu_run_trains_at_the_trainers_rate_and_rank_in_one_batch() -> None:
+    learner = RunOptions(device="cuda", group_size=4).apply(Settings()).learner
+    trainer = TrainerOptions()
+    assert (learner.learning_rate, learner.lora_r) == (trainer.learning_rate, trainer.lora_r)
+    assert (learner.micro_batches, learner.gradient_checkpointing) == (1, False)
 
 
 def test_a_gpu_run_puts_many_modules_in_a_call_unless_the_user_said_otherwise() -> None:
