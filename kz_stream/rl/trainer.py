@@ -67,6 +67,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kz_stream.logging import get_logger
 from kz_stream.rl.groups import Group, Sample, TrainingBatch, build_batch
 from kz_stream.rl.options import TrainerOptions
 from kz_stream.rl.rewards import RewardConfig, ca_grpo_rewards, proposer_reward
@@ -489,6 +490,16 @@ class GRPOLearner:
             rollout_func=self.feed,
             importance_sampling=config.importance_sampling,
         )
+        # What version 0 was (the digest of the warm-start adapter, or "bare"), carried in
+        # every checkpoint's manifest: a KL anchor must not move between slots.
+        here = policy_sha256(config.init_adapter) if config.init_adapter else "bare"
+        saved = json.loads((resume / _MANIFEST).read_text()).get("version0") if resume else None
+        if config.kl_beta and saved is not None and saved != here:
+            raise ValueError(
+                f"kl_beta: this run's version 0 was {saved[:16]}, but its init adapter now "
+                f"is {here[:16]} ({config.init_adapter or 'none'}); a KL anchor needs the "
+                "same one in every slot")
+        self.version0: str = saved or here
         if config.kl_beta and resume is not None:
             self._anchor_reference_at_version_0()
         if config.gradient_checkpointing:
@@ -569,6 +580,17 @@ class GRPOLearner:
             self._optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:
             self._scheduler.load_state_dict(state["scheduler"])
+        # The saved state carries the rate it was saved with; the configured one wins (a
+        # run resumed with another learning rate would otherwise keep the old one).
+        rate = self.config.learning_rate
+        saved = {float(g["lr"]) for g in self._optimizer.param_groups}
+        if saved != {rate}:
+            if state:
+                get_logger("kz.learner").info("learning_rate_set_on_resume",
+                                               saved=sorted(saved), now=rate)
+            for group in self._optimizer.param_groups:
+                group["lr"] = group["initial_lr"] = rate
+            self._scheduler.base_lrs = [rate] * len(self._optimizer.param_groups)
 
     @property
     def _optimizer(self) -> torch.optim.Optimizer:
@@ -781,6 +803,7 @@ class GRPOLearner:
             "base_model": self.config.model,
             "sha256": sha,
             "global_step": self.trainer.state.global_step,
+            "version0": self.version0,
             "saved_at": datetime.now(UTC).isoformat(),
         }
         (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=2))

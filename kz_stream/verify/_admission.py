@@ -83,6 +83,7 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
     from kz_stream.verify._reference import (
         build_model,
         float64_copy,
+        forget_built_models,
         load_reference,
         perturb_,
         run,
@@ -132,6 +133,10 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
         plans.append(InputPlan("signed", "normal", size_map, signed=True, lead_only=lead))
 
     model = build_model(ref, scaled_init, _WEIGHT_SEED, device)
+    if device == "cpu":
+        # Under the sandbox's address-space cap a kept copy of the weights is one more
+        # model's worth: build the perturbed one below afresh instead.
+        forget_built_models()
     try:
         model64 = float64_copy(model)
     except Exception as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,7 @@ class _Built:
 # initialisation, then perturb_'s noise): 21 s for a 671M-parameter level-3 MLP on a
 # 2-core host against 0.8 s for a copy (benchmarks/bench_build_model.py).
 _last_built: list[_Built] = []
+_building = threading.RLock()
 
 
 def _plain(value: Any) -> bool:
@@ -96,6 +98,15 @@ def build_model(
 
     A model built again with the same class, arguments and seed is a copy of the last one
     built, with the same weights and the same global RNG state after it as a fresh build."""
+    # One build at a time: a build seeds and draws from the global RNG, so two at once
+    # in one process would mix their weights even without the kept copy.
+    with _building:
+        return _build(ref, init_args, weight_seed, device)
+
+
+def _build(
+    ref: ReferenceModule, init_args: Sequence[Any], weight_seed: int, device: str
+) -> nn.Module:
     key = (ref.model_cls, repr(list(init_args)), weight_seed)
     torch.manual_seed(weight_seed)
     if _plain(list(init_args)) and _last_built and _last_built[0].key == key:
@@ -120,7 +131,8 @@ def build_model(
 
 def forget_built_models() -> None:
     """Drops the host copy ``build_model`` keeps of the last model it built."""
-    _last_built.clear()
+    with _building:
+        _last_built.clear()
 
 
 def float64_copy(model: nn.Module) -> nn.Module:

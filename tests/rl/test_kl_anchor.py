@@ -107,6 +107,26 @@ def test_without_a_warm_start_the_reference_is_the_bare_model_in_every_slot(
     for each in (learner, resumed):
         torch.testing.assert_close(_reference_logps(each), bare)
         assert not torch.allclose(_next_token_logps(each.model), bare, atol=1e-4)
+    assert _train(resumed, 1, "b")[0]["kl"] > 1e-6
+
+
+def test_a_slot_that_would_anchor_elsewhere_is_refused(tmp_path: Path, warm_adapter: Path) -> None:
+    learner = CoderLearner(_config(tmp_path, init_adapter=str(warm_adapter)),
+                           model=tiny_model(), tokenizer=tiny_tokenizer())
+    _train(learner, 1, "a")
+    learner.save_policy(tmp_path / "policies")
+    other = tmp_path / "other"
+    config = LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(tiny_model(), config).save_pretrained(str(other), save_embedding_layers=False)
+    for init in (str(other), None):  # another warm start, or none
+        with pytest.raises(ValueError, match="version 0"):
+            CoderLearner(_config(tmp_path, init_adapter=init), model=tiny_model(),
+                         tokenizer=tiny_tokenizer(), checkpoint_dir=tmp_path / "policies")
+    # Without an anchor nothing depends on version 0: the run goes on.
+    resumed = CoderLearner(_config(tmp_path, init_adapter=str(other), kl_beta=0.0),
+                           model=tiny_model(), tokenizer=tiny_tokenizer(),
+                           checkpoint_dir=tmp_path / "policies")
+    assert resumed.version == 1
 
 
 def test_the_penalty_keeps_the_policy_nearer_its_reference(

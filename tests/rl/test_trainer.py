@@ -312,6 +312,22 @@ def test_save_and_resume(tmp_path: Path) -> None:
     assert result.trained and result.policy_version == 3
 
 
+def test_a_resumed_learner_trains_at_the_configured_rate_not_the_saved_one(
+    tmp_path: Path,
+) -> None:
+    cfg = LearnerConfig(learning_rate=1e-2, output_dir=str(tmp_path / "scratch"))
+    learner = CoderLearner(cfg, model=tiny_model(init_range=0.3), tokenizer=tiny_tokenizer())
+    learner.train_step(make_groups(learner.model, [0, 1], 4, learner.version, "s"))
+    learner.save_policy(tmp_path / "policies")
+    resumed = CoderLearner(replace(cfg, learning_rate=1e-3), model=tiny_model(init_range=0.3),
+                           tokenizer=tiny_tokenizer(), checkpoint_dir=tmp_path / "policies")
+    assert resumed.version == 1
+    resumed.train_step(make_groups(resumed.model, [0, 1], 4, resumed.version, "r"))
+    optimizer = resumed.trainer.optimizer
+    assert optimizer is not None
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-3] * len(optimizer.param_groups)
+
+
 def test_every_version_keeps_its_weights_and_only_the_newest_two_their_optimizer_state(
     tmp_path: Path,
 ) -> None:
