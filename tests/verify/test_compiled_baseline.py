@@ -289,9 +289,14 @@ _MODEL_CHECK = textwrap.dedent('''
     # No pool of compile workers (subprocesses, which a worker's audit hook refuses) was
     # made, and no process of ours is left (the compiler's are done).
     out["pools"] = len(getattr(async_compile, "_pool_set", ()))
+    def parent_of(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[1]
+        except OSError:  # it ended between the listing and the read (seen once in CI)
+            return None
     out["children"] = [p for p in os.listdir("/proc") if p.isdigit()
-                       and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]
-                       == str(os.getpid())]
+                       and parent_of(p) == str(os.getpid())]
     print("RESULT " + json.dumps(out))
 ''')
 
