@@ -116,6 +116,7 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
                 init_a = map_init(init, attempt.size_map) if attempt.scale_init else init
                 probe = build_model(ref, init_a, _WEIGHT_SEED, device)
                 run(probe, make_inputs(specs, attempt, _INPUT_SEED, ref.get_inputs), device)
+                del probe  # the model below is its copy: not three at once under the cap
                 plan = attempt
                 break
             except Exception as e:

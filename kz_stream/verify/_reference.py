@@ -108,8 +108,9 @@ def _build(
     ref: ReferenceModule, init_args: Sequence[Any], weight_seed: int, device: str
 ) -> nn.Module:
     key = (ref.model_cls, repr(list(init_args)), weight_seed)
+    keepable = _plain(list(init_args))
     torch.manual_seed(weight_seed)
-    if _plain(list(init_args)) and _last_built and _last_built[0].key == key:
+    if keepable and _last_built and _last_built[0].key == key:
         built = _last_built[0]
         torch.set_rng_state(built.cpu_rng)
         if built.cuda_rng is not None:
@@ -122,7 +123,7 @@ def _build(
     cuda_rng = torch.cuda.get_rng_state_all() if up else None
     perturb_(model, weight_seed + 7919)
     on_host = all(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers()))
-    if _plain(list(init_args)) and on_host:
+    if keepable and on_host:
         # A module deepcopy cannot take is built each time.
         with contextlib.suppress(Exception):
             _last_built.append(_Built(key, copy.deepcopy(model), cpu_rng, cuda_rng))
