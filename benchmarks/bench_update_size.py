@@ -37,9 +37,10 @@ from kz_stream.rl.trainer import CoderLearner, LearnerConfig
 from kz_stream.warmstart import packaged_adapter
 
 
-def version0_groups(run: Run) -> list[Group]:
-    """The run's complete groups of kernels sampled from version 0, every member decided,
-    in the order they were generated."""
+def version0_groups(run: Run, any_version: bool = False) -> list[Group]:
+    """The run's complete groups of kernels sampled from version 0 (from any version with
+    ``any_version``: a control's versions all hold version 0's weights), every member
+    decided, in the order they were generated."""
     by_group: dict[str, list[Any]] = {}
     for k in sorted(run.state.kernels.values(), key=lambda k: k.generated_at):
         by_group.setdefault(k.group_id, []).append(k)
@@ -47,7 +48,7 @@ def version0_groups(run: Run) -> list[Group]:
     for gid, ks in by_group.items():
         complete = len(ks) == ks[0].generated.group_size and all(k.decided for k in ks)
         ids = [k.generated.completion and k.generated.completion.prompt_token_ids for k in ks]
-        if ks[0].policy_version != 0 or not complete or not all(ids):
+        if (ks[0].policy_version != 0 and not any_version) or not complete or not all(ids):
             continue
         groups.append(Group(gid, tuple(
             Sample.from_kernel(k.generated, k.verdict, prompt_ids=p)
@@ -84,12 +85,15 @@ def main() -> None:
                     help="Held-out kernels of each kind (correct, wrong) to score.")
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="The run's Coder sampling temperature.")
+    ap.add_argument("--any-version", action="store_true",
+                    help="Use groups of every policy version: for a control run (learning "
+                         "rate 0), whose versions all hold the warm start's weights.")
     ap.add_argument("--machine", default=None)
     ap.add_argument("--out", type=Path, default=None,
                     help="Also write every step's row here (JSON lines).")
     args = ap.parse_args()
 
-    groups = version0_groups(asyncio.run(load_run(args.store, args.run_id)))
+    groups = version0_groups(asyncio.run(load_run(args.store, args.run_id)), args.any_version)
     mixed = [g for g in groups if 0 < sum(bool(s.correct) for s in g.samples) < len(g)]
     train = mixed[: args.steps * args.groups_per_step]
     if len(train) < args.steps * args.groups_per_step:
@@ -103,7 +107,8 @@ def main() -> None:
         "held-out wrong": [s for s in held if not s.correct][: args.held],
         "trained-on correct": [s for g in train for s in g.samples if s.correct][: args.held],
     }
-    print(f"{len(groups)} complete version-0 groups, {len(mixed)} with differing verdicts; "
+    kind = "control" if args.any_version else "version-0"
+    print(f"{len(groups)} complete {kind} groups, {len(mixed)} with differing verdicts; "
           f"{len(train)} trained on; scored: "
           + ", ".join(f"{k} {len(v)}" for k, v in sets.items()), flush=True)
 
@@ -140,8 +145,9 @@ def main() -> None:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     command = (f"python -m benchmarks.bench_update_size STORE {args.run_id} --rates "
                f"{args.rates} --kl-betas {args.kl_betas} --steps {args.steps} "
-               f"--groups-per-step {args.groups_per_step} --held {args.held}")
-    notes = (f"From {args.store}: {len(train)} groups of version-0 kernels with differing "
+               f"--groups-per-step {args.groups_per_step} --held {args.held}"
+               + (" --any-version" if args.any_version else ""))
+    notes = (f"From {args.store}: {len(train)} groups of {kind} kernels with differing "
              f"verdicts trained on, {args.groups_per_step} a step, from the packaged warm "
              "start; scored after each step. Baseline: the same figure before the first "
              "step. Logprobs are per token, under temperature 1.")
