@@ -68,6 +68,7 @@ class LearnerService(Service):
         # When the learner last became ready to train: its start, then each step's end.
         self._idle_since = time.perf_counter()
         self._expired: set[str] = set()  # groups logged as too stale to train on
+        self._wait_over_logged = -1.0  # the idle period whose Proposer wait ran out, logged
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -258,9 +259,9 @@ class LearnerService(Service):
         return self._unexpired("coder", out)
 
     def proposer_step_groups(self) -> list[Group]:
-        """The groups of the next Proposer step: ones whose rewards differ, waiting for
-        groups being scored rather than train on equal rewards (``proposer_step_groups`` in
-        ``rl/groups.py``)."""
+        """The groups of the next Proposer step: ones whose rewards differ, waiting up to
+        ``proposer_wait_s`` for groups being scored rather than train on equal rewards
+        (``proposer_step_groups`` in ``rl/groups.py``)."""
         ready, being_scored = self.state.proposal_readiness(
             timeout_s=self.config.group_timeout_s)
         lbar = self.state.module_correctness()
@@ -282,10 +283,19 @@ class LearnerService(Service):
                     )
                 )
             groups.append(Group(gid, tuple(samples)))
+        # The wait is bounded: the schedule's next Coder step waits behind this one, and
+        # on an H200 (2026-12-05) new valid proposals kept groups "being scored" for a
+        # whole 300 s slot with three of four informative groups ready: no step at all.
+        waited = time.perf_counter() - self._idle_since
+        waiting = being_scored > 0 and waited < self.config.proposer_wait_s
+        if being_scored and not waiting and self._wait_over_logged != self._idle_since:
+            self._wait_over_logged = self._idle_since
+            self.log.info("proposer_wait_over", waited_s=round(waited, 1),
+                          being_scored=being_scored, ready=len(groups))
         return proposer_step_groups(
             self._unexpired("proposer", groups), self.config.groups_per_step,
             invalid_reward=self.learners["proposer"].config.rewards.invalid_module_reward,
-            waiting=being_scored > 0,
+            waiting=waiting,
         )
 
     def current_role(self) -> Role | None:
