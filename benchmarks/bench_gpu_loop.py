@@ -145,6 +145,41 @@ def difference_in_se(c1: int, n1: int, c2: int, n2: int) -> float | None:
     return (p1 - p2) / se if se > 0 else None
 
 
+def clustered_difference_in_se(treated: list[tuple[int, int]],
+                               control: list[tuple[int, int]]) -> float | None:
+    """(p1 - p2) / SE with each arm's pass rate a ratio over clusters, (kernels, correct)
+    per cluster: the kernels of one group share a module and a prompt, so they are not
+    independent, and the binomial SE understates the spread. Each arm's SE is the
+    cluster-robust (ratio-estimator) one; None when an arm has under two clusters or
+    the SE is 0."""
+
+    def rate_and_var(clusters: list[tuple[int, int]]) -> tuple[float, float] | None:
+        m = len(clusters)
+        n = sum(k for k, _ in clusters)
+        if m < 2 or not n:
+            return None
+        p = sum(c for _, c in clusters) / n
+        resid = sum((c - p * k) ** 2 for k, c in clusters)
+        return p, resid * m / ((m - 1) * n * n)
+
+    a, b = rate_and_var(treated), rate_and_var(control)
+    if a is None or b is None or a[1] + b[1] <= 0:
+        return None
+    return (a[0] - b[0]) / math.sqrt(a[1] + b[1])
+
+
+def updated_groups(runs: list[Run]) -> list[tuple[int, int]]:
+    """(decided kernels, correct ones) per Coder group sampled by a version after the
+    first, over the runs."""
+    out: dict[tuple[int, str], tuple[int, int]] = {}
+    for i, run in enumerate(runs):
+        for k in run.state.kernels.values():
+            if k.decided and k.policy_version > 0:
+                n, c = out.get((i, k.group_id), (0, 0))
+                out[(i, k.group_id)] = (n + 1, c + k.correct)
+    return list(out.values())
+
+
 def steps_to_two_se(treated: list[dict[str, Any]], control: list[dict[str, Any]]
                     ) -> int | None:
     """The first Coder step index (1-based) at which the treatment's cumulative pass rate
@@ -280,6 +315,10 @@ def compare(treated: list[Run], control: list[Run]) -> dict[str, dict[str, Any]]
     z = difference_in_se(tk, tn, ck, cn)
     if z is not None:
         out["versions >= 1: (run - control) pass rate in SE"] = metric(z, "SE")
+    zc = clustered_difference_in_se(updated_groups(treated), updated_groups(control))
+    if zc is not None:
+        out["versions >= 1: (run - control) pass rate in SE, clustered by group"] = (
+            metric(zc, "SE"))
     k = steps_to_two_se(tc, cc)
     if k is not None:  # absent: not within the run (the notes say so)
         out["coder steps until pass rate > control + 2 SE"] = metric(float(k), "steps")

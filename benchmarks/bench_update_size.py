@@ -67,7 +67,7 @@ def mean_token_logprob(model: torch.nn.Module, samples: list[Sample]) -> float:
             logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
             target = torch.tensor(s.completion_ids, device=device)[:, None]
             values.append(torch.log_softmax(logits, -1).gather(-1, target).mean().item())
-    return sum(values) / len(values)
+    return sum(values) / len(values) if values else float("nan")
 
 
 def main() -> None:
