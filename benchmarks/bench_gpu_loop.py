@@ -18,7 +18,8 @@ kernels of step i of every replicate together), and so are the totals and throug
 Per Coder step: the step's mean reward (the learner's), its pass rate and fast_1 (correct
 and faster than eager PyTorch) over the step's decided kernels. The difference of the
 cumulative pass rates, treatment minus control, is compared with two standard errors
-(binomial, of the two rates): the first step where it exceeds them is reported. Per
+(cluster-robust by Coder group: a group's kernels share a module and a prompt): the first
+step where it exceeds them is reported. Per
 Proposer step: mean reward and valid rate. Throughput: steps per hour; per step the
 learner's training seconds and how long it waited for complete groups
 (`TrainingStepCompleted` v2), the generation seconds of the step's groups and the
@@ -120,8 +121,13 @@ def coder_curve(run: Run) -> list[dict[str, Any]]:
     for s in run.role_steps("coder"):
         ks = [k for k in run.kernels(s) if k.decided]
         n = len(ks)
+        groups: dict[str, tuple[int, int]] = {}
+        for k in ks:
+            gn, gc = groups.get(k.group_id, (0, 0))
+            groups[k.group_id] = (gn + 1, gc + k.correct)
         rows.append({"step": s.step, "mean_reward": s.mean_reward, "n": n,
-                     "correct": sum(k.correct for k in ks), "fast": sum(_fast(k) for k in ks)})
+                     "correct": sum(k.correct for k in ks), "fast": sum(_fast(k) for k in ks),
+                     "groups": list(groups.values())})
         rows[-1]["pass_rate"] = rows[-1]["correct"] / n if n else None
         rows[-1]["fast_1"] = rows[-1]["fast"] / n if n else None
     return rows
@@ -183,11 +189,13 @@ def updated_groups(runs: list[Run]) -> list[tuple[int, int]]:
 def steps_to_two_se(treated: list[dict[str, Any]], control: list[dict[str, Any]]
                     ) -> int | None:
     """The first Coder step index (1-based) at which the treatment's cumulative pass rate
-    exceeds the control's by more than two standard errors; None if it never does."""
-    c1 = n1 = c2 = n2 = 0
+    exceeds the control's by more than two standard errors, clustered by group
+    (``clustered_difference_in_se``); None if it never does."""
+    g1: list[tuple[int, int]] = []
+    g2: list[tuple[int, int]] = []
     for i, (a, b) in enumerate(zip(treated, control, strict=False), start=1):
-        c1, n1, c2, n2 = c1 + a["correct"], n1 + a["n"], c2 + b["correct"], n2 + b["n"]
-        z = difference_in_se(c1, n1, c2, n2)
+        g1, g2 = g1 + a["groups"], g2 + b["groups"]
+        z = clustered_difference_in_se(g1, g2)
         if z is not None and z > 2:
             return i
     return None
@@ -266,6 +274,7 @@ def pooled_curve(curves: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"step": i + 1, "replicates": len(at), "n": n,
                                "correct": sum(r["correct"] for r in at),
                                "fast": sum(r["fast"] for r in at),
+                               "groups": [g for r in at for g in r["groups"]],
                                "mean_reward": statistics.fmean(r["mean_reward"] for r in at)}
         row["pass_rate"] = row["correct"] / n if n else None
         row["fast_1"] = row["fast"] / n if n else None
