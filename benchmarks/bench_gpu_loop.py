@@ -31,13 +31,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks._results import metric, write_result
+from kz_stream.evaluation import clustered_difference_in_se, difference_in_se
 from kz_stream.events import TrainingStepCompleted, payload_as
 from kz_stream.run_state import CapabilityMap, KernelRecord, RunState
 from kz_stream.store import open_store
@@ -142,38 +142,6 @@ def proposer_curve(run: Run) -> list[dict[str, Any]]:
     return rows
 
 
-def difference_in_se(c1: int, n1: int, c2: int, n2: int) -> float | None:
-    """(p1 - p2) / SE of two binomial pass rates, c of n each; None when SE is 0."""
-    if not (n1 and n2):
-        return None
-    p1, p2 = c1 / n1, c2 / n2
-    se = math.sqrt(p1 * (1 - p1) / n1 + p2 * (1 - p2) / n2)
-    return (p1 - p2) / se if se > 0 else None
-
-
-def clustered_difference_in_se(treated: list[tuple[int, int]],
-                               control: list[tuple[int, int]]) -> float | None:
-    """(p1 - p2) / SE with each arm's pass rate a ratio over clusters, (kernels, correct)
-    per cluster: the kernels of one group share a module and a prompt, so they are not
-    independent, and the binomial SE understates the spread. Each arm's SE is the
-    cluster-robust (ratio-estimator) one; None when an arm has under two clusters or
-    the SE is 0."""
-
-    def rate_and_var(clusters: list[tuple[int, int]]) -> tuple[float, float] | None:
-        m = len(clusters)
-        n = sum(k for k, _ in clusters)
-        if m < 2 or not n:
-            return None
-        p = sum(c for _, c in clusters) / n
-        resid = sum((c - p * k) ** 2 for k, c in clusters)
-        return p, resid * m / ((m - 1) * n * n)
-
-    a, b = rate_and_var(treated), rate_and_var(control)
-    if a is None or b is None or a[1] + b[1] <= 0:
-        return None
-    return (a[0] - b[0]) / math.sqrt(a[1] + b[1])
-
-
 def updated_groups(runs: list[Run]) -> list[tuple[int, int]]:
     """(decided kernels, correct ones) per Coder group sampled by a version after the
     first, over the runs."""
@@ -225,9 +193,9 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def throughput(runs: list[Run]) -> dict[str, float | None]:
-    """Steps per hour (from each run's first event to its last step: the time between
-    slots of a run spread over several counts too; replicates add their steps and hours)
-    and the per-step split of where the time went."""
+    """Steps and verdicts per hour (from each run's first event to its last step: the time
+    between slots of a run spread over several counts too; replicates add their steps and
+    hours) and the per-step split of where the time went."""
     hours = 0.0
     all_steps: list[TrainingStepCompleted] = []
     gen: list[float] = []
@@ -237,8 +205,9 @@ def throughput(runs: list[Run]) -> dict[str, float | None]:
         steps = sorted(run.steps, key=lambda t: t[0])
         if steps and run.first_at:
             hours += (steps[-1][0] - run.first_at) / 3600
+            # Over the same span as the steps: a slot after the last step adds none.
+            verdicts += sum(t <= steps[-1][0] for t in run.verified_at.values())
         all_steps += [s for _, s in steps if _trained(s)]
-        verdicts += len(run.verified_at)
         for s in run.role_steps("coder"):
             ks = run.kernels(s)
             per_group = {k.group_id: k.generated.generation_s for k in ks}

@@ -67,7 +67,7 @@ def mean_token_logprob(model: torch.nn.Module, samples: list[Sample]) -> float:
             logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
             target = torch.tensor(s.completion_ids, device=device)[:, None]
             values.append(torch.log_softmax(logits, -1).gather(-1, target).mean().item())
-    return sum(values) / len(values) if values else float("nan")
+    return sum(values) / len(values)
 
 
 def main() -> None:
@@ -107,10 +107,11 @@ def main() -> None:
         "held-out wrong": [s for s in held if not s.correct][: args.held],
         "trained-on correct": [s for g in train for s in g.samples if s.correct][: args.held],
     }
+    sizes = ", ".join(f"{k} {len(v)}" for k, v in sets.items())
+    sets = {k: v for k, v in sets.items() if v}  # an empty set has no mean to score
     kind = "control" if args.any_version else "version-0"
     print(f"{len(groups)} complete {kind} groups, {len(mixed)} with differing verdicts; "
-          f"{len(train)} trained on; scored: "
-          + ", ".join(f"{k} {len(v)}" for k, v in sets.items()), flush=True)
+          f"{len(train)} trained on; scored: {sizes}", flush=True)
 
     metrics: dict[str, dict[str, Any]] = {}
     rows = []
@@ -148,9 +149,10 @@ def main() -> None:
                f"--groups-per-step {args.groups_per_step} --held {args.held}"
                + (" --any-version" if args.any_version else ""))
     notes = (f"From {args.store}: {len(train)} groups of {kind} kernels with differing "
-             f"verdicts trained on, {args.groups_per_step} a step, from the packaged warm "
-             "start; scored after each step. Baseline: the same figure before the first "
-             "step. Logprobs are per token, under temperature 1.")
+             f"verdicts trained on ({len(mixed)} such of {len(groups)} complete groups), "
+             f"{args.groups_per_step} a step, from the packaged warm start; scored after "
+             f"each step (kernels scored: {sizes}); one seed. Baseline: the same figure "
+             "before the first step. Logprobs are per token, under temperature 1.")
     path = write_result("update_size", command, metrics, notes=notes, machine=args.machine)
     print(f"wrote {path}")
 

@@ -68,7 +68,6 @@ class LearnerService(Service):
         # When the learner last became ready to train: its start, then each step's end.
         self._idle_since = time.perf_counter()
         self._expired: set[str] = set()  # groups logged as too stale to train on
-        self._wait_over_logged = -1.0  # the idle period whose Proposer wait ran out, logged
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -283,20 +282,22 @@ class LearnerService(Service):
                     )
                 )
             groups.append(Group(gid, tuple(samples)))
-        # The wait is bounded: the schedule's next Coder step waits behind this one, and
-        # on an H200 (2026-12-05) new valid proposals kept groups "being scored" for a
-        # whole 300 s slot with three of four informative groups ready: no step at all.
+        # The wait is bounded (from the learner's start or its last step, as
+        # waited_seconds): the schedule's next Coder step waits behind this one, and on an
+        # H200 (2026-12-05) new valid proposals kept groups "being scored" for a whole
+        # 300 s slot with three of four informative groups ready: no step at all.
         waited = time.perf_counter() - self._idle_since
         waiting = being_scored > 0 and waited < self.config.proposer_wait_s
-        if being_scored and not waiting and self._wait_over_logged != self._idle_since:
-            self._wait_over_logged = self._idle_since
+        n = self.config.groups_per_step
+        invalid = self.learners["proposer"].config.rewards.invalid_module_reward
+        fresh = self._unexpired("proposer", groups)
+        chosen = proposer_step_groups(fresh, n, invalid_reward=invalid, waiting=waiting)
+        if (being_scored and not waiting and len(chosen) >= n
+                and not proposer_step_groups(fresh, n, invalid_reward=invalid, waiting=True)):
+            # Said only when the bound decides the step: it goes ahead without them.
             self.log.info("proposer_wait_over", waited_s=round(waited, 1),
-                          being_scored=being_scored, ready=len(groups))
-        return proposer_step_groups(
-            self._unexpired("proposer", groups), self.config.groups_per_step,
-            invalid_reward=self.learners["proposer"].config.rewards.invalid_module_reward,
-            waiting=waiting,
-        )
+                          being_scored=being_scored, ready=len(fresh))
+        return chosen
 
     def current_role(self) -> Role | None:
         turn = self.schedule.turn_at(self.steps_done)

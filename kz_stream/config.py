@@ -259,8 +259,10 @@ class LearnerSettings(_Section):
     group_timeout_s: float = Field(default=600.0, gt=0)
     proposer_wait_s: float = Field(
         default=120.0, gt=0,
-        description="Most seconds a Proposer step waits for proposal groups the Coder is "
-                    "scoring before it trains on the ready ones (its turn blocks the Coder's).")
+        description="Most seconds (from the learner's start or its last step) a Proposer "
+                    "step waits for proposal groups the Coder is scoring before it trains on "
+                    "the ready ones, equal-reward groups included (its turn blocks the "
+                    "Coder's).")
     frontier_every_s: float = Field(
         default=5.0, gt=0, description="Least time between two published frontiers."
     )

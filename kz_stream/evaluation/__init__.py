@@ -16,6 +16,8 @@ if TYPE_CHECKING:
         Baseline,
         ProblemResult,
         SuiteMetrics,
+        clustered_difference_in_se,
+        difference_in_se,
         fast_p,
         geomean_speedup,
         level_name,
@@ -59,8 +61,8 @@ if TYPE_CHECKING:
 _ORIGINS = {
     **dict.fromkeys(
         ["COMPILE_FAST_P", "FAST_P", "PASS_K", "Baseline", "ProblemResult", "SuiteMetrics",
-         "fast_p", "geomean_speedup", "level_name", "pass_at_k", "summarize",
-         "summarize_levels"], "._metrics"),
+         "clustered_difference_in_se", "difference_in_se", "fast_p", "geomean_speedup",
+         "level_name", "pass_at_k", "summarize", "summarize_levels"], "._metrics"),
     **dict.fromkeys(
         ["STATUS_COLOURS", "EvalReport", "build_report", "markdown", "table_rows",
          "throughput_line", "write_plots", "write_report"], "._report"),
@@ -90,6 +92,8 @@ __all__ = [
     "SuiteProblem",
     "Throughput",
     "build_report",
+    "clustered_difference_in_se",
+    "difference_in_se",
     "fast_p",
     "geomean_speedup",
     "kernel_id_of",

@@ -247,3 +247,35 @@ def summarize_levels(
                                            compile_baseline=compile_baseline)
     out["overall"] = summarize(results, seed=seed, compile_baseline=compile_baseline)
     return out
+
+
+def difference_in_se(c1: int, n1: int, c2: int, n2: int) -> float | None:
+    """(p1 - p2) / SE of two binomial pass rates, c of n each; None when SE is 0."""
+    if not (n1 and n2):
+        return None
+    p1, p2 = c1 / n1, c2 / n2
+    se = math.sqrt(p1 * (1 - p1) / n1 + p2 * (1 - p2) / n2)
+    return (p1 - p2) / se if se > 0 else None
+
+
+def clustered_difference_in_se(treated: list[tuple[int, int]],
+                               control: list[tuple[int, int]]) -> float | None:
+    """(p1 - p2) / SE with each arm's pass rate a ratio over clusters, (kernels, correct)
+    per cluster: the kernels of one group share a module and a prompt, so they are not
+    independent, and the binomial SE understates the spread. Each arm's SE is the
+    cluster-robust (ratio-estimator) one; None when an arm has under two clusters or
+    the SE is 0."""
+
+    def rate_and_var(clusters: list[tuple[int, int]]) -> tuple[float, float] | None:
+        m = len(clusters)
+        n = sum(k for k, _ in clusters)
+        if m < 2 or not n:
+            return None
+        p = sum(c for _, c in clusters) / n
+        resid = sum((c - p * k) ** 2 for k, c in clusters)
+        return p, resid * m / ((m - 1) * n * n)
+
+    a, b = rate_and_var(treated), rate_and_var(control)
+    if a is None or b is None or a[1] + b[1] <= 0:
+        return None
+    return (a[0] - b[0]) / math.sqrt(a[1] + b[1])

@@ -9,6 +9,8 @@ import pytest
 
 from kz_stream.evaluation import (
     ProblemResult,
+    clustered_difference_in_se,
+    difference_in_se,
     fast_p,
     geomean_speedup,
     pass_at_k,
@@ -146,3 +148,40 @@ def test_no_compiled_baseline_is_not_estimated() -> None:
     none_correct = summarize([ProblemResult("n", 1, (False, False), (None, None)), a])
     assert none_correct.fast_compile == pytest.approx((0 + 0) / 2)
     assert none_correct.compile_geomean == pytest.approx(0.9)
+
+
+def test_the_difference_of_two_pass_rates_in_binomial_standard_errors() -> None:
+    # 9/42 against 6/81: (0.2143 - 0.0741) / sqrt(p1 q1 / 42 + p2 q2 / 81)
+    p1, p2 = 9 / 42, 6 / 81
+    se = math.sqrt(p1 * (1 - p1) / 42 + p2 * (1 - p2) / 81)
+    assert difference_in_se(9, 42, 6, 81) == pytest.approx((p1 - p2) / se)
+    assert difference_in_se(0, 10, 0, 10) is None  # no spread: no SE
+    assert difference_in_se(1, 0, 1, 5) is None
+
+
+def test_clustered_by_groups_of_one_it_is_the_binomial_with_a_small_sample_factor() -> None:
+    treated = [(1, 1)] * 9 + [(1, 0)] * 33
+    control = [(1, 1)] * 6 + [(1, 0)] * 75
+    p1, p2 = 9 / 42, 6 / 81
+    se = math.sqrt(p1 * (1 - p1) / 42 * 42 / 41 + p2 * (1 - p2) / 81 * 81 / 80)
+    assert clustered_difference_in_se(treated, control) == pytest.approx((p1 - p2) / se)
+
+
+def test_clustered_groups_that_pass_or_fail_whole_count_as_one_sample_each() -> None:
+    # Four groups of four that pass or fail together carry four samples' worth of evidence,
+    # not sixteen: the SE is the one of four kernels, and the difference shrinks in SE.
+    whole = [(4, 4), (4, 0), (4, 0), (4, 0)]
+    spread = [(4, 1)] * 4
+    z_whole = clustered_difference_in_se(whole, [(4, 0)] * 4)
+    z_binomial = difference_in_se(4, 16, 0, 16)
+    assert z_binomial is not None and z_whole is not None
+    # Per arm: p = 1/4, residuals (3, -1, -1, -1) -> sum 12; var = 4/3 * 12 / 16^2
+    assert z_whole == pytest.approx(0.25 / math.sqrt(4 / 3 * 12 / 256))
+    assert z_whole < z_binomial
+    # Groups that each hold one pass of four vary not at all between groups.
+    assert clustered_difference_in_se(spread, spread) is None
+
+
+def test_clustered_with_under_two_groups_an_arm_has_no_standard_error() -> None:
+    assert clustered_difference_in_se([(4, 2)], [(4, 1), (4, 0)]) is None
+    assert clustered_difference_in_se([], [(4, 1), (4, 0)]) is None

@@ -86,15 +86,16 @@ def test_a_proposer_step_trains_on_the_ready_groups_once_its_wait_runs_out(
     env = {**learner_env(tmp_path, url, max_staleness=4),
            "KZ_LEARNER__ORDER": '["proposer"]', "KZ_LEARNER__PROPOSER_WAIT_S": str(WAIT_S)}
     log = tmp_path / "learner.log"
-    learner = subprocess.Popen(
-        [sys.executable, "-m", "kz_stream.cli", "train", "--role", "proposer",
-         "--steps-per-turn", "1", "--rounds", "1", "--groups-per-step", "2"],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
-    try:
-        wait_steps(url, 1, learner, log)
-    finally:
-        learner.send_signal(signal.SIGTERM)
-        assert learner.wait(timeout=60) == 0, log.read_text()[-3000:]
+    with open(log, "wb") as stderr:
+        learner = subprocess.Popen(
+            [sys.executable, "-m", "kz_stream.cli", "train", "--role", "proposer",
+             "--steps-per-turn", "1", "--rounds", "1", "--groups-per-step", "2"],
+            env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            wait_steps(url, 1, learner, log)
+        finally:
+            learner.send_signal(signal.SIGTERM)
+            assert learner.wait(timeout=60) == 0, log.read_text()[-3000:]
 
     (step,) = read(url, "TrainingStepCompleted")
     # Only one group's rewards differ, so the step waited for the group being scored,
