@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pydantic import BaseModel
 
 from kz_stream.config import Settings, validated_copy
 from kz_stream.database_url import ensure_sqlite_dir
+from kz_stream.events import WorkRedelivered, new_event
 from kz_stream.logging import configure_logging, get_logger
 from kz_stream.run_state import read_unfinished_work
 from kz_stream.runtime import Service, ServiceContext, run_services
@@ -203,6 +205,13 @@ async def redeliver_unfinished(ctx: ServiceContext) -> Redelivered:
     if unverified:
         await ctx.bus.publish_many(topics.kernels, unverified)
     if uncoded or unverified:
+        # Stored too, so an audit of the run's slots can tell a kernel still in flight when
+        # a session stopped from one that was lost (kz_stream.integrity.check_slots).
+        record = new_event(
+            WorkRedelivered(kernel_ids=list(work.kernels), module_ids=list(work.modules)),
+            stream_id=f"redelivery-{uuid.uuid4().hex}", stream_version=0,
+            producer=ctx.producer_id, correlation_id=ctx.settings.run_id)
+        await ctx.store.append([record])
         get_logger("kz.run").info(
             "unfinished_work_redelivered", modules=len(uncoded), kernels=len(unverified),
             reason="the embedded bus starts empty; the store holds these unfinished")

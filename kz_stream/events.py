@@ -52,6 +52,7 @@ __all__ = [
     "Role",
     "TrainingStepCompleted",
     "VerdictStatus",
+    "WorkRedelivered",
     "current_payload",
     "decode_event",
     "encode_event",
@@ -239,6 +240,19 @@ class PolicyVersionLoaded(Payload):
     version: int
 
 
+class WorkRedelivered(Payload):
+    """A session of a run on the embedded bus published again the store's unfinished work
+    (the bus of a new process starts empty; ``kz_stream.app.redeliver_unfinished``): the
+    kernels without a verdict and the valid modules without a kernel. An audit fact: a
+    kernel named here that has no verdict afterwards was in flight when that session
+    stopped, not lost (``kz_stream.integrity.check_slots``)."""
+
+    event_type: ClassVar[str] = "WorkRedelivered"
+
+    kernel_ids: list[str] = Field(default_factory=list)
+    module_ids: list[str] = Field(default_factory=list)
+
+
 # Correlation ids of evaluation runs start with this; their events never become training
 # data or frontier statistics (``kz_stream.run_state.RunState`` skips them).
 EVALUATION_PREFIX = "eval-"
@@ -287,6 +301,7 @@ EVENT_TYPES: dict[str, type[Payload]] = {
         PolicyVersionPublished,
         PolicyVersionLoaded,
         EvaluationStarted,
+        WorkRedelivered,
     )
 }
 

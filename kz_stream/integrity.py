@@ -9,8 +9,9 @@ host). What counts as lost or applied twice:
 - a kernel generated twice (one id, two ``KernelGenerated``), or given two verdicts by one
   verifier version;
 - a kernel with no verdict that was generated before the last slot began (the slots after
-  it should have verified it: a resumed run re-sends the work it finds unfinished); those
-  of the last slot are in flight when the run stopped, and counted apart;
+  it should have verified it: a resumed run re-sends the work it finds unfinished), unless
+  the last slot re-sent it (``WorkRedelivered``) and stopped before judging it; those, and
+  the last slot's own, are in flight when the run stopped, and counted apart;
 - training steps not numbered 1, 2, ... once each (the schedule numbers both roles' steps
   in one sequence), a role's policy version published twice or skipped, a step whose
   version was never published;
@@ -72,6 +73,7 @@ def check_slots(events: Sequence[Event], gap_s: float = 90.0) -> dict[str, Any]:
     generated_ids: list[str] = []
     verdict_keys: list[tuple[str, str]] = []
     verified_in: dict[str, list[int]] = {}
+    redelivered_in: dict[str, int] = {}  # kernel id -> the last slot that published it again
     steps: dict[str, list[dict[str, Any]]] = {"coder": [], "proposer": []}
     published: dict[str, list[int]] = {"coder": [], "proposer": []}
     per_slot = [Counter[str]() for _ in slots]
@@ -95,9 +97,15 @@ def check_slots(events: Sequence[Event], gap_s: float = 90.0) -> dict[str, Any]:
             published[p["role"]].append(int(p["version"]))
         elif e.type == "ModuleProposed":
             per_slot[s]["proposals"] += 1
+        elif e.type == "WorkRedelivered":
+            redelivered_in.update((k, s) for k in p["kernel_ids"])
+            per_slot[s]["kernels_redelivered"] += len(p["kernel_ids"])
     last = len(slots) - 1
     unverified = [k for k in generated if k not in verified_in]
-    lost = sorted(k for k in unverified if generated[k] < last)
+    # An earlier slot's kernel that the last slot published again is in its verifier's
+    # queue, or was being judged, when the run stopped: a backlog can outlast a slot.
+    lost = sorted(k for k in unverified
+                  if generated[k] < last and redelivered_in.get(k) != last)
     roles: dict[str, dict[str, Any]] = {}
     trained_twice: dict[str, list[str]] = {}
     numbers = [int(r["step"]) for rs in steps.values() for r in rs]

@@ -23,6 +23,7 @@ from kz_stream.events import (
     ModuleProposed,
     ModuleValidation,
     VerdictStatus,
+    WorkRedelivered,
     new_event,
     payload_as,
     source_sha256,
@@ -104,6 +105,14 @@ async def test_a_resumed_session_republishes_only_its_runs_unfinished_work(
     # As stored: the same envelopes, so the recorder skips them and ids stay stable.
     assert modules == [uncoded]
     assert kernels == [unjudged]
+    # And the store says what was sent again, for an audit of the run's slots.
+    async with open_context(session(tmp_path)) as ctx:
+        (record,) = [r.event async for b in ctx.store.read_all(0, types=["WorkRedelivered"])
+                     for r in b]
+        assert payload_as(record, WorkRedelivered) == WorkRedelivered(
+            kernel_ids=[unjudged.payload["kernel_id"]],
+            module_ids=[uncoded.payload["module_id"]])
+        assert record.correlation_id == resumed.run_id
 
 
 @pytest.mark.slow
