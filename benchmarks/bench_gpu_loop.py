@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,19 +116,25 @@ def _fast(k: KernelRecord) -> bool:
     return k.correct and k.verdict is not None and (k.verdict.speedup or 0) > 1
 
 
+def group_tallies(kernels: Iterable[KernelRecord]) -> list[tuple[int, int]]:
+    """(kernels, correct ones) per Coder group of ``kernels``, the clusters of
+    ``clustered_difference_in_se``."""
+    out: dict[str, tuple[int, int]] = {}
+    for k in kernels:
+        n, c = out.get(k.group_id, (0, 0))
+        out[k.group_id] = (n + 1, c + k.correct)
+    return list(out.values())
+
+
 def coder_curve(run: Run) -> list[dict[str, Any]]:
     """Per Coder step: mean reward, pass rate, fast_1 and how many kernels were decided."""
     rows: list[dict[str, Any]] = []
     for s in run.role_steps("coder"):
         ks = [k for k in run.kernels(s) if k.decided]
         n = len(ks)
-        groups: dict[str, tuple[int, int]] = {}
-        for k in ks:
-            gn, gc = groups.get(k.group_id, (0, 0))
-            groups[k.group_id] = (gn + 1, gc + k.correct)
         rows.append({"step": s.step, "mean_reward": s.mean_reward, "n": n,
                      "correct": sum(k.correct for k in ks), "fast": sum(_fast(k) for k in ks),
-                     "groups": list(groups.values())})
+                     "groups": group_tallies(ks)})
         rows[-1]["pass_rate"] = rows[-1]["correct"] / n if n else None
         rows[-1]["fast_1"] = rows[-1]["fast"] / n if n else None
     return rows
@@ -144,14 +151,9 @@ def proposer_curve(run: Run) -> list[dict[str, Any]]:
 
 def updated_groups(runs: list[Run]) -> list[tuple[int, int]]:
     """(decided kernels, correct ones) per Coder group sampled by a version after the
-    first, over the runs."""
-    out: dict[tuple[int, str], tuple[int, int]] = {}
-    for i, run in enumerate(runs):
-        for k in run.state.kernels.values():
-            if k.decided and k.policy_version > 0:
-                n, c = out.get((i, k.group_id), (0, 0))
-                out[(i, k.group_id)] = (n + 1, c + k.correct)
-    return list(out.values())
+    first, over the runs (group ids are each run's own)."""
+    return [t for run in runs for t in group_tallies(
+        k for k in run.state.kernels.values() if k.decided and k.policy_version > 0)]
 
 
 def steps_to_two_se(treated: list[dict[str, Any]], control: list[dict[str, Any]]
