@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -33,36 +33,69 @@ def verify_audit_suite(
     cpu: Annotated[bool, typer.Option("--cpu", help="Force the CPU path.")] = False,
     jobs: Annotated[int, typer.Option(min=1, help="Problems audited at once (each with its "
                                       "own oracle; a GPU's memory is shared).")] = 1,
+    resume: Annotated[bool, typer.Option(help="Keep the rows the --json file holds for "
+                                         "problems whose source and verifier version are "
+                                         "unchanged; audit the rest.")] = False,
+    retry_errors: Annotated[bool, typer.Option(help="With --resume, audit again the "
+                                               "problems that could not be prepared.")] = False,
+    time_limit: Annotated[float | None, typer.Option(
+        min=0, help="Start no problem after this many seconds (those begun finish); "
+        "--resume goes on from there.")] = None,
 ) -> None:
     """Prepares every problem of a suite as the verifier would and prints, per problem:
     admitted or why not, the input sets used and dropped, the memory plan, the oracle's
     peak device memory, the host memory its sets hold and the host budget's reservation
     for it, and the time."""
-    from kz_stream.verify import Verifier, VerifierConfig, audit_suite, suite_files
+    from kz_stream.verify import (
+        ProblemAudit,
+        Verifier,
+        VerifierConfig,
+        audit_suite,
+        still_to_audit,
+        suite_files,
+    )
+    from kz_stream.verify._hardware import manifest
 
     if not path.is_dir():
         raise typer.BadParameter(f"{path} is not a folder", param_hint="PATH")
+    if (resume or retry_errors) and json_out is None:
+        raise typer.BadParameter("needs --json FILE: the rows to go on from",
+                                 param_hint="--resume")
     files = suite_files(path)[:limit]
     if not files:
         raise typer.BadParameter(f"no problem files (*.py) in {path}", param_hint="PATH")
-    table = Table(title=f"{path}: {len(files)} problems")
+    kept: dict[str, ProblemAudit] = {}
+    todo = files
+    if resume and json_out is not None and json_out.exists():
+        earlier = [ProblemAudit.from_dict(r) for r in json.loads(json_out.read_text())]
+        todo, kept = still_to_audit(files, earlier, retry_errors=retry_errors)
+    table = Table(title=f"{path}: {len(todo)} of {len(files)} problems to audit")
     for col in ("problem", "admission", "input sets", "dropped", "memory plan",
                 "oracle GiB", "input GiB", "host GiB (reserved)", "prepare s",
                 "slowest phases (s)"):
         table.add_column(col)
-    rows: list[dict[str, Any]] = []
+    rows: dict[str, ProblemAudit] = dict(kept)
+    order = {f.stem: i for i, f in enumerate(files)}
+
+    def write_rows() -> None:  # rewritten as it goes: a cut run keeps its rows
+        if json_out is not None:
+            ordered = sorted(rows.values(), key=lambda r: order[r.name])
+            json_out.write_text(json.dumps([r.to_dict() for r in ordered], indent=1))
 
     async def go() -> None:
         verifier = Verifier(VerifierConfig(devices=[] if cpu else None, oracles=jobs))
         device = "cuda" if verifier.gpu else "cpu"
+        machine = (manifest()["gpu"] or "cuda") if verifier.gpu else "cpu"
         try:
             with Progress(TextColumn("{task.description}"), BarColumn(),
                           TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                           console=err_console, transient=True) as bar:
-                task = bar.add_task("audit", total=len(files))
-                async for row in audit_suite(files, verifier, admission=admission,
-                                             admission_device=device, jobs=jobs):
-                    rows.append(row.to_dict())
+                task = bar.add_task("audit", total=len(todo))
+                async for row in audit_suite(todo, verifier, admission=admission,
+                                             admission_device=device, jobs=jobs,
+                                             time_limit_s=time_limit):
+                    row.machine = machine
+                    rows[row.name] = row
                     adm = ("-" if row.admitted is None else "yes" if row.admitted
                            else f"no: {row.reason}")
                     table.add_row(
@@ -73,15 +106,22 @@ def verify_audit_suite(
                         f"{row.host_bytes / 2**30:.2f} ({row.reserved_bytes / 2**30:.1f})",
                         f"{row.prepare_s:.1f}", _slowest(row.phase_s))
                     bar.advance(task, 1)
-                    if json_out is not None:  # rewritten as it goes: a cut run keeps its rows
-                        json_out.write_text(json.dumps(rows, indent=1))
+                    write_rows()
         finally:
             await verifier.close()
 
     _run(go())
+    write_rows()
     console.print(table)
-    failed = sum(1 for r in rows if r["error"])
-    rejected = sum(1 for r in rows if r["admitted"] is False)
-    dropped = sum(len(r["dropped"]) for r in rows)
+    left = len(files) - len(rows)
+    failed = sum(1 for r in rows.values() if r.error)
+    rejected = sum(1 for r in rows.values() if r.admitted is False)
+    dropped = sum(len(r.dropped) for r in rows.values())
+    if kept:
+        console.print(f"{len(kept)} rows kept from {json_out} (same source and verifier "
+                      f"version), {len(rows) - len(kept)} audited now.")
     console.print(f"{len(rows)} problems: {failed} could not be prepared, {rejected} not "
                   f"admitted, {dropped} input sets dropped (each named above).")
+    if left:
+        console.print(f"{left} problems not audited: the time limit came first. Run the "
+                      "same command with --resume to go on.")

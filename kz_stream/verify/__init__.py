@@ -31,7 +31,7 @@ from kz_stream.verify._types import (
 
 if TYPE_CHECKING:
     from kz_stream.verify._admission import Admission, admission_check
-    from kz_stream.verify._audit import ProblemAudit, audit_suite, suite_files
+    from kz_stream.verify._audit import ProblemAudit, audit_suite, still_to_audit, suite_files
     from kz_stream.verify._config import VerifierConfig
     from kz_stream.verify._loader import InterfaceError, load_source, require
     from kz_stream.verify._sandbox import Isolation, SandboxOutcome, isolation, run_in_sandbox
@@ -58,6 +58,7 @@ __all__ = [
     "load_source",
     "require",
     "run_in_sandbox",
+    "still_to_audit",
     "suite_files",
 ]
 
@@ -70,6 +71,7 @@ __getattr__ = lazy_exports(__name__, {
     "admission_check": "._admission",
     "ProblemAudit": "._audit",
     "audit_suite": "._audit",
+    "still_to_audit": "._audit",
     "suite_files": "._audit",
     "InterfaceError": "._loader",
     "load_source": "._loader",

@@ -1,23 +1,26 @@
 """A suite audit: every problem of a KernelBench-format folder prepared as a verification
 would prepare it, with admission's answer, the input sets used and dropped, the memory
 plan, the oracle's memory and time, and the host memory it holds and reserves (``kz verify
-audit-suite``)."""
+audit-suite``). An audit of a whole suite outlasts a GPU slot, so it resumes: each row
+names the problem's source digest and the verifier version it was made under, and a row
+stands while both are unchanged (``still_to_audit``)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import time
-from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from kz_stream.verify._admission import admission_check
-from kz_stream.verify._types import Problem
+from kz_stream.verify._types import VERIFIER_VERSION, Problem
 from kz_stream.verify._verifier import Verifier
 
-__all__ = ["ProblemAudit", "audit_suite", "suite_files"]
+__all__ = ["ProblemAudit", "audit_suite", "still_to_audit", "suite_files"]
 
 
 @dataclass
@@ -25,6 +28,9 @@ class ProblemAudit:
     """One problem's audit. ``admitted`` is None when admission was not asked for."""
 
     name: str
+    source_sha256: str = ""  # of the problem file's text: a changed problem is audited again
+    verifier_version: str = ""  # the verifier that made the row
+    machine: str = ""  # the GPU's name, or "cpu": rows of a resumed audit may come from several
     admitted: bool | None = None
     reason: str | None = None
     detail: str = ""
@@ -44,6 +50,37 @@ class ProblemAudit:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> ProblemAudit:
+        """A row as ``to_dict`` wrote it; keys this version does not know are left out."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in row.items() if k in known})
+
+
+def source_sha256(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def still_to_audit(
+    files: list[Path], rows: Iterable[ProblemAudit], *, retry_errors: bool = False
+) -> tuple[list[Path], dict[str, ProblemAudit]]:
+    """Splits a suite for a resumed audit into the files still to audit and the earlier
+    rows that stand, by problem name. A row stands when its problem's source and the
+    verifier version are the ones it was made with, and (with ``retry_errors``) when the
+    problem could be prepared."""
+    by_name = {r.name: r for r in rows}
+    todo: list[Path] = []
+    kept: dict[str, ProblemAudit] = {}
+    for f in files:
+        row = by_name.get(f.stem)
+        if (row is not None and row.verifier_version == VERIFIER_VERSION
+                and row.source_sha256 == source_sha256(f.read_text())
+                and not (retry_errors and row.error)):
+            kept[f.stem] = row
+        else:
+            todo.append(f)
+    return todo, kept
+
 
 def suite_files(path: Path) -> list[Path]:
     """The problem files of a KernelBench-format folder, in problem-number order."""
@@ -57,13 +94,19 @@ def suite_files(path: Path) -> list[Path]:
 async def audit_suite(
     files: list[Path], verifier: Verifier, *, admission: bool = True,
     admission_device: str = "cpu", admission_timeout_s: float = 600, jobs: int = 1,
+    time_limit_s: float | None = None,
 ) -> AsyncIterator[ProblemAudit]:
     """Audits each file, ``jobs`` at a time, and yields the rows in the files' order. The
-    verifier prepares as many at once as it has oracles (``VerifierConfig.oracles``)."""
+    verifier prepares as many at once as it has oracles (``VerifierConfig.oracles``).
+    With ``time_limit_s``, no problem starts after that many seconds: those begun finish,
+    the rest are left for a resumed audit (no row)."""
     gate = asyncio.Semaphore(jobs)
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
 
-    async def one(f: Path) -> ProblemAudit:
+    async def one(f: Path) -> ProblemAudit | None:
         async with gate:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
             return await _audit_one(f, verifier, admission=admission,
                                     admission_device=admission_device,
                                     admission_timeout_s=admission_timeout_s)
@@ -71,7 +114,9 @@ async def audit_suite(
     tasks = [asyncio.ensure_future(one(f)) for f in files]
     try:
         for task in tasks:
-            yield await task
+            row = await task
+            if row is not None:
+                yield row
     finally:
         for task in tasks:
             task.cancel()
@@ -81,7 +126,7 @@ async def audit_suite(
 async def _audit_one(f: Path, verifier: Verifier, *, admission: bool, admission_device: str,
                      admission_timeout_s: float) -> ProblemAudit:
     source = await asyncio.to_thread(f.read_text)
-    row = ProblemAudit(f.stem)
+    row = ProblemAudit(f.stem, source_sha256(source), VERIFIER_VERSION)
     if admission:
         t0 = time.monotonic()
         adm = await asyncio.to_thread(admission_check, source, device=admission_device,

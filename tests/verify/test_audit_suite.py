@@ -4,6 +4,7 @@ stop the audit."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 from kz_stream.testing.corpus.problems import PROBLEMS
+from kz_stream.verify import VERIFIER_VERSION, ProblemAudit, still_to_audit
 from tests.verify.test_output_kinds import HINGE, PICKY
 
 
@@ -45,3 +47,65 @@ def test_audit_suite_reports_every_problem(tmp_path: Path) -> None:
     assert [d["label"] for d in rows["3_Picky"]["dropped"]] == ["small-heavy"]
     assert rows["10_Broken"]["admitted"] is False and rows["10_Broken"]["reason"] == "interface"
     assert rows["10_Broken"]["error"]
+
+
+def _audit(suite: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    run = subprocess.run(
+        [sys.executable, "-m", "kz_stream.cli", "verify", "audit-suite", str(suite), "--cpu",
+         "--no-admission", "--json", str(out), *args],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
+def test_a_resumed_audit_keeps_rows_whose_problem_and_verifier_are_unchanged(
+    tmp_path: Path,
+) -> None:
+    suite = tmp_path / "level1"
+    suite.mkdir()
+    (suite / "1_ReLU.py").write_text(PROBLEMS["relu_rand"])
+    (suite / "2_Hinge.py").write_text(HINGE)
+    (suite / "3_Broken.py").write_text("import torch\nclass Model:\n    pass\n")
+    out = tmp_path / "audit.json"
+
+    # A limit of 0 s starts nothing: the file holds no rows and the output says how to go on.
+    first = _audit(suite, out, "--time-limit", "0")
+    assert "3 problems not audited: the time limit came first" in first.stdout, first.stdout
+    assert "--resume" in first.stdout and json.loads(out.read_text()) == []
+
+    _audit(suite, out, "--resume")
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["1_ReLU", "2_Hinge", "3_Broken"]
+    assert rows["1_ReLU"]["verifier_version"] == VERIFIER_VERSION
+    assert rows["1_ReLU"]["machine"] == "cpu"
+    assert rows["1_ReLU"]["source_sha256"] == hashlib.sha256(
+        PROBLEMS["relu_rand"].encode()).hexdigest()
+    assert rows["3_Broken"]["error"]
+
+    # A changed problem is audited again; the others' rows are kept as they were, the one
+    # that could not be prepared too, unless --retry-errors asks for it.
+    (suite / "2_Hinge.py").write_text(HINGE + "\n# changed\n")
+    again = _audit(suite, out, "--resume")
+    assert "2 rows kept" in again.stdout and "1 audited now" in again.stdout, again.stdout
+    after = {r["name"]: r for r in json.loads(out.read_text())}
+    assert after["1_ReLU"] == rows["1_ReLU"] and after["3_Broken"] == rows["3_Broken"]
+    assert after["2_Hinge"]["source_sha256"] != rows["2_Hinge"]["source_sha256"]
+    retried = _audit(suite, out, "--resume", "--retry-errors")
+    assert "2 rows kept" in retried.stdout and "1 audited now" in retried.stdout
+
+
+def test_still_to_audit_takes_rows_of_another_verifier_version_as_missing(
+    tmp_path: Path,
+) -> None:
+    a, b = tmp_path / "1_A.py", tmp_path / "2_B.py"
+    a.write_text("a")
+    b.write_text("b")
+    digest = hashlib.sha256(b"a").hexdigest()
+    current = ProblemAudit("1_A", digest, VERIFIER_VERSION)
+    assert still_to_audit([a, b], [current]) == ([b], {"1_A": current})
+    older = ProblemAudit("1_A", digest, "kzv-0.9")
+    assert still_to_audit([a, b], [older]) == ([a, b], {})
+    # Rows of problems no longer in the selection are not carried.
+    assert still_to_audit([b], [current]) == ([b], {})
+    # Keys written by another version of the row are left out when it is read back.
+    assert ProblemAudit.from_dict({**current.to_dict(), "new_field": 1}) == current

@@ -30,6 +30,7 @@ PUBLIC = [
     "load_source",
     "require",
     "run_in_sandbox",
+    "still_to_audit",
     "suite_files",
 ]
 
