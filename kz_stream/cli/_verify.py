@@ -96,8 +96,9 @@ def verify_audit_suite(
                                              time_limit_s=time_limit):
                     row.machine = machine
                     rows[row.name] = row
-                    adm = ("-" if row.admitted is None else "yes" if row.admitted
-                           else f"no: {row.reason}")
+                    adm = ("-" if row.admitted is None else
+                           ("yes" if row.admitted else f"no: {row.reason}")
+                           + f", {row.admission_s:.1f} s ({_slowest(row.admission_phase_s)})")
                     table.add_row(
                         row.name, adm, row.error or ", ".join(row.input_sets),
                         "; ".join(f"{d['label']}: {d['reason'][:60]}" for d in row.dropped)

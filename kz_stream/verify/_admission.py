@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kz_stream._cpus import usable_cpus
+from kz_stream.verify._phases import PhaseTimer
 from kz_stream.verify._sandbox import run_in_sandbox
 
 __all__ = ["Admission", "admission_check"]
@@ -34,6 +35,9 @@ class Admission:
     admitted: bool
     reason: str | None = None
     detail: str = ""
+    # Seconds per phase of the sandboxed check (load, build, inputs, honest, float64, ...);
+    # empty when the sandbox gave no answer (timeout, crash).
+    phase_s: dict[str, float] = field(default_factory=dict)
 
 
 def admission_check(
@@ -56,16 +60,22 @@ def admission_check(
         gpu=device != "cpu",
     )
     if outcome.ok:
-        admitted, reason, detail = outcome.value
-        return Admission(bool(admitted), reason, str(detail))
+        admitted, reason, detail, phase_s = outcome.value
+        return Admission(bool(admitted), reason, str(detail), dict(phase_s))
     if outcome.error_kind == "oom" and device == "cpu":
         return Admission(False, "not_checkable_here", "the module does not fit in the CPU "
                          f"sandbox's {memory_mb} MB: {outcome.error_message[-500:]}")
     return Admission(False, outcome.error_kind, outcome.error_message[-1000:])
 
 
-def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
-    """Sandbox side of ``admission_check``: returns (admitted, reason, detail)."""
+def _admit(source: str, device: str) -> tuple[bool, str | None, str, dict[str, float]]:
+    """Sandbox side of ``admission_check``: returns (admitted, reason, detail, phase_s)."""
+    phase = PhaseTimer(device)
+    admitted, reason, detail = _checks(source, device, phase)
+    return admitted, reason, detail, phase.rounded()
+
+
+def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | None, str]:
     import torch
 
     from kz_stream.verify._compare import all_finite, calibrate, compare_outputs, unstable_limit
@@ -93,10 +103,11 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
     strict_precision()
     torch.set_num_threads(max(1, min(4, usable_cpus())))
     try:
-        ref = load_reference(source, os.getcwd())
-        init = list(ref.get_init_inputs())
-        torch.manual_seed(_INPUT_SEED)
-        own = list(ref.get_inputs())
+        with phase("load"):  # the module, its own inputs
+            ref = load_reference(source, os.getcwd())
+            init = list(ref.get_init_inputs())
+            torch.manual_seed(_INPUT_SEED)
+            own = list(ref.get_inputs())
     except InterfaceError as e:
         return False, "interface", str(e)
 
@@ -113,10 +124,12 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
         unscaled = [plan] if nbytes(own) <= _CPU_UNSCALED_MAX_BYTES else []
         for attempt in [base, *fallbacks(base, own), *unscaled]:
             try:
-                init_a = map_init(init, attempt.size_map) if attempt.scale_init else init
-                probe = build_model(ref, init_a, _WEIGHT_SEED, device)
-                run(probe, make_inputs(specs, attempt, _INPUT_SEED, ref.get_inputs), device)
-                del probe  # the model below is its copy: not three at once under the cap
+                with phase("scaling"):  # which scaled-down shape the module runs under
+                    init_a = map_init(init, attempt.size_map) if attempt.scale_init else init
+                    probe = build_model(ref, init_a, _WEIGHT_SEED, device)
+                    run(probe, make_inputs(specs, attempt, _INPUT_SEED, ref.get_inputs),
+                        device)
+                    del probe  # the model below is its copy: not three at once under the cap
                 plan = attempt
                 break
             except Exception as e:
@@ -133,21 +146,26 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
     if has_nonneg_floats(own):  # a copy of a torch.rand input is no identity test
         plans.append(InputPlan("signed", "normal", size_map, signed=True, lead_only=lead))
 
-    model = build_model(ref, scaled_init, _WEIGHT_SEED, device)
-    if device == "cpu":
-        # Under the sandbox's address-space cap a kept copy of the weights is one more
-        # model's worth: build the perturbed one below afresh instead.
-        forget_built_models()
-    try:
-        model64 = float64_copy(model)
-    except Exception as e:
-        return False, "not_checkable_here", f"no float64 copy of the module: {e}"
-    sets = [make_inputs(specs, p, _INPUT_SEED + i, ref.get_inputs) for i, p in enumerate(plans)]
+    with phase("build"):
+        model = build_model(ref, scaled_init, _WEIGHT_SEED, device)
+        if device == "cpu":
+            # Under the sandbox's address-space cap a kept copy of the weights is one more
+            # model's worth: build the perturbed one below afresh instead.
+            forget_built_models()
+        try:
+            model64 = float64_copy(model)
+        except Exception as e:
+            return False, "not_checkable_here", f"no float64 copy of the module: {e}"
+    with phase("inputs"):
+        sets = [make_inputs(specs, p, _INPUT_SEED + i, ref.get_inputs)
+                for i, p in enumerate(plans)]
     expected, honest = [], []
     for i, inputs in enumerate(sets):
-        honest.append(run(model, inputs, device))
+        with phase("honest"):
+            honest.append(run(model, inputs, device))
         try:
-            expected.append(run(model64, inputs, device, torch.float64))
+            with phase("float64"):
+                expected.append(run(model64, inputs, device, torch.float64))
         except Exception as e:
             if i == 0:  # e.g. an LSTM whose hidden state is made in float32 in forward
                 return False, "not_checkable_here", (
@@ -163,23 +181,27 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
                 return False, "interface", f"output of type {type(o).__name__} is not a tensor"
         if i == 0 and not all_finite(outs):
             return False, "nonfinite", "non-finite outputs on the module's own inputs"
-    again = run(model, sets[0], device)
-    drift = max(_rel_diff(a, b) for a, b in zip(again, honest[0], strict=True))
+    with phase("again"):
+        again = run(model, sets[0], device)
+        drift = max(_rel_diff(a, b) for a, b in zip(again, honest[0], strict=True))
     if drift > unstable_limit(honest[0]):
         return False, "nondeterministic", f"two runs on the same input differ by {drift:.3g}"
-    tols = [[calibrate(e, h) for e, h in zip(es, hs, strict=True)]
-            for es, hs in zip(expected, honest, strict=True)]
+    with phase("calibrate"):
+        tols = [[calibrate(e, h) for e, h in zip(es, hs, strict=True)]
+                for es, hs in zip(expected, honest, strict=True)]
     worst = max(t.honest_rel_norm for ts in tols for t in ts)
     if worst > unstable_limit(honest[0]):
         return False, "unstable", (f"the module in its own precision differs from float64 by "
                                    f"{worst:.3g}; correctness cannot be calibrated")
 
     def passes_all(make: Any) -> bool:
-        for i in range(len(sets)):
-            fake = make(i)
-            if fake is None or not compare_outputs(fake, expected[i], honest[i], tols[i]).ok:
-                return False
-        return True
+        with phase("degenerate"):  # each trivial output against the check
+            for i in range(len(sets)):
+                fake = make(i)
+                if fake is None or not compare_outputs(fake, expected[i], honest[i],
+                                                       tols[i]).ok:
+                    return False
+            return True
 
     if passes_all(lambda i: [torch.zeros_like(h) for h in honest[i]]):
         return False, "zeros", "an all-zero output passes the correctness check"
@@ -204,9 +226,10 @@ def _admit(source: str, device: str) -> tuple[bool, str | None, str]:
     if _same_shapes(honest) and passes_all(lambda i: honest[(i + 1) % len(sets)]):
         return False, "input_independent", "the output for other inputs passes the check"
     if any(p.dtype.is_floating_point for p in model.parameters()):
-        other = build_model(ref, scaled_init, _WEIGHT_SEED, device)
-        perturb_(other, _WEIGHT_SEED + 31337)
-        other_outs = [run(other, s, device) for s in sets]
+        with phase("other_weights"):
+            other = build_model(ref, scaled_init, _WEIGHT_SEED, device)
+            perturb_(other, _WEIGHT_SEED + 31337)
+            other_outs = [run(other, s, device) for s in sets]
         if passes_all(lambda i: other_outs[i]):
             return False, "weight_independent", "the output under other weights passes the check"
     return True, None, f"admitted; checked {len(sets)} input sets on {device}"

@@ -35,6 +35,9 @@ class ProblemAudit:
     reason: str | None = None
     detail: str = ""
     admission_s: float = 0.0
+    # Where admission_s went: the sandboxed check's phases, and "sandbox" for the rest (the
+    # process's start, imports and CUDA start-up, the answer's return).
+    admission_phase_s: dict[str, float] = field(default_factory=dict)
     input_sets: list[str] = field(default_factory=list)
     dropped: list[dict[str, str]] = field(default_factory=list)
     memory_plan: list[str] = field(default_factory=list)
@@ -133,6 +136,8 @@ async def _audit_one(f: Path, verifier: Verifier, *, admission: bool, admission_
                                       timeout_s=admission_timeout_s)
         row.admitted, row.reason, row.detail = adm.admitted, adm.reason, adm.detail[:300]
         row.admission_s = round(time.monotonic() - t0, 2)
+        rest = max(0.0, row.admission_s - sum(adm.phase_s.values()))
+        row.admission_phase_s = {**adm.phase_s, "sandbox": round(rest, 3)}
     info = await verifier.inspect_problem(Problem(source, f.stem))
     row.error = info.get("error")
     row.prepare_s = float(info.get("seconds", 0.0))

@@ -12,9 +12,7 @@ import copy
 import os
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
@@ -47,6 +45,7 @@ from kz_stream.verify._messages import (
     ReadyReply,
 )
 from kz_stream.verify._oplog import OpLog
+from kz_stream.verify._phases import PhaseTimer
 from kz_stream.verify._reference import (
     ReferenceModule,
     build_model,
@@ -59,25 +58,13 @@ from kz_stream.verify._reference import (
 
 
 class Oracle:
-    # Seconds per phase of the preparation in progress (``phase_s`` of the reply): where a
-    # problem's preparation goes, summed over its input sets.
-    phases: defaultdict[str, float]
-
-    @contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
-        t = time.monotonic()
-        try:
-            yield
-        finally:
-            if self.device != "cpu":
-                torch.cuda.synchronize()  # the device's work counts where it was issued
-            self.phases[name] += time.monotonic() - t
-
     """Evaluates reference problems: input sets, float64 expected outputs, tolerances."""
 
     def __init__(self, device: str) -> None:
         self.device = device
-        self.phases = defaultdict(float)
+        # Seconds per phase of the preparation in progress (``phase_s`` of the reply):
+        # where a problem's preparation goes, summed over its input sets.
+        self._phase = PhaseTimer(device)
 
     def prepare(self, msg: PrepareRequest) -> PrepareReply:
         """Input sets, expected and honest outputs, tolerances and cost figures.
@@ -89,7 +76,7 @@ class Oracle:
         cannot hold runs on the host. A set that fails anyway is listed in ``dropped``
         with its reason."""
         key, seed = str(msg["key"]), int(msg["seed"])
-        self.phases = defaultdict(float)
+        self._phase = PhaseTimer(self.device)
         started = time.monotonic()
         if self.device != "cpu":
             torch.cuda.reset_peak_memory_stats()
@@ -168,7 +155,7 @@ class Oracle:
         del own_args, out, model
         self._free()  # the oracle shares the device with the candidates: keep no cache
         peak = torch.cuda.max_memory_allocated() if self.device != "cpu" else 0
-        phase_s = {k: round(v, 3) for k, v in self.phases.items()}
+        phase_s = self._phase.rounded()
         phase_s["oracle"] = round(time.monotonic() - started, 3)
         return {"ok": True, "sets": sets, "phase_s": phase_s, "specs": [asdict(s) for s in specs],
                 "ref_ops": sorted(oplog.ops), "flops": flops, "bytes": moved,

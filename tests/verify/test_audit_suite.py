@@ -34,6 +34,11 @@ def test_audit_suite_reports_every_problem(tmp_path: Path) -> None:
     # Numeric order, though two problems were audited at a time.
     assert list(rows) == ["1_ReLU", "2_Hinge", "3_Picky", "10_Broken"]
     assert rows["1_ReLU"]["admitted"] is True
+    # Where admission went: its sandboxed phases, and the sandbox's own start and return.
+    adm = rows["1_ReLU"]["admission_phase_s"]
+    assert {"load", "build", "inputs", "honest", "float64", "again", "calibrate",
+            "degenerate", "sandbox"} <= set(adm), adm
+    assert abs(sum(adm.values()) - rows["1_ReLU"]["admission_s"]) < 0.05
     assert "small-signed" in rows["1_ReLU"]["input_sets"]
     assert rows["2_Hinge"]["admitted"] is True and rows["2_Hinge"]["error"] is None
     # Where each preparation went: the oracle's phases, within its own total, and the reply.
