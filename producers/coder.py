@@ -5,12 +5,14 @@ Admission control: a group is started only if the engine's policy is at most
 ``max_staleness`` versions behind the newest published one; otherwise the handler waits
 for the load (the bus pauses the partitions meanwhile). New policy versions from
 ``kz.policy`` load without dropping groups in flight: each group reports the version it
-started with.
+started with. With ``max_unjudged``, a call is started only while fewer of the run's
+kernels than that wait for a verdict in the store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Coroutine, Sequence
@@ -30,6 +32,7 @@ from kz_stream.events import (
 )
 from kz_stream.llm import LLMBackend, Sample, SamplingParams
 from kz_stream.modules import coder_messages, extract_code, prompt_text
+from kz_stream.producers._backlog import Backlog
 from kz_stream.runtime import Service, ServiceContext
 from kz_stream.verify import Backend
 
@@ -170,6 +173,10 @@ class CoderService(Service):
         self.sampling = config.llm.sampling()
         self.replica = replica or f"coder-{uuid.uuid4().hex[:8]}"
         self.policy = PolicyFollower(self, backend, "coder", self.replica)
+        # The run's kernels the store holds without a verdict (``config.max_unjudged``),
+        # read as the store grows from ``_store_position``.
+        self.unjudged = Backlog(config.max_unjudged_wait_s)
+        self._store_position = 0
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -200,7 +207,56 @@ class CoderService(Service):
             jobs.extend(
                 self.generate_group(m.event, module, _backend(b)) for b in self.config.backends
             )
+        if jobs and not await self.wait_for_verifier():
+            for job in jobs:
+                job.close()
+            # Not lost: the store holds these modules without kernels, and the next start
+            # publishes them again (``app.redeliver_unfinished``).
+            self.log.info("coder_stopped_waiting_for_verifier", modules=len(jobs))
+            return
         await asyncio.gather(*jobs)
+
+    async def wait_for_verifier(self) -> bool:
+        """Waits while ``max_unjudged`` of the run's kernels have no verdict; False when
+        the service began to stop meanwhile. Kernels made while the verifier is that far
+        behind would wait behind the others, sampled by a policy that is older by the time
+        they are judged, and their generation would take the device from the verifier."""
+        limit = self.config.max_unjudged
+        if limit is None:
+            return True
+        logged = False
+        while True:
+            await self.wait_out(self._read_unjudged)
+            self.unjudged.forget_s = self.config.max_unjudged_wait_s
+            if stale := self.unjudged.forget_passed_over():
+                self.log.warning("kernels_never_judged", kernels=stale,
+                                 waited_s=self.config.max_unjudged_wait_s,
+                                 reason="newer kernels have verdicts but not these; the "
+                                        "Coder no longer waits on them")
+            if len(self.unjudged) < limit:
+                return True
+            if self.stopping.is_set():
+                return False
+            if not logged:
+                logged = True
+                self.log.info("coder_waits_for_verifier", unjudged=len(self.unjudged),
+                              max_unjudged=limit)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), 1.0)
+
+    async def _read_unjudged(self) -> None:
+        """Counts the run's kernels and verdicts stored since the last look."""
+        async for batch in self.ctx.store.read_all(
+            self._store_position, types=("KernelGenerated", "KernelVerified"),
+            payload_fields=("kernel_id",), correlation_id=self.ctx.settings.run_id,
+        ):
+            for r in batch:
+                kernel_id = r.event.payload["kernel_id"]
+                if r.event.type == "KernelGenerated":
+                    self.unjudged.add(kernel_id)
+                else:
+                    self.unjudged.answer(kernel_id)
+                self._store_position = r.global_position
 
     async def generate_group(self, cause: Event, module: ModuleProposed, backend: Backend) -> None:
         await self.policy.admit(self.config.max_staleness)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from kz_stream.modules import (
     proposer_messages,
     validate_with_fingerprint,
 )
+from kz_stream.producers._backlog import Backlog
 from kz_stream.producers.coder import PolicyFollower
 from kz_stream.run_state import read_unfinished_work
 from kz_stream.runtime import Service, ServiceContext
@@ -102,11 +102,9 @@ class ProposerService(Service):
         self._synthesizer: Synthesizer | None = None
         # This run's valid seed modules stored by an earlier session, by normalized hash.
         self._stored_seeds: dict[str, Event] = {}
-        # The run's valid modules of which the Coder has generated no kernel yet (by id,
-        # with when they were counted), and a wake-up for prompts waiting on them
-        # (``config.max_ahead``).
-        self.uncoded: dict[str, float] = {}
-        self._newest_coded_at = float("-inf")  # when the newest module coded was counted
+        # The run's valid modules of which the Coder has generated no kernel yet, and a
+        # wake-up for prompts waiting on them (``config.max_ahead``).
+        self.uncoded = Backlog(config.max_ahead_wait_s)
         self._coded = asyncio.Event()
         self._waiting_logged = False
 
@@ -132,8 +130,8 @@ class ProposerService(Service):
             ))
             work = await self.wait_out(
                 lambda: read_unfinished_work(self.ctx.store, self.ctx.settings.run_id))
-            now = time.monotonic()
-            self.uncoded.update(dict.fromkeys(work.modules, now))
+            for module_id in work.modules:
+                self.uncoded.add(module_id)
         self.log.info("proposer_started", replica=self.replica)
         try:
             await self._publish_seeds()
@@ -256,9 +254,7 @@ class ProposerService(Service):
         """Notes the modules the Coder has taken up (``config.max_ahead``)."""
         for m in batch:
             if m.event is not None and m.event.type == "KernelGenerated":
-                at = self.uncoded.pop(m.event.payload["module_id"], None)
-                if at is not None:
-                    self._newest_coded_at = max(self._newest_coded_at, at)
+                self.uncoded.answer(m.event.payload["module_id"])
         self._coded.set()
 
     async def _coder_is_behind(self) -> bool:
@@ -282,17 +278,10 @@ class ProposerService(Service):
         return True
 
     def _forget_modules_never_coded(self) -> None:
-        """Stops counting modules counted more than ``config.max_ahead_wait_s`` before one
-        the Coder has since coded: it passed them over (dead-lettered them after a call
-        that kept failing, say), and a kernel for them may never come; counted for ever,
-        enough of them would stop the Proposer for good. A Coder that codes nothing (slow,
-        or stopped) holds prompts back however long it takes."""
-        oldest = self._newest_coded_at - self.config.max_ahead_wait_s
-        stale = [mid for mid, at in self.uncoded.items() if at < oldest]
-        for mid in stale:
-            del self.uncoded[mid]
-        if stale:
-            self.log.warning("modules_never_coded", modules=len(stale),
+        """Stops counting the modules the Coder passed over (``Backlog``)."""
+        self.uncoded.forget_s = self.config.max_ahead_wait_s
+        if stale := self.uncoded.forget_passed_over():
+            self.log.warning("modules_never_coded", modules=stale,
                              waited_s=self.config.max_ahead_wait_s,
                              reason="the Coder has coded newer modules but not these; "
                                     "prompts no longer wait on them")
@@ -433,7 +422,7 @@ class ProposerService(Service):
         self.published += 1
         self.valid += validation.valid
         if validation.valid:
-            self.uncoded[event.payload["module_id"]] = time.monotonic()
+            self.uncoded.add(event.payload["module_id"])
         self.metrics.validated(validation.valid)
         self.metrics.published("ModuleProposed")
         self.log.info(

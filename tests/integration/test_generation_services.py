@@ -17,8 +17,10 @@ from kz_stream.config import CoderSettings, LLMConfig, ProposerSettings, Setting
 from kz_stream.consumers.recorder import Recorder
 from kz_stream.events import (
     KernelGenerated,
+    KernelVerified,
     ModuleProposed,
     PolicyVersionPublished,
+    VerdictStatus,
     new_event,
     payload_as,
 )
@@ -422,6 +424,52 @@ async def test_the_proposer_waits_while_max_ahead_modules_have_no_kernel(
                 break
             await asyncio.sleep(0.1)
         assert len(valid(await events_of(ctx, "ModuleProposed"))) >= 4
+    finally:
+        await stop_all(services, tasks)
+        await backend.close()
+
+
+async def test_the_coder_waits_while_max_unjudged_kernels_have_no_verdict(
+    ctx: ServiceContext,
+) -> None:
+    backend = TransformersBackend.from_pretrained(smollm2_dir())
+    llm = LLMConfig(max_tokens=8, temperature=1.0, seed=0)
+    coder = CoderService(ctx, backend, CoderSettings(group_size=2, llm=llm, max_unjudged=2))
+    services = [Recorder(ctx), coder]
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    modules = ctx.settings.topics.modules
+
+    def judged(kernel: Any) -> Any:
+        g = payload_as(kernel, KernelGenerated)
+        return new_event(
+            KernelVerified(kernel_id=g.kernel_id, module_id=g.module_id, group_id=g.group_id,
+                           status=VerdictStatus.INCORRECT),
+            stream_id=kernel.stream_id, stream_version=1,
+            correlation_id=ctx.settings.run_id)
+
+    try:
+        await ctx.bus.publish(modules, _module_event("first", 0))
+        first = await wait_until(ctx, "KernelGenerated", 2, tasks)
+        # Both kernels wait for a verdict: the next module waits with them.
+        await ctx.bus.publish(modules, _module_event("second", 1))
+        await asyncio.sleep(4)  # a call of 8 tokens takes about a second here
+        assert len(await events_of(ctx, "KernelGenerated")) == 2
+        assert len(coder.unjudged) == 2
+
+        # One verdict: one kernel waits, fewer than two, and the module is coded.
+        await ctx.store.append([judged(first[0])])
+        coded = await wait_until(ctx, "KernelGenerated", 4, tasks)
+        assert {payload_as(e, KernelGenerated).module_id for e in coded} == {"first", "second"}
+
+        # Three wait now; a module that comes while they do is not coded, and stopping
+        # does not wait for the verifier: the module stays in the store without kernels,
+        # for the next start to publish again.
+        await ctx.bus.publish(modules, _module_event("third", 2))
+        await asyncio.sleep(2)
+        started = asyncio.get_running_loop().time()
+        await stop_all(services, tasks)
+        assert asyncio.get_running_loop().time() - started < 10
+        assert len(await events_of(ctx, "KernelGenerated")) == 4
     finally:
         await stop_all(services, tasks)
         await backend.close()

@@ -1,0 +1,60 @@
+"""Work a generator waits on: items handed on and not yet answered (modules without a
+kernel, kernels without a verdict)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+
+class Backlog:
+    """Ids of items handed on and not yet answered, each with when it was counted.
+
+    An item counted more than ``forget_s`` before the newest item answered since stops
+    counting (``forget_passed_over``): whoever answers passed it over (dead-lettered it,
+    say), and an answer may never come; counted for ever, enough of them would stop the
+    generator for good. One that answers nothing (slow, or stopped) holds the count
+    however long it takes. An answer that comes before its item is counted (read from
+    another stream that got there first) is kept for ``forget_s`` and settles the item
+    when it comes.
+    """
+
+    def __init__(self, forget_s: float) -> None:
+        self.forget_s = forget_s
+        self._items: dict[str, float] = {}
+        self._early: dict[str, float] = {}  # answers to items not yet counted
+        self._newest_answered_at = float("-inf")  # when the newest answered item was counted
+
+    def add(self, item_id: str, at: float | None = None) -> None:
+        """Counts ``item_id`` as waiting for its answer (unless it already has one)."""
+        if self._early.pop(item_id, None) is not None:
+            return
+        self._items.setdefault(item_id, time.monotonic() if at is None else at)
+
+    def answer(self, item_id: str) -> None:
+        """Takes ``item_id`` off the backlog."""
+        at = self._items.pop(item_id, None)
+        if at is None:
+            self._early[item_id] = time.monotonic()
+        else:
+            self._newest_answered_at = max(self._newest_answered_at, at)
+
+    def forget_passed_over(self) -> int:
+        """Stops counting the items passed over (see the class); returns how many."""
+        oldest = self._newest_answered_at - self.forget_s
+        stale = [i for i, at in self._items.items() if at < oldest]
+        for i in stale:
+            del self._items[i]
+        now = time.monotonic()
+        for i in [i for i, at in self._early.items() if at < now - self.forget_s]:
+            del self._early[i]
+        return len(stale)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __contains__(self, item_id: object) -> bool:
+        return item_id in self._items
