@@ -12,7 +12,8 @@
 # (default 40000000) so that each folder travels in one transfer; PYTHON_VERSION defaults
 # to 3.12. install takes the folders that have arrived; parts are kept in
 # /tmp/kz-wheelhouse between calls, so the folders may come one per call, and SmolLM2 is
-# installed once all its parts are there (checked against its SHA-256). Packages go into
+# installed once all its parts are there (checked against its SHA-256); it also puts this
+# checkout on the interpreter's path (kz_checkout.pth). Packages go into
 # the interpreter that runs the services, not a PYTHONPATH folder: a jailed sandbox child
 # sees only the installation (docs/verifier.md). PYTHON (default python3) picks it.
 set -euo pipefail
@@ -71,6 +72,9 @@ install() {
     cp "$d"/smollm2.* "$stash/" 2>/dev/null || true
   done
   site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # This checkout, importable from any folder (a slot's runs start in folders of their
+  # own) and by the sandbox's children, which see the installation only.
+  echo "$REPO" > "$site/kz_checkout.pth"
   # Into a folder first, then copied in without replacing what the host has: pip would
   # refuse the system interpreter (PEP 668), and the host's own packages stay as they are.
   if ls "$stash"/wheels/*.whl >/dev/null 2>&1 && [ ! -f "$stash/wheels.done" ]; then
