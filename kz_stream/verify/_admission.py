@@ -22,10 +22,14 @@ __all__ = ["Admission", "admission_check"]
 
 _WEIGHT_SEED = 1234
 _INPUT_SEED = 98765
-_CPU_MAX_INPUT_BYTES = 4 << 20
-# Where no scaling keeps a module valid (one size is both the batch and a channel count
-# that groups must divide), inputs up to this size are checked unscaled, only slower.
-_CPU_UNSCALED_MAX_BYTES = 256 << 20
+# Inputs past the first size are checked at scaled-down shapes; where no scaling keeps a
+# module valid (one size is both the batch and a channel count that groups must divide),
+# inputs up to the second are checked unscaled, only slower. On the CPU the bound is time.
+# On a GPU it is memory: admission holds every set's inputs, outputs and float64 outputs
+# at once (about 16 times the inputs), so KernelBench's 6.4 GB inputs (over 100 GB) would
+# not fit beside the verifier's other processes, and an H100 has 80 GB.
+_MAX_INPUT_BYTES = {"cpu": 4 << 20, "cuda": 1 << 30}
+_UNSCALED_MAX_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,10 @@ def admission_check(
     if outcome.ok:
         admitted, reason, detail, phase_s = outcome.value
         return Admission(bool(admitted), reason, str(detail), dict(phase_s))
-    if outcome.error_kind == "oom" and device == "cpu":
-        return Admission(False, "not_checkable_here", "the module does not fit in the CPU "
-                         f"sandbox's {memory_mb} MB: {outcome.error_message[-500:]}")
+    if outcome.error_kind == "oom":
+        room = f"the CPU sandbox's {memory_mb} MB" if device == "cpu" else "the device"
+        return Admission(False, "not_checkable_here", f"the check does not fit in {room}: "
+                         f"{outcome.error_message[-500:]}")
     return Admission(False, outcome.error_kind, outcome.error_message[-1000:])
 
 
@@ -111,17 +116,18 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
     except InterfaceError as e:
         return False, "interface", str(e)
 
-    # On the CPU, large modules are checked at scaled-down shapes to bound the run time:
-    # the first scaling that the module still runs under (sizes and the matching init
-    # integers; then the sizes alone; then the leading dims alone; then none, if small
-    # enough). Scaling can break a
-    # sound module (group counts, kernel sizes, class indices), which is not its fault.
+    # Large modules are checked at scaled-down shapes (``_MAX_INPUT_BYTES``): the first
+    # scaling that the module still runs under (sizes and the matching init integers;
+    # then the sizes alone; then the leading dims alone; then none, if small enough).
+    # Scaling can break a sound module (group counts, kernel sizes, class indices), which
+    # is not its fault.
     specs = [InputSpec.of(v) for v in own]
     plan = InputPlan("own", "own")
-    if device == "cpu" and nbytes(own) > _CPU_MAX_INPUT_BYTES:
+    kind = "cpu" if device == "cpu" else "cuda"
+    if nbytes(own) > _MAX_INPUT_BYTES[kind]:
         base = InputPlan("own", "own", small_map(own))
         tried: list[str] = []
-        unscaled = [plan] if nbytes(own) <= _CPU_UNSCALED_MAX_BYTES else []
+        unscaled = [plan] if nbytes(own) <= _UNSCALED_MAX_BYTES[kind] else []
         for attempt in [base, *fallbacks(base, own), *unscaled]:
             try:
                 with phase("scaling"):  # which scaled-down shape the module runs under
@@ -232,7 +238,8 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
             other_outs = [run(other, s, device) for s in sets]
         if passes_all(lambda i: other_outs[i]):
             return False, "weight_independent", "the output under other weights passes the check"
-    return True, None, f"admitted; checked {len(sets)} input sets on {device}"
+    scaled = " at scaled-down shapes" if size_map else ""
+    return True, None, f"admitted; checked {len(sets)} input sets on {device}{scaled}"
 
 
 def _rel_diff(a: Any, b: Any) -> float:

@@ -90,6 +90,22 @@ def test_scaling_keeps_the_module_valid() -> None:
     # admission scales less instead of blaming the module.
     result = admission_check(GROUP_NORM, timeout_s=120)
     assert result.admitted, (result.reason, result.detail)
+    assert result.detail.endswith("at scaled-down shapes"), result.detail  # 16 MB of input
+    small = admission_check(ABS_OF_RAND, timeout_s=120)  # 16 KB
+    assert small.admitted and "scaled" not in small.detail, small.detail
+
+
+BIG_RELU = GROUP_NORM.replace("self.norm(x)", "torch.relu(x)").replace(
+    "self.norm = nn.GroupNorm(groups, channels)", "pass").replace(
+    "torch.rand(64, 64, 32, 32)", "torch.randn(400, 1024, 1024)")
+
+
+@pytest.mark.gpu
+def test_a_module_past_the_devices_bound_is_checked_at_scaled_down_shapes() -> None:
+    # 1.6 GB of input: at its own shapes admission would hold about 16 times that.
+    result = admission_check(BIG_RELU, device="cuda", timeout_s=300)
+    assert result.admitted, (result.reason, result.detail)
+    assert result.detail.endswith("on cuda at scaled-down shapes"), result.detail
 
 
 def test_a_module_without_float64_cannot_be_checked_here() -> None:
