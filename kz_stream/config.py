@@ -217,15 +217,15 @@ class CoderSettings(_Section):
     )
     max_unjudged: int | None = Field(
         default=None, ge=1,
-        description="A call waits while this many of the run's kernels have no verdict in "
-        "the store (the verifier is behind: kernels made now would be judged late, for an "
-        "older policy); None: never wait.",
+        description="A call waits while this many of the run's kernels have no verdict (the "
+        "verifier is behind: kernels made now would be judged late, for an older policy); "
+        "None: never wait.",
     )
     max_unjudged_wait_s: float = Field(
         default=600.0, gt=0,
-        description="A kernel with no verdict while kernels stored this long after it have "
-        "one (the verifier passed it over: dead-lettered it, say) no longer holds calls "
-        "back under max_unjudged.",
+        description="The longest a call waits under max_unjudged (then it goes ahead: "
+        "verdicts may have stopped coming); and a kernel with no verdict while kernels "
+        "counted this long after it have one (the verifier passed it over) counts no more.",
     )
 
 

@@ -14,29 +14,27 @@ class Backlog:
     counting (``forget_passed_over``): whoever answers passed it over (dead-lettered it,
     say), and an answer may never come; counted for ever, enough of them would stop the
     generator for good. One that answers nothing (slow, or stopped) holds the count
-    however long it takes. An answer that comes before its item is counted (read from
-    another stream that got there first) is kept for ``forget_s`` and settles the item
-    when it comes.
+    however long it takes. An item answered once is not counted again: its answer may be
+    read before it (from another stream that got there first), and it may be counted
+    twice (once when handed on, once when read back from the store).
     """
 
     def __init__(self, forget_s: float) -> None:
         self.forget_s = forget_s
         self._items: dict[str, float] = {}
-        self._early: dict[str, float] = {}  # answers to items not yet counted
+        self._answered: set[str] = set()  # a run's ids: a few MB for 100,000 of them
         self._newest_answered_at = float("-inf")  # when the newest answered item was counted
 
     def add(self, item_id: str, at: float | None = None) -> None:
-        """Counts ``item_id`` as waiting for its answer (unless it already has one)."""
-        if self._early.pop(item_id, None) is not None:
-            return
-        self._items.setdefault(item_id, time.monotonic() if at is None else at)
+        """Counts ``item_id`` as waiting for its answer (unless it has had one)."""
+        if item_id not in self._answered:
+            self._items.setdefault(item_id, time.monotonic() if at is None else at)
 
     def answer(self, item_id: str) -> None:
-        """Takes ``item_id`` off the backlog."""
+        """Takes ``item_id`` off the backlog, for good."""
+        self._answered.add(item_id)
         at = self._items.pop(item_id, None)
-        if at is None:
-            self._early[item_id] = time.monotonic()
-        else:
+        if at is not None:
             self._newest_answered_at = max(self._newest_answered_at, at)
 
     def forget_passed_over(self) -> int:
@@ -45,9 +43,6 @@ class Backlog:
         stale = [i for i, at in self._items.items() if at < oldest]
         for i in stale:
             del self._items[i]
-        now = time.monotonic()
-        for i in [i for i, at in self._early.items() if at < now - self.forget_s]:
-            del self._early[i]
         return len(stale)
 
     def __len__(self) -> int:

@@ -6,17 +6,15 @@ Admission control: a group is started only if the engine's policy is at most
 for the load (the bus pauses the partitions meanwhile). New policy versions from
 ``kz.policy`` load without dropping groups in flight: each group reports the version it
 started with. With ``max_unjudged``, a call is started only while fewer of the run's
-kernels than that wait for a verdict in the store.
+kernels than that wait for a verdict (at most ``max_unjudged_wait_s`` at a time).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from kz_stream.bus import BusMessage, Subscription
 from kz_stream.config import CoderSettings
@@ -173,10 +171,12 @@ class CoderService(Service):
         self.sampling = config.llm.sampling()
         self.replica = replica or f"coder-{uuid.uuid4().hex[:8]}"
         self.policy = PolicyFollower(self, backend, "coder", self.replica)
-        # The run's kernels the store holds without a verdict (``config.max_unjudged``),
-        # read as the store grows from ``_store_position``.
+        # The run's kernels without a verdict (``config.max_unjudged``): this Coder's as it
+        # publishes them, the others' as the store holds them (read as it grows from
+        # ``_store_position``), and whether a call waits on them now.
         self.unjudged = Backlog(config.max_unjudged_wait_s)
         self._store_position = 0
+        self.waiting_for_verifier = False
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -193,56 +193,56 @@ class CoderService(Service):
         )
         self.log.info("coder_started", replica=self.replica, backends=self.config.backends)
         await self.stopping.wait()
-        await sub.stop()  # finishes the groups in flight and commits
+        # A call in flight finishes and commits; one waiting for the verifier is given up
+        # (cancelled, not committed: its modules come again, from the broker or, on the
+        # embedded bus, from the store at the next start).
+        await sub.stop(grace=0 if self.waiting_for_verifier else None)
         await policy_sub.stop()
 
     async def handle_modules(self, batch: Sequence[BusMessage]) -> None:
-        jobs: list[Coroutine[Any, Any, None]] = []
-        for m in batch:
-            if m.event is None or m.event.type != "ModuleProposed":
-                continue
-            module = payload_as(m.event, ModuleProposed)
-            if not module.validation.valid:
-                continue
-            jobs.extend(
-                self.generate_group(m.event, module, _backend(b)) for b in self.config.backends
-            )
-        if jobs and not await self.wait_for_verifier():
-            for job in jobs:
-                job.close()
-            # Not lost: the store holds these modules without kernels, and the next start
-            # publishes them again (``app.redeliver_unfinished``).
-            self.log.info("coder_stopped_waiting_for_verifier", modules=len(jobs))
-            return
-        await asyncio.gather(*jobs)
+        work = [(m.event, module) for m in batch
+                if m.event is not None and m.event.type == "ModuleProposed"
+                and (module := payload_as(m.event, ModuleProposed)).validation.valid]
+        if work:
+            await self.wait_for_verifier()
+        await asyncio.gather(*(self.generate_group(event, module, _backend(b))
+                               for event, module in work for b in self.config.backends))
 
-    async def wait_for_verifier(self) -> bool:
-        """Waits while ``max_unjudged`` of the run's kernels have no verdict; False when
-        the service began to stop meanwhile. Kernels made while the verifier is that far
-        behind would wait behind the others, sampled by a policy that is older by the time
-        they are judged, and their generation would take the device from the verifier."""
+    async def wait_for_verifier(self) -> None:
+        """Waits while ``max_unjudged`` of the run's kernels have no verdict, for
+        ``max_unjudged_wait_s`` at most. Kernels made while the verifier is that far behind
+        would wait behind the others, sampled by a policy that is older by the time they
+        are judged, and their generation would take the device from the verifier. The
+        bound keeps the Coder going when verdicts stop coming (a verifier that is down,
+        kernels it will never judge): then one call goes ahead per bound."""
         limit = self.config.max_unjudged
-        if limit is None:
-            return True
+        if limit is None or self.stopping.is_set():
+            return  # begun after the stop: the stop waits for this call (``run``)
+        started = time.monotonic()
         logged = False
-        while True:
-            await self.wait_out(self._read_unjudged)
-            self.unjudged.forget_s = self.config.max_unjudged_wait_s
-            if stale := self.unjudged.forget_passed_over():
-                self.log.warning("kernels_never_judged", kernels=stale,
-                                 waited_s=self.config.max_unjudged_wait_s,
-                                 reason="newer kernels have verdicts but not these; the "
-                                        "Coder no longer waits on them")
-            if len(self.unjudged) < limit:
-                return True
-            if self.stopping.is_set():
-                return False
-            if not logged:
-                logged = True
-                self.log.info("coder_waits_for_verifier", unjudged=len(self.unjudged),
-                              max_unjudged=limit)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), 1.0)
+        self.waiting_for_verifier = True
+        try:
+            while True:
+                await self.wait_out(self._read_unjudged)
+                if stale := self.unjudged.forget_passed_over():
+                    self.log.warning("kernels_never_judged", kernels=stale,
+                                     waited_s=self.config.max_unjudged_wait_s,
+                                     reason="newer kernels have verdicts but not these; the "
+                                            "Coder no longer waits on them")
+                if len(self.unjudged) < limit:
+                    return
+                waited = time.monotonic() - started
+                if waited >= self.config.max_unjudged_wait_s:
+                    self.log.warning("verifier_wait_over", unjudged=len(self.unjudged),
+                                     max_unjudged=limit, waited_s=round(waited, 1))
+                    return
+                if not logged:
+                    logged = True
+                    self.log.info("coder_waits_for_verifier", unjudged=len(self.unjudged),
+                                  max_unjudged=limit)
+                await asyncio.sleep(1.0)  # a stop cancels the wait here (``run``)
+        finally:
+            self.waiting_for_verifier = False
 
     async def _read_unjudged(self) -> None:
         """Counts the run's kernels and verdicts stored since the last look."""
@@ -298,6 +298,11 @@ class CoderService(Service):
         await self.wait_out(
             lambda: self.ctx.bus.publish_many(self.ctx.settings.topics.kernels, events)
         )
+        if self.config.max_unjudged is not None:
+            # Counted now: the store holds them only once the recorder has them, and the
+            # next call's check may come first.
+            for e in events:
+                self.unjudged.add(e.payload["kernel_id"])
         self.metrics.published("KernelGenerated", len(events))
         self.log.info(
             "group_generated",

@@ -36,8 +36,8 @@ def verify_audit_suite(
     resume: Annotated[bool, typer.Option(help="Keep the rows the --json file holds for "
                                          "problems whose source and verifier version are "
                                          "unchanged; audit the rest.")] = False,
-    retry_errors: Annotated[bool, typer.Option(help="With --resume, audit again the "
-                                               "problems that could not be prepared.")] = False,
+    retry_errors: Annotated[bool, typer.Option(help="Resume, and audit again the problems "
+                                               "that could not be prepared.")] = False,
     time_limit: Annotated[float | None, typer.Option(
         min=0, help="Start no problem after this many seconds (those begun finish); "
         "--resume goes on from there.")] = None,
@@ -66,21 +66,27 @@ def verify_audit_suite(
         raise typer.BadParameter(f"no problem files (*.py) in {path}", param_hint="PATH")
     kept: dict[str, ProblemAudit] = {}
     todo = files
-    if resume and json_out is not None and json_out.exists():
+    order = {f.stem: i for i, f in enumerate(files)}
+    others: list[ProblemAudit] = []  # rows of problems outside this selection: kept as they are
+    if (resume or retry_errors) and json_out is not None and json_out.exists():
         earlier = [ProblemAudit.from_dict(r) for r in json.loads(json_out.read_text())]
         todo, kept = still_to_audit(files, earlier, retry_errors=retry_errors)
+        others = [r for r in earlier if r.name not in order]
     table = Table(title=f"{path}: {len(todo)} of {len(files)} problems to audit")
     for col in ("problem", "admission", "input sets", "dropped", "memory plan",
                 "oracle GiB", "input GiB", "host GiB (reserved)", "prepare s",
                 "slowest phases (s)"):
         table.add_column(col)
     rows: dict[str, ProblemAudit] = dict(kept)
-    order = {f.stem: i for i, f in enumerate(files)}
 
-    def write_rows() -> None:  # rewritten as it goes: a cut run keeps its rows
+    def write_rows() -> None:
+        # Rewritten as it goes, so a cut run keeps its rows; whole or not at all (a file cut
+        # mid-write would stop the next --resume).
         if json_out is not None:
-            ordered = sorted(rows.values(), key=lambda r: order[r.name])
-            json_out.write_text(json.dumps([r.to_dict() for r in ordered], indent=1))
+            ordered = sorted(rows.values(), key=lambda r: order[r.name]) + others
+            tmp = json_out.with_name(json_out.name + ".tmp")
+            tmp.write_text(json.dumps([r.to_dict() for r in ordered], indent=1))
+            tmp.replace(json_out)
 
     async def go() -> None:
         verifier = Verifier(VerifierConfig(devices=[] if cpu else None, oracles=jobs))

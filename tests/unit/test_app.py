@@ -140,7 +140,7 @@ def test_a_gpu_run_puts_many_modules_in_a_call_unless_the_user_said_otherwise() 
         16, 64, True)
     assert (gpu.proposer.concurrency, gpu.proposer.llm.batch_size) == (8, 16)
     assert gpu.proposer.max_ahead == 32  # two Coder calls' worth of modules
-    # A call waits while two steps' worth of kernels (4 groups of 4) wait for verdicts.
+    # A call waits while two steps' worth of kernels (groups of 4) wait for verdicts.
     assert gpu.coder.max_unjudged == 2 * 4 * RunOptions().groups_per_step
     assert gpu.coder.llm.merge_adapter and gpu.proposer.llm.merge_adapter
     assert gpu.coder.llm.process and gpu.proposer.llm.process  # each engine apart: the GIL

@@ -13,10 +13,14 @@ def test_an_answer_takes_its_item_off() -> None:
     assert len(b) == 1 and "b" in b and "a" not in b and list(b) == ["b"]
 
 
-def test_an_answer_that_comes_first_settles_its_item_when_it_is_counted() -> None:
+def test_an_answered_item_is_not_counted_again() -> None:
     b = Backlog(forget_s=60)
     b.answer("k")  # the verdict was read before its kernel
     b.add("k")
+    assert len(b) == 0
+    b.add("j")  # counted when handed on...
+    b.answer("j")
+    b.add("j")  # ...and read back from the store after its answer
     assert len(b) == 0
 
 
