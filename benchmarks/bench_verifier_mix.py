@@ -1,0 +1,173 @@
+"""Verified candidates per GPU-minute on a KernelBench-size mix (docs/verifier.md).
+
+The problems are the full-size corpus's levels 1 and 2 (``kz_stream/testing/corpus/
+full_size.py``: losses, reductions, softmax, activations with 6-8 GB of inputs, norms, a
+4096² matmul, fused GEMMs; written here after KernelBench's ops and published sizes), each
+with ``--samples`` copies of its honest Triton kernel (distinct sources), sent as an
+evaluation sends them: a problem's samples together, all problems at once, so a problem is
+prepared once for its samples. The baseline is the plain single-process loop
+(KernelBench-style: 5 random inputs, allclose, 100 timed trials each side;
+``bench_verifier``'s part (d)) on the same candidates, in the same run, after the verifier.
+Each side has ``--time-limit`` seconds; its rate is the candidates it finished in that
+time per minute, so a cut run still measures (and says how many it finished). Every
+candidate is honest, so every verdict but ``correct`` is a wrong one: their count is the
+corpus's "0 wrong verdicts" figure at full size.
+
+Run on a GPU: ``python -m benchmarks.bench_verifier_mix --samples 4 --time-limit 240
+--out DIR``; ``--small`` checks the path on the CPU at the corpus's small sizes (the
+verifier's CPU path; the plain loop needs CUDA and is left out) and writes no result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_verifier import _plain_check, _vary_python  # noqa: E402
+from kz_stream.testing.corpus.full_size import (  # noqa: E402
+    FULL_SIZE_HONEST,
+    FULL_SIZE_PROBLEMS,
+    input_bytes,
+)
+
+LEVELS_1_AND_2 = ("level1", "level2")
+
+
+def mix(samples: int, full: bool, seed: int = 0) -> list[tuple[str, str, str]]:
+    """(problem name, reference source, candidate source): the problems in a seeded
+    order, each problem's samples together."""
+    names = [n for n, p in FULL_SIZE_PROBLEMS.items()
+             if p.kernelbench.startswith(LEVELS_1_AND_2) and n in FULL_SIZE_HONEST]
+    random.Random(seed).shuffle(names)
+    return [(n, FULL_SIZE_PROBLEMS[n].source(full), _vary_python(FULL_SIZE_HONEST[n], i))
+            for n in names for i in range(samples)]
+
+
+async def verify_mix(jobs: list[tuple[str, str, str]], time_limit: float,
+                     save: Any) -> dict[str, Any]:
+    """Sends every candidate to one verifier at once; what it finishes in ``time_limit``."""
+    from kz_stream.verify import Candidate, Problem, Verifier
+
+    rows: list[dict[str, Any]] = []
+    async with Verifier() as v:
+        t0 = time.monotonic()
+
+        async def one(name: str, ref: str, cand: str) -> None:
+            d = await v.verify(Problem(ref), Candidate(cand, "triton"))
+            rows.append({"problem": name, "status": d.status.value, "check": d.check,
+                         "reason": (d.reason or "")[:200], "speedup": d.speedup,
+                         "done_s": round(time.monotonic() - t0, 2),
+                         **{k: d.details.get(k) for k in ("seconds", "prepare_s",
+                                                          "gpu_wait_s", "timing_s")}})
+            print(f"  {name}: {d.status.value} {d.check or ''} {d.speedup} "
+                  f"at {rows[-1]['done_s']} s", flush=True)
+            save({"verifier_rows": rows})
+
+        tasks = [asyncio.create_task(one(*j)) for j in jobs]
+        _, pending = await asyncio.wait(tasks, timeout=time_limit)
+        wall = min(time.monotonic() - t0, time_limit)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return {"sent": len(jobs), "done": len(rows), "wall_s": wall,
+            "per_min": 60 * len(rows) / wall, "rows": rows}
+
+
+def plain_mix(jobs: list[tuple[str, str, str]], time_limit: float) -> dict[str, Any]:
+    """The same candidates through the plain loop in one spawned process, in order, for
+    ``time_limit`` seconds."""
+    d = tempfile.mkdtemp(prefix="kz-plain-mix-")
+    results: list[dict[str, Any]] = []
+    with mp.get_context("spawn").Pool(1) as pool:
+        t0 = time.monotonic()
+        pending = [pool.apply_async(_plain_check, (ref, cand, d)) for _, ref, cand in jobs]
+        for (name, _, _), p in zip(jobs, pending, strict=True):
+            left = time_limit - (time.monotonic() - t0)
+            if left <= 0:
+                break
+            try:
+                r = p.get(timeout=left)
+            except mp.TimeoutError:
+                break
+            except Exception as e:  # the plain loop's own failure is its verdict
+                r = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            results.append({"problem": name, **r})
+            print(f"  plain {name}: {r}", flush=True)
+        wall = min(time.monotonic() - t0, time_limit)
+        pool.terminate()
+    return {"done": len(results), "wall_s": wall, "per_min": 60 * len(results) / wall,
+            "rows": results}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=4, help="candidates per problem")
+    ap.add_argument("--time-limit", type=float, default=240.0, help="seconds for each side")
+    ap.add_argument("--small", action="store_true",
+                    help="the corpus's small sizes on the CPU path: no plain loop, no result")
+    ap.add_argument("--out", type=Path, default=None, help="raw rows, written as they come")
+    ap.add_argument("--note", default="", help="appended to the result's notes")
+    args = ap.parse_args()
+    jobs = mix(args.samples, full=not args.small)
+    raw: dict[str, Any] = {}
+
+    def save(part: dict[str, Any]) -> None:
+        raw.update(part)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "verifier_mix_raw.json").write_text(json.dumps(raw, indent=1,
+                                                                       default=str))
+
+    problems = sorted({n for n, _, _ in jobs})
+    gb = sum(input_bytes(FULL_SIZE_PROBLEMS[n], not args.small) for n in problems) / 2**30
+    print(f"{len(problems)} problems ({gb:.1f} GB of inputs), {len(jobs)} candidates",
+          flush=True)
+    ours = asyncio.run(verify_mix(jobs, args.time_limit, save))
+    save({"verifier": {k: v for k, v in ours.items() if k != "rows"}})
+    print(f"verifier: {ours['done']}/{ours['sent']} in {ours['wall_s']:.0f} s = "
+          f"{ours['per_min']:.1f}/min", flush=True)
+    if args.small:
+        return
+    plain = plain_mix(jobs, args.time_limit)
+    save({"plain": plain})
+    print(f"plain loop: {plain['done']} in {plain['wall_s']:.0f} s = "
+          f"{plain['per_min']:.1f}/min", flush=True)
+    write(ours, plain, args)
+
+
+def write(ours: dict[str, Any], plain: dict[str, Any], args: argparse.Namespace) -> None:
+    from benchmarks._results import metric, write_result
+
+    statuses = Counter(r["status"] for r in ours["rows"])
+    wrong = sum(n for s, n in statuses.items() if s != "correct")
+    m = {
+        "verified per GPU-min, KernelBench-size mix": metric(
+            ours["per_min"], "candidates/GPU-min (target >= 30)", plain["per_min"]),
+        "plain loop per min": metric(plain["per_min"], "candidates/min"),
+        "honest candidates judged": metric(float(ours["done"]), "candidates"),
+        "wrong verdicts on honest candidates": metric(float(wrong), "verdicts (target 0)"),
+    }
+    notes = (f"{len({r[0] for r in mix(args.samples, True)})} problems of the full-size "
+             f"corpus (levels 1 and 2), {args.samples} samples each, all sent at once; each "
+             f"side {args.time_limit:.0f} s; verifier finished {ours['done']} of "
+             f"{ours['sent']}, plain loop {plain['done']}; verdicts {dict(statuses)}")
+    if args.note:
+        notes += f"; {args.note}"
+    write_result("verifier_mix", "python -m benchmarks.bench_verifier_mix "
+                 + " ".join(sys.argv[1:]), m, notes=notes)
+
+
+if __name__ == "__main__":
+    main()
