@@ -11,7 +11,11 @@ of each target are left out: the first target's start the spares (a kind gets th
 second call on), and the two targets, one module with one preload list, are one kind, so
 the second's find spares waiting and dropping them only costs two samples.
 
-Run: ``python -m benchmarks.bench_sandbox_preload [--calls 6] [--gap 3]``.
+The admission check (``admission_check``: each proposal's validation runs it after its
+probe, and an audit for every problem) is measured the same way with ``--targets
+admission``, written apart (``sandbox_preload_admission``) since it runs on the CPU path.
+
+Run: ``python -m benchmarks.bench_sandbox_preload [--calls 6] [--gap 3] [--targets ...]``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import time
 
 from benchmarks._results import metric, write_result
+from kz_stream.verify._admission import IMPORTS as ADMISSION_IMPORTS
 from kz_stream.verify._preflight import IMPORTS
 from kz_stream.verify._sandbox import run_in_sandbox
 
@@ -62,12 +67,17 @@ class ModelNew(torch.nn.Module):
 '''
 
 
+# A small module: the check's own work is a fraction of a second, its child's start is not.
+SMALL_PROBLEM = PROBLEM.replace("torch.rand(4096, 8192)", "torch.rand(64, 128)")
+
+
 def timed_calls(target: str, args: tuple[object, ...], preload: tuple[str, ...], calls: int,
-                gap_s: float) -> list[float]:
+                gap_s: float, memory_mb: int = 4096) -> list[float]:
     times = []
     for _ in range(calls):
         t0 = time.monotonic()
-        out = run_in_sandbox(target, args, timeout_s=120, memory_mb=4096, preload=preload)
+        out = run_in_sandbox(target, args, timeout_s=120, memory_mb=memory_mb,
+                             preload=preload)
         times.append(time.monotonic() - t0)
         if not out.ok:
             raise SystemExit(f"{target} failed: {out.error_kind} {out.error_message}")
@@ -81,22 +91,35 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--gap", type=float, default=3.0, help="Seconds between calls.")
     ap.add_argument("--machine", default=None)
+    ap.add_argument("--targets", default="preflight",
+                    help="preflight (reference_facts and candidate_preflight) or admission")
     args = ap.parse_args()
     metrics = {}
-    for name, target, call_args in (
-            ("reference_facts", "kz_stream.verify._preflight:reference_facts", (PROBLEM,)),
+    targets = {
+        "preflight": [
+            ("reference_facts", "kz_stream.verify._preflight:reference_facts", (PROBLEM,),
+             IMPORTS),
             ("candidate_preflight", "kz_stream.verify._preflight:candidate_preflight",
-             (CANDIDATE, [1]))):
-        cold = timed_calls(target, call_args, (), args.calls, args.gap)
-        warm = timed_calls(target, call_args, IMPORTS, args.calls + 2, args.gap)[2:]
+             (CANDIDATE, [1]), IMPORTS)],
+        # admission_check's own sandbox call, as module validation makes it (CPU, 16 GB).
+        "admission": [("admission_check", "kz_stream.verify._admission:_admit",
+                       (SMALL_PROBLEM, "cpu"), ADMISSION_IMPORTS)],
+    }[args.targets]
+    memory_mb = 16384 if args.targets == "admission" else 4096
+    for name, target, call_args, imports in targets:
+        cold = timed_calls(target, call_args, (), args.calls, args.gap, memory_mb)
+        warm = timed_calls(target, call_args, imports, args.calls + 2, args.gap,
+                           memory_mb)[2:]
         c, w = statistics.median(cold), statistics.median(warm)
         print(f"{name}: fresh child {c:.2f} s (median of {len(cold)}; {min(cold):.2f}-"
               f"{max(cold):.2f}), imports paid ahead {w:.2f} s ({min(warm):.2f}-"
               f"{max(warm):.2f}): {c / w:.1f}x")
         metrics[f"{name}, imports paid ahead (median)"] = metric(round(w, 3), "s", round(c, 3))
+    suffix = "" if args.targets == "preflight" else f"_{args.targets}"
     path = write_result(
-        "sandbox_preload", f"python -m benchmarks.bench_sandbox_preload --calls {args.calls} "
-        f"--gap {args.gap:g}", metrics, machine=args.machine,
+        f"sandbox_preload{suffix}", f"python -m benchmarks.bench_sandbox_preload --calls "
+        f"{args.calls} --gap {args.gap:g} --targets {args.targets}", metrics,
+        machine=args.machine,
         notes="baseline: a fresh sandboxed child per call (it imports torch first); ratio "
         "below 1 is faster")
     print(f"wrote {path}")

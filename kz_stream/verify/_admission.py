@@ -20,6 +20,12 @@ from kz_stream.verify._sandbox import run_in_sandbox
 
 __all__ = ["Admission", "admission_check"]
 
+# What the check imports, paid ahead by a spare sandboxed child (``run_in_sandbox``'s
+# ``preload``): a stream of checks (a Proposer validating each proposal, an audit) then
+# finds torch imported, which a fresh child spends seconds on.
+IMPORTS = ("torch", "kz_stream.verify._admission", "kz_stream.verify._compare",
+           "kz_stream.verify._inputs", "kz_stream.verify._reference")
+
 _WEIGHT_SEED = 1234
 _INPUT_SEED = 98765
 # Inputs past the first size are checked at scaled-down shapes; where no scaling keeps a
@@ -62,6 +68,7 @@ def admission_check(
         timeout_s=timeout_s,
         memory_mb=memory_mb,
         gpu=device != "cpu",
+        preload=IMPORTS,
     )
     if outcome.ok:
         admitted, reason, detail, phase_s = outcome.value
