@@ -17,7 +17,6 @@ Stored rows are never rewritten. A payload is validated once per envelope: ``dec
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -31,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 # knows verdicts, the verify core knows no events.
 from kz_stream.verify import Backend, Verdict
 from kz_stream.verify import Status as VerdictStatus
+from kz_stream.verify._types import source_sha256  # a kernel names its module's text by it
 
 __all__ = [
     "EVALUATION_PREFIX",
@@ -118,11 +118,6 @@ class ModuleProposed(Payload):
     policy_version: int = 0
     normalized_hash: str = ""
     validation: ModuleValidation
-
-
-def source_sha256(source: str) -> str:
-    """The SHA-256 (hex) of a source text as UTF-8: how a kernel names its module's text."""
-    return hashlib.sha256(source.encode()).hexdigest()
 
 
 class KernelGenerated(Payload):

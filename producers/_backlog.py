@@ -11,7 +11,7 @@ class Backlog:
     """Ids of items handed on and not yet answered, each with when it was counted.
 
     An item counted more than ``forget_s`` before the newest item answered since stops
-    counting (``forget_passed_over``): whoever answers passed it over (dead-lettered it,
+    counting (``forget_passed_over(forget_s)``): whoever answers passed it over (dead-lettered it,
     say), and an answer may never come; counted for ever, enough of them would stop the
     generator for good. One that answers nothing (slow, or stopped) holds the count
     however long it takes. An item answered once is not counted again: its answer may be
@@ -19,8 +19,7 @@ class Backlog:
     twice (once when handed on, once when read back from the store).
     """
 
-    def __init__(self, forget_s: float) -> None:
-        self.forget_s = forget_s
+    def __init__(self) -> None:
         self._items: dict[str, float] = {}
         self._answered: set[str] = set()  # a run's ids: a few MB for 100,000 of them
         self._newest_answered_at = float("-inf")  # when the newest answered item was counted
@@ -37,9 +36,9 @@ class Backlog:
         if at is not None:
             self._newest_answered_at = max(self._newest_answered_at, at)
 
-    def forget_passed_over(self) -> int:
+    def forget_passed_over(self, forget_s: float) -> int:
         """Stops counting the items passed over (see the class); returns how many."""
-        oldest = self._newest_answered_at - self.forget_s
+        oldest = self._newest_answered_at - forget_s
         stale = [i for i, at in self._items.items() if at < oldest]
         for i in stale:
             del self._items[i]

@@ -174,7 +174,7 @@ class CoderService(Service):
         # The run's kernels without a verdict (``config.max_unjudged``): this Coder's as it
         # publishes them, the others' as the store holds them (read as it grows from
         # ``_store_position``), and whether a call waits on them now.
-        self.unjudged = Backlog(config.max_unjudged_wait_s)
+        self.unjudged = Backlog()
         self._store_position = 0
         self.waiting_for_verifier = False
 
@@ -224,7 +224,7 @@ class CoderService(Service):
         try:
             while True:
                 await self.wait_out(self._read_unjudged)
-                if stale := self.unjudged.forget_passed_over():
+                if stale := self.unjudged.forget_passed_over(self.config.max_unjudged_wait_s):
                     self.log.warning("kernels_never_judged", kernels=stale,
                                      waited_s=self.config.max_unjudged_wait_s,
                                      reason="newer kernels have verdicts but not these; the "

@@ -104,7 +104,7 @@ class ProposerService(Service):
         self._stored_seeds: dict[str, Event] = {}
         # The run's valid modules of which the Coder has generated no kernel yet, and a
         # wake-up for prompts waiting on them (``config.max_ahead``).
-        self.uncoded = Backlog(config.max_ahead_wait_s)
+        self.uncoded = Backlog()
         self._coded = asyncio.Event()
         self._waiting_logged = False
 
@@ -279,8 +279,7 @@ class ProposerService(Service):
 
     def _forget_modules_never_coded(self) -> None:
         """Stops counting the modules the Coder passed over (``Backlog``)."""
-        self.uncoded.forget_s = self.config.max_ahead_wait_s
-        if stale := self.uncoded.forget_passed_over():
+        if stale := self.uncoded.forget_passed_over(self.config.max_ahead_wait_s):
             self.log.warning("modules_never_coded", modules=stale,
                              waited_s=self.config.max_ahead_wait_s,
                              reason="the Coder has coded newer modules but not these; "

@@ -32,7 +32,8 @@ _INPUT_SEED = 98765
 # module valid (one size is both the batch and a channel count that groups must divide),
 # inputs up to the second are checked unscaled, only slower. On the CPU the bound is time.
 # On a GPU it is memory: admission holds every set's inputs, outputs and float64 outputs
-# at once (about 16 times the inputs), so KernelBench's 6.4 GB inputs (over 100 GB) would
+# at once (by arithmetic, 4 sets of inputs, outputs and float64 outputs: about 16 times the
+# inputs where outputs are as large), so KernelBench's 6.4 GB inputs (over 100 GB) would
 # not fit beside the verifier's other processes, and an H100 has 80 GB.
 _MAX_INPUT_BYTES = {"cpu": 4 << 20, "cuda": 1 << 30}
 _UNSCALED_MAX_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}

@@ -8,7 +8,6 @@ stands while both are unchanged (``still_to_audit``)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import re
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kz_stream.verify._admission import admission_check
-from kz_stream.verify._types import VERIFIER_VERSION, Problem
+from kz_stream.verify._types import VERIFIER_VERSION, Problem, source_sha256
 from kz_stream.verify._verifier import Verifier
 
 __all__ = ["ProblemAudit", "audit_suite", "still_to_audit", "suite_files"]
@@ -58,10 +57,6 @@ class ProblemAudit:
         """A row as ``to_dict`` wrote it; keys this version does not know are left out."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in row.items() if k in known})
-
-
-def source_sha256(source: str) -> str:
-    return hashlib.sha256(source.encode()).hexdigest()
 
 
 def still_to_audit(

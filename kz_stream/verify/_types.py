@@ -18,6 +18,12 @@ VERIFIER_VERSION = "kzv-1.3"
 Backend = Literal["cuda", "triton"]
 
 
+def source_sha256(source: str) -> str:
+    """The SHA-256 (hex) of a source text as UTF-8: how a kernel names its module's text,
+    and an audit row its problem's."""
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
 class Status(StrEnum):
     """Verdict status (``kz_stream.events.VerdictStatus`` is this enum)."""
 

@@ -390,7 +390,11 @@ async def test_the_proposer_waits_while_max_ahead_modules_have_no_kernel(
             assert not any(t.done() for t in tasks), [t.exception() for t in tasks]
             await asyncio.sleep(0.1)
         await asyncio.sleep(3)  # a prompt would take ~2 s here: none is made
-        waiting = valid(await events_of(ctx, "ModuleProposed"))
+        for _ in range(600):  # the recorder stores what was published (it may lag, loaded)
+            waiting = valid(await events_of(ctx, "ModuleProposed"))
+            if len(waiting) >= 2:
+                break
+            await asyncio.sleep(0.1)
         assert len(waiting) == 2 and set(proposer.uncoded) == {m.module_id for m in waiting}
 
         # The Coder takes one up: a kernel for it lets one more prompt through.

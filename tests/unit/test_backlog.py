@@ -6,7 +6,7 @@ from kz_stream.producers._backlog import Backlog
 
 
 def test_an_answer_takes_its_item_off() -> None:
-    b = Backlog(forget_s=60)
+    b = Backlog()
     b.add("a")
     b.add("b")
     b.answer("a")
@@ -14,7 +14,7 @@ def test_an_answer_takes_its_item_off() -> None:
 
 
 def test_an_answered_item_is_not_counted_again() -> None:
-    b = Backlog(forget_s=60)
+    b = Backlog()
     b.answer("k")  # the verdict was read before its kernel
     b.add("k")
     assert len(b) == 0
@@ -25,19 +25,19 @@ def test_an_answered_item_is_not_counted_again() -> None:
 
 
 def test_items_passed_over_stop_counting_once_newer_ones_are_answered() -> None:
-    b = Backlog(forget_s=10)
+    b = Backlog()
     b.add("old", at=100.0)
     b.add("newer", at=105.0)
     b.add("newest", at=130.0)
-    assert b.forget_passed_over() == 0  # nothing answered: a slow answerer holds them all
+    assert b.forget_passed_over(10) == 0  # nothing answered: a slow answerer holds them all
     b.answer("newest")
     # Counted more than 10 s before the newest answered item: passed over.
-    assert b.forget_passed_over() == 2 and len(b) == 0
+    assert b.forget_passed_over(10) == 2 and len(b) == 0
 
 
 def test_items_close_to_the_newest_answered_keep_counting() -> None:
-    b = Backlog(forget_s=10)
+    b = Backlog()
     b.add("a", at=100.0)
     b.add("b", at=95.0)
     b.answer("a")
-    assert b.forget_passed_over() == 0 and list(b) == ["b"]
+    assert b.forget_passed_over(10) == 0 and list(b) == ["b"]
