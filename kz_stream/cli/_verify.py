@@ -69,7 +69,12 @@ def verify_audit_suite(
     order = {f.stem: i for i, f in enumerate(files)}
     others: list[ProblemAudit] = []  # rows of problems outside this selection: kept as they are
     if (resume or retry_errors) and json_out is not None and json_out.exists():
-        earlier = [ProblemAudit.from_dict(r) for r in json.loads(json_out.read_text())]
+        try:
+            earlier = [ProblemAudit.from_dict(r) for r in json.loads(json_out.read_text())]
+        except (ValueError, TypeError, AttributeError) as e:
+            raise typer.BadParameter(
+                f"{json_out} holds no audit rows to go on from ({type(e).__name__}: {e}); "
+                "move it aside or name another file", param_hint="--json") from e
         todo, kept = still_to_audit(files, earlier, retry_errors=retry_errors)
         others = [r for r in earlier if r.name not in order]
     table = Table(title=f"{path}: {len(todo)} of {len(files)} problems to audit")

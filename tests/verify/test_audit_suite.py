@@ -104,6 +104,22 @@ def test_a_resumed_audit_keeps_rows_whose_problem_and_verifier_are_unchanged(
     assert json.loads(out.read_text()) == before
 
 
+def test_a_resume_from_a_file_that_holds_no_audit_rows_says_so(tmp_path: Path) -> None:
+    suite = tmp_path / "level1"
+    suite.mkdir()
+    (suite / "1_ReLU.py").write_text(PROBLEMS["relu_rand"])
+    out = tmp_path / "audit.json"
+    for text in ('{"cut', '[{"nam": 1}]', '{"name": "x"}'):
+        out.write_text(text)
+        run = subprocess.run(
+            [sys.executable, "-m", "kz_stream.cli", "verify", "audit-suite", str(suite),
+             "--cpu", "--json", str(out), "--resume"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+        assert run.returncode == 1, (text, run.stdout, run.stderr)
+        assert "holds no audit rows to go on from" in " ".join(run.stderr.split()), run.stderr
+        assert out.read_text() == text  # left as it was
+
+
 def test_still_to_audit_takes_rows_of_another_verifier_version_as_missing(
     tmp_path: Path,
 ) -> None:
