@@ -1,7 +1,10 @@
 """How fast a big reply travels from a child process to the verifier (``_ipc.send`` and
 ``recv``): a reply of float32 tensors (like the oracle's input sets and expected outputs)
 through the socket (the baseline), against spilled to files under /dev/shm (tmpfs, what
-the oracle uses) and in a folder on disk (the fallback, the child's private folder).
+the oracle uses) and in a folder on disk (the fallback, the child's private folder); and
+the socket as it was read before 2026-12-05 (``before``: multiprocessing's
+``recv_bytes_into``, which holds each frame in a BytesIO and then copies it), the baseline
+of the socket's figure.
 
 Each figure is the median of ``--repeats`` trips, from the moment the child is told to
 send (its tensors already made) until ``recv`` has returned the reply in the parent:
@@ -33,7 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import metric, write_result  # noqa: E402
+from kz_stream.verify import _ipc  # noqa: E402
 from kz_stream.verify._ipc import SHM, recv, send  # noqa: E402
+
+MODES = ("before", "inline", "shm", "disk")
+
+
+def _recv_frame_before(conn: Connection, buf: Any) -> int:
+    """How ``recv`` read a socket frame before 2026-12-05: a copy through a BytesIO."""
+    return conn.recv_bytes_into(buf)
 
 
 def child(fd: int) -> None:
@@ -65,12 +76,19 @@ def _shmem_huge() -> str:
     return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
 
 
-def trip_s(conn: Connection, spill_dir: str | None) -> float:
-    """Seconds for one reply's trip, child to parent."""
-    t = time.perf_counter()
-    send(conn, {"cmd": "send", "spill_dir": spill_dir})
-    reply = recv(conn, spill_dir)
-    took = time.perf_counter() - t
+def trip_s(conn: Connection, spill_dir: str | None, before: bool = False) -> float:
+    """Seconds for one reply's trip, child to parent; ``before``: read as before the
+    socket's frames went straight into their buffers."""
+    now = _ipc._recv_frame_into
+    if before:
+        _ipc._recv_frame_into = _recv_frame_before  # type: ignore[assignment]
+    try:
+        t = time.perf_counter()
+        send(conn, {"cmd": "send", "spill_dir": spill_dir})
+        reply = recv(conn, spill_dir)
+        took = time.perf_counter() - t
+    finally:
+        _ipc._recv_frame_into = now  # type: ignore[assignment]
     assert reply["sets"]
     del reply
     return took
@@ -97,7 +115,8 @@ def main() -> None:
     b.close()
     folders = {"shm": tempfile.mkdtemp(prefix="kz-bench-spill-", dir=SHM),
                "disk": tempfile.mkdtemp(prefix="kz-bench-spill-", dir=args.disk_dir)}
-    where = {"inline": "through the socket", "shm": "spilled to /dev/shm",
+    where = {"before": "through the socket, read as before (a BytesIO copy)",
+             "inline": "through the socket", "shm": "spilled to /dev/shm",
              "disk": f"spilled to a disk folder ({args.disk_dir})"}
     metrics: dict[str, dict[str, Any]] = {}
     raw: dict[str, list[float]] = {}
@@ -107,21 +126,24 @@ def main() -> None:
             send(conn, {"cmd": "make", "bytes": n, "tensor_bytes": args.tensor_mib << 20})
             made = recv(conn)["made"]
             times: dict[str, float] = {}
-            for mode in ("inline", "shm", "disk"):  # the warm-up
-                trip_s(conn, None if mode == "inline" else folders[mode])
+            for mode in MODES:  # the warm-up
+                trip_s(conn, folders.get(mode), before=mode == "before")
             for _ in range(args.repeats):  # interleaved: drift hits every mode alike
-                for mode in ("inline", "shm", "disk"):
-                    took = trip_s(conn, None if mode == "inline" else folders[mode])
+                for mode in MODES:
+                    took = trip_s(conn, folders.get(mode), before=mode == "before")
                     raw.setdefault(f"{gib:g} {mode}", []).append(round(took, 3))
-            for mode in ("inline", "shm", "disk"):
+            for mode in MODES:
                 times[mode] = statistics.median(raw[f"{gib:g} {mode}"])
             assert not any(os.listdir(d) for d in folders.values())  # recv removed them
             label = f"{gib:g} GiB reply ({made} tensors)"
-            for mode in ("inline", "shm", "disk"):
-                base = None if mode == "inline" else times["inline"]
+            baseline = {"before": None, "inline": "before", "shm": "inline", "disk": "inline"}
+            for mode in MODES:
+                b = baseline[mode]
+                base = None if b is None else times[b]
                 metrics[f"{label} {where[mode]}"] = metric(round(times[mode], 3), "s", base)
-            for mode in ("inline", "shm", "disk"):
-                base_rate = None if mode == "inline" else n / 1e9 / times["inline"]
+            for mode in MODES:
+                b = baseline[mode]
+                base_rate = None if b is None else n / 1e9 / times[b]
                 metrics[f"{label} {where[mode]}, rate"] = metric(
                     round(n / 1e9 / times[mode], 3), "GB/s", base_rate)
     finally:

@@ -7,18 +7,20 @@ nothing where it does not).
 Messages (``_messages``: typed dicts) are pickled over a socketpair (protocol 5), each CPU
 tensor's bytes as an out-of-band buffer after the pickle; replies carry CPU tensors only.
 
-A child made with ``spill=True`` (the oracle, whose replies hold GBs of input sets and
-expected outputs; never a process that runs candidate code) sends each buffer of at least
-``SPILL_MIN_BYTES`` through a file of a folder the verifier made for it (``KZ_SPILL_DIR``:
-under /dev/shm where it can, else in the child's private folder) instead: the message
-names the file, and an empty frame on the socket says it is written, so the verifier
-reads one file while the child writes the next. The socket moves 0.2–0.7 GB/s, and on the
-H200 the oracle's replies to 15 KernelBench problems took 236 s, more than the 197 s of
-the oracle's own work; on this project's 2-core VM a 4 GiB reply takes 7.0 s through the
-socket, 4.3 s through /dev/shm (``benchmarks/bench_ipc.py``). The verifier reads such a
-file only by a name of the fixed pattern, opened in that folder without following links,
-a regular file of the size announced, and deletes it; anything else is a ``SpillError``
-(the child is killed).
+Each buffer's frame is read straight into the buffer its tensor is built on
+(``_recv_frame_into``; multiprocessing's ``recv_bytes_into`` copies through a BytesIO, so
+a receiver held a message twice): 3.4 GB/s for a 4 GiB reply on this project's 2-core VM,
+0.45 GB/s before (``benchmarks/bench_ipc.py``).
+
+A child made with ``spill=True`` (the oracle with ``VerifierConfig.oracle_spill``, off by
+default since the socket became the faster way; never a process that runs candidate code)
+sends each buffer of at least ``SPILL_MIN_BYTES`` through a file of a folder the verifier
+made for it (``KZ_SPILL_DIR``: under /dev/shm where it can, else in the child's private
+folder) instead: the message names the file, and an empty frame on the socket says it is
+written, so the verifier reads one file while the child writes the next. The verifier
+reads such a file only by a name of the fixed pattern, opened in that folder without
+following links, a regular file of the size announced, and deletes it; anything else is a
+``SpillError`` (the child is killed).
 
 A call that exceeds its deadline kills the whole process group. The child kills its group
 when the verifier's end of the socket closes, and the group is in the verifier's registry
@@ -37,6 +39,7 @@ import re
 import shutil
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -390,6 +393,41 @@ def _read_spilled(dir_fd: int, name: str, buf: bytearray | mmap.mmap) -> None:
         os.close(fd)
 
 
+def _read_exactly(fd: int, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            raise EOFError("the channel closed inside a frame's header")
+        out += chunk
+    return out
+
+
+def _recv_frame_into(conn: Connection, buf: bytearray | mmap.mmap) -> int:
+    """``conn.recv_bytes_into(buf)`` without its copy: multiprocessing reads a whole frame
+    into a BytesIO and only then copies it into ``buf``, so a receiver held every buffer
+    twice for a moment (on the H200 an 8 GiB input set made a candidate's worker hold
+    16.2 GiB, past its allowance, and an honest kernel got ``out_of_memory``). This reads
+    the frame's header (``Connection``'s own: a 4-byte size, or -1 and an 8-byte one) and
+    then its bytes straight into ``buf``; ``Connection`` keeps no read-ahead, so the two
+    stay in step. A frame larger than ``buf`` raises BufferTooShort before its bytes are
+    read (the channel is then out of step: the caller kills the sender)."""
+    fd = conn.fileno()
+    size: int = struct.unpack("!i", _read_exactly(fd, 4))[0]
+    if size == -1:
+        size = struct.unpack("!Q", _read_exactly(fd, 8))[0]
+    if size < 0 or size > len(buf):
+        raise BufferTooShort(f"a frame of {size} bytes for a buffer of {len(buf)}")
+    with memoryview(buf) as view:  # released: an mmap with a view cannot be freed
+        done = 0
+        while done < size:
+            n = os.readv(fd, [view[done:min(size, done + _CHUNK)]])
+            if n == 0:
+                raise EOFError(f"the channel closed after {done} of a frame's {size} bytes")
+            done += n
+    return size
+
+
 def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = False) -> Any:
     """Receives what ``send`` sent; spilled buffers are read from ``spill_dir`` and their
     files removed (on a failure too). A spilled buffer with no ``spill_dir``, or one not
@@ -416,11 +454,13 @@ def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = Fals
                 assert dir_fd is not None
                 bufs.append(_spilled_or_inline(conn, dir_fd, *n))
                 continue
-            buf = bytearray(n)
-            if n:
-                conn.recv_bytes_into(buf)
-            else:
-                conn.recv_bytes()
+            buf = _zeroed(n)
+            try:
+                got = _recv_frame_into(conn, buf)
+            except BufferTooShort as e:
+                raise UnreadableReply(f"more bytes came than announced ({n})") from e
+            if got != n:
+                raise UnreadableReply(f"a buffer of {got} bytes came, announced {n}")
             bufs.append(buf)
         return _loads(head, trusted, bufs)
     except BaseException:
@@ -439,7 +479,7 @@ def _spilled_or_inline(conn: Connection, dir_fd: int, name: str,
     empty frame), or the frame's where the sender could not write the file."""
     buf = _zeroed(size)
     try:
-        got = conn.recv_bytes_into(buf)
+        got = _recv_frame_into(conn, buf)
     except BufferTooShort as e:
         raise SpillError(f"spilled buffer {name}: more bytes came than announced "
                          f"({size})") from e

@@ -270,11 +270,13 @@ class Lane:
         return reply
 
     def _may_spill(self) -> bool:
-        """Whether the oracle's replies may travel through spill files: only while the
-        candidates' workers are jailed. Spilled expected outputs sit in /dev/shm (or the
-        oracle's private folder) for a moment, and a worker outside the jail runs under
-        the verifier's uid and sees both: its candidate could read the answers there."""
-        return self.config.strong_isolation and isolation(True).level == "jail"
+        """Whether the oracle's replies travel through spill files: where the config asks
+        for it (``oracle_spill``), and only while the candidates' workers are jailed.
+        Spilled expected outputs sit in /dev/shm (or the oracle's private folder) for a
+        moment, and a worker outside the jail runs under the verifier's uid and sees both:
+        its candidate could read the answers there."""
+        return (self.config.oracle_spill and self.config.strong_isolation
+                and isolation(True).level == "jail")
 
     async def reference_timer(self, p: Prepared, n_sets: int, seed: int,
                               timeout_s: float) -> RefTimer:

@@ -7,7 +7,9 @@ import asyncio
 import os
 import pickle
 import socket
+import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -167,6 +169,35 @@ def test_a_size_other_than_announced_is_refused(pair: tuple[Connection, Connecti
     assert os.listdir(folder) == []
 
 
+@pytest.mark.parametrize("frame", [b"x" * 16, b"x" * 4])
+def test_an_inline_buffer_of_another_size_than_announced_is_refused(
+        pair: tuple[Connection, Connection], frame: bytes) -> None:
+    pair[0].send_bytes(pickle.dumps([8]))
+    pair[0].send_bytes(pickle.dumps([pickle.PickleBuffer(bytearray(8))], protocol=5))
+    pair[0].send_bytes(frame)
+    with pytest.raises(ipc.UnreadableReply, match=r"announced \(?8"):
+        recv(pair[1])
+
+
+def test_a_received_buffer_is_read_into_its_tensor_without_a_copy(
+        pair: tuple[Connection, Connection]) -> None:
+    # multiprocessing's recv_bytes_into holds a whole frame in a BytesIO before copying
+    # it: an 8 GiB input set was held twice by the worker that received it.
+    n = 32 << 20
+    t = torch.arange(n // 8, dtype=torch.int64)
+    sender = threading.Thread(target=send, args=(pair[0], {"t": t}))
+    sender.start()
+    tracemalloc.start()
+    try:
+        got = recv(pair[1])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        sender.join()
+    assert torch.equal(got["t"], t)
+    assert peak < n // 8, f"receiving {n} bytes allocated {peak} on the Python heap"
+
+
 def test_a_missing_file_is_refused(pair: tuple[Connection, Connection],
                                    folder: Path) -> None:
     forge(pair[0], [("spill-1-1", 8)])
@@ -304,7 +335,7 @@ def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyP
     """A real oracle child, started as the verifier starts it, on a problem whose float64
     input passes the threshold: it comes through a file, which is gone afterwards."""
     read = count_spill_reads(monkeypatch)
-    lane = Lane(VerifierConfig(devices=[]), None)
+    lane = Lane(VerifierConfig(devices=[], oracle_spill=True), None)
     try:
         reply = asyncio.run(lane.oracle_call(PREPARE, 300))
         assert reply["ok"], reply
@@ -321,10 +352,15 @@ def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyP
     assert not os.path.exists(spill_dir)
 
 
-def test_no_spill_while_candidates_run_outside_the_jail() -> None:
-    """Unjailed workers share the verifier's uid and /dev/shm: spilled answers would be
-    theirs to read, so the oracle's replies stay on the socket."""
-    lane = Lane(VerifierConfig(devices=[], strong_isolation=False), None)
+@pytest.mark.parametrize("config", [
+    # Unjailed workers share the verifier's uid and /dev/shm: spilled answers would be
+    # theirs to read.
+    VerifierConfig(devices=[], strong_isolation=False, oracle_spill=True),
+    # The socket is the faster way by default (benchmarks/bench_ipc.py).
+    VerifierConfig(devices=[]),
+], ids=["outside_the_jail", "by_default"])
+def test_the_oracle_replies_on_the_socket(config: VerifierConfig) -> None:
+    lane = Lane(config, None)
     try:
         reply = asyncio.run(lane.oracle_call(PREPARE, 300))
         assert reply["ok"], reply
