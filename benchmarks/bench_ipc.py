@@ -43,7 +43,8 @@ MODES = ("before", "inline", "shm", "disk")
 
 
 def _recv_frame_before(conn: Connection, buf: Any) -> int:
-    """How ``recv`` read a socket frame before 2026-12-05: a copy through a BytesIO."""
+    """How ``recv`` read a socket frame before 2026-12-05 (into a bytearray): a copy
+    through a BytesIO."""
     return conn.recv_bytes_into(buf)
 
 
@@ -79,16 +80,17 @@ def _shmem_huge() -> str:
 def trip_s(conn: Connection, spill_dir: str | None, before: bool = False) -> float:
     """Seconds for one reply's trip, child to parent; ``before``: read as before the
     socket's frames went straight into their buffers."""
-    now = _ipc._recv_frame_into
-    if before:
+    now = _ipc._recv_frame_into, _ipc._zeroed
+    if before:  # and into a bytearray, as then
         _ipc._recv_frame_into = _recv_frame_before  # type: ignore[assignment]
+        _ipc._zeroed = bytearray  # type: ignore[assignment]
     try:
         t = time.perf_counter()
         send(conn, {"cmd": "send", "spill_dir": spill_dir})
         reply = recv(conn, spill_dir)
         took = time.perf_counter() - t
     finally:
-        _ipc._recv_frame_into = now  # type: ignore[assignment]
+        _ipc._recv_frame_into, _ipc._zeroed = now  # type: ignore[assignment]
     assert reply["sets"]
     del reply
     return took

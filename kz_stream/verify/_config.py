@@ -61,12 +61,12 @@ class VerifierConfig(BaseModel):
     # is killed and the candidate gets ``out_of_memory``; an OOM kill by the host's kernel
     # within it is the host's fault (``infra_error`` / ``host_memory``). None: no watch.
     worker_host_margin_bytes: int | None = Field(default=8 << 30, ge=0)
-    # The oracle's big replies through files under /dev/shm (``_ipc``'s spill) instead of
-    # the socket. Off: since the socket's frames are read straight into their buffers
-    # (2026-12-05) a 4 GiB reply takes 1.3 s through the socket and 3.7 s through /dev/shm
-    # on this project's 2-core VM (``benchmarks/bench_ipc.py``); on, only while the
-    # candidates' workers are jailed.
-    oracle_spill: bool = False
+    # The oracle's big replies (16 MiB buffers and up) through files under /dev/shm
+    # (``_ipc``'s spill) instead of the socket, only while the candidates' workers are
+    # jailed. On this project's 2-core VM a 4 GiB reply took 3.1 s so against 5.7 s
+    # through the socket, 1 GiB about the same (0.70 against 0.64 s;
+    # ``benchmarks/bench_ipc.py``, 2026-12-05).
+    oracle_spill: bool = True
     # Workers started ahead of need, per device. None: two per slot on a GPU (a worker
     # takes seconds to start, and each candidate uses a fresh one), one on the CPU.
     prewarm: int | None = Field(default=None, ge=0)

@@ -9,18 +9,19 @@ tensor's bytes as an out-of-band buffer after the pickle; replies carry CPU tens
 
 Each buffer's frame is read straight into the buffer its tensor is built on
 (``_recv_frame_into``; multiprocessing's ``recv_bytes_into`` copies through a BytesIO, so
-a receiver held a message twice): 3.4 GB/s for a 4 GiB reply on this project's 2-core VM,
-0.45 GB/s before (``benchmarks/bench_ipc.py``).
+a receiver held a message twice): on this project's 2-core VM a 1 GiB reply's trip took
+0.64 s against 2.13 s before, 4 GiB 5.7 s against 9.0 s (``benchmarks/bench_ipc.py``).
 
-A child made with ``spill=True`` (the oracle with ``VerifierConfig.oracle_spill``, off by
-default since the socket became the faster way; never a process that runs candidate code)
-sends each buffer of at least ``SPILL_MIN_BYTES`` through a file of a folder the verifier
-made for it (``KZ_SPILL_DIR``: under /dev/shm where it can, else in the child's private
-folder) instead: the message names the file, and an empty frame on the socket says it is
-written, so the verifier reads one file while the child writes the next. The verifier
-reads such a file only by a name of the fixed pattern, opened in that folder without
-following links, a regular file of the size announced, and deletes it; anything else is a
-``SpillError`` (the child is killed).
+A child made with ``spill=True`` (the oracle, with ``VerifierConfig.oracle_spill``, whose
+replies hold GBs of input sets and expected outputs; never a process that runs candidate
+code) sends each buffer of at least ``SPILL_MIN_BYTES`` through a file of a folder the
+verifier made for it (``KZ_SPILL_DIR``: under /dev/shm where it can, else in the child's
+private folder) instead: the message names the file, and an empty frame on the socket
+says it is written, so the verifier reads one file while the child writes the next (a
+4 GiB reply 3.1 s through /dev/shm on the VM). The verifier reads such a file only by a
+name of the fixed pattern, opened in that folder without following links, a regular file
+of the size announced, and deletes it; anything else is a ``SpillError`` (the child is
+killed).
 
 A call that exceeds its deadline kills the whole process group. The child kills its group
 when the verifier's end of the socket closes, and the group is in the verifier's registry
@@ -231,6 +232,9 @@ _SPILL_NAME = re.compile(r"spill-[0-9]{1,10}-[0-9]{1,20}")
 # KernelBench reply holds up to tens of GB; more than half is no reply's).
 _MAX_MESSAGE_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 _spill_count = itertools.count()
+# A message's pickle (tensors travel beside it): a reply's lists, flags and tracebacks
+# take kilobytes; a frame announced larger is a child's lie, refused before allocation.
+_MAX_PICKLE_BYTES = 256 << 20
 _HUGE = 2 << 20  # a transparent huge page
 _CHUNK = 64 << 20  # a read's size: 1 GiB reads were slower here (0.19 s/GiB, not 0.14)
 # Folders a verifier makes for its children: spill folders under /dev/shm and private
@@ -345,13 +349,17 @@ def _spilled_names(sizes: Any) -> list[str]:
 
 
 def _zeroed(n: int) -> bytearray | mmap.mmap:
-    """``n`` writable bytes for a spilled buffer: private memory with transparent huge
+    """``n`` writable bytes for a received buffer: private memory with transparent huge
     pages where the host gives them, as a faulting 4 KiB page at a time took most of a
     read (1 GiB from /dev/shm on this project's 2-core VM: 1.2–3.2 s into a bytearray,
-    0.15–0.26 s so)."""
+    0.15–0.26 s so). No room is a MemoryError, as a bytearray's would be (an mmap's is an
+    OSError, which a channel's reader takes for its peer's end)."""
     if n < _HUGE:
         return bytearray(n)
-    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        raise MemoryError(f"no room for a buffer of {n} bytes: {e}") from e
     try:
         m.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):
@@ -413,11 +421,39 @@ def _recv_frame_into(conn: Connection, buf: bytearray | mmap.mmap) -> int:
     stay in step. A frame larger than ``buf`` raises BufferTooShort before its bytes are
     read (the channel is then out of step: the caller kills the sender)."""
     fd = conn.fileno()
+    size = _frame_size(fd)
+    if size > len(buf):
+        raise BufferTooShort(f"a frame of {size} bytes for a buffer of {len(buf)}")
+    _read_body(fd, buf, size)
+    return size
+
+
+def _recv_frame(conn: Connection, limit: int) -> bytearray:
+    """The next frame's bytes; a frame announced larger than ``limit`` is an
+    UnreadableReply before anything is allocated for it (``conn.recv_bytes()`` would take
+    whatever a child announces)."""
+    fd = conn.fileno()
+    size = _frame_size(fd)
+    if size > limit:
+        raise UnreadableReply(f"a message frame of {size} bytes, more than the {limit} "
+                              "a message's pickle may hold")
+    buf = bytearray(size)
+    _read_body(fd, buf, size)
+    return buf
+
+
+def _frame_size(fd: int) -> int:
+    """The size in a frame's header (``Connection``'s: a 4-byte size, or -1 and an
+    8-byte one)."""
     size: int = struct.unpack("!i", _read_exactly(fd, 4))[0]
     if size == -1:
         size = struct.unpack("!Q", _read_exactly(fd, 8))[0]
-    if size < 0 or size > len(buf):
-        raise BufferTooShort(f"a frame of {size} bytes for a buffer of {len(buf)}")
+    if size < 0:
+        raise UnreadableReply(f"a frame's header says {size} bytes")
+    return size
+
+
+def _read_body(fd: int, buf: bytearray | mmap.mmap, size: int) -> None:
     with memoryview(buf) as view:  # released: an mmap with a view cannot be freed
         done = 0
         while done < size:
@@ -425,7 +461,6 @@ def _recv_frame_into(conn: Connection, buf: bytearray | mmap.mmap) -> int:
             if n == 0:
                 raise EOFError(f"the channel closed after {done} of a frame's {size} bytes")
             done += n
-    return size
 
 
 def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = False) -> Any:
@@ -434,7 +469,7 @@ def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = Fals
     as announced, raises SpillError; the channel is then out of step (kill the sender).
     ``trusted``: the message is the verifier's own (a child reading its requests); else
     it may name no code (``_ReplyUnpickler``), or it raises UnreadableReply."""
-    sizes = _loads(conn.recv_bytes(), trusted)
+    sizes = _loads(_recv_frame(conn, _MAX_PICKLE_BYTES), trusted)
     names = _spilled_names(sizes)
     dir_fd = None
     if names:
@@ -447,7 +482,7 @@ def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = Fals
         except OSError as e:
             raise SpillError(f"the spill folder cannot be opened: {e}") from e
     try:
-        head = conn.recv_bytes()
+        head = _recv_frame(conn, _MAX_PICKLE_BYTES)
         bufs: list[bytearray | mmap.mmap] = []
         for n in sizes:
             if isinstance(n, tuple):

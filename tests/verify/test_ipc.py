@@ -4,9 +4,12 @@ spill files; the receiver reads a spill file only as announced and leaves none b
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import os
 import pickle
 import socket
+import struct
 import threading
 import time
 import tracemalloc
@@ -180,9 +183,17 @@ def test_an_inline_buffer_of_another_size_than_announced_is_refused(
 
 
 def test_a_received_buffer_is_read_into_its_tensor_without_a_copy(
-        pair: tuple[Connection, Connection]) -> None:
+        pair: tuple[Connection, Connection], monkeypatch: pytest.MonkeyPatch) -> None:
     # multiprocessing's recv_bytes_into holds a whole frame in a BytesIO before copying
     # it: an 8 GiB input set was held twice by the worker that received it.
+    made: list[Any] = []
+
+    def recorded(n: int) -> Any:
+        made.append(real(n))
+        return made[-1]
+
+    real = ipc._zeroed
+    monkeypatch.setattr(ipc, "_zeroed", recorded)
     n = 32 << 20
     t = torch.arange(n // 8, dtype=torch.int64)
     sender = threading.Thread(target=send, args=(pair[0], {"t": t}))
@@ -196,6 +207,31 @@ def test_a_received_buffer_is_read_into_its_tensor_without_a_copy(
         sender.join()
     assert torch.equal(got["t"], t)
     assert peak < n // 8, f"receiving {n} bytes allocated {peak} on the Python heap"
+    # The tensor is the buffer the bytes were read into, not a copy of it.
+    (buf,) = made
+    view = (ctypes.c_char * n).from_buffer(buf)
+    assert got["t"].untyped_storage().data_ptr() == ctypes.addressof(view)
+    del view
+
+
+@pytest.mark.parametrize("where", ["size list", "pickle"])
+def test_a_message_frame_announced_past_the_limit_is_refused_unread(
+        pair: tuple[Connection, Connection], where: str) -> None:
+    if where == "pickle":
+        pair[0].send_bytes(pickle.dumps([]))
+    # A header of 2**40 bytes (-1, then the 8-byte size), and no bytes after it.
+    os.write(pair[0].fileno(), struct.pack("!i", -1) + struct.pack("!Q", 1 << 40))
+    with pytest.raises(ipc.UnreadableReply, match="more than the"):
+        recv(pair[1])
+
+
+def test_a_buffer_that_does_not_fit_is_a_memory_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_room(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(ipc.mmap, "mmap", no_room)
+    with pytest.raises(MemoryError, match="no room for a buffer"):
+        ipc._zeroed(64 << 20)
 
 
 def test_a_missing_file_is_refused(pair: tuple[Connection, Connection],
@@ -356,9 +392,8 @@ def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyP
     # Unjailed workers share the verifier's uid and /dev/shm: spilled answers would be
     # theirs to read.
     VerifierConfig(devices=[], strong_isolation=False, oracle_spill=True),
-    # The socket is the faster way by default (benchmarks/bench_ipc.py).
-    VerifierConfig(devices=[]),
-], ids=["outside_the_jail", "by_default"])
+    VerifierConfig(devices=[], oracle_spill=False),
+], ids=["outside_the_jail", "turned_off"])
 def test_the_oracle_replies_on_the_socket(config: VerifierConfig) -> None:
     lane = Lane(config, None)
     try:
