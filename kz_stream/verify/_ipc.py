@@ -389,14 +389,10 @@ def _read_spilled(dir_fd: int, name: str, buf: bytearray | mmap.mmap) -> None:
                              f"announced {size}")
         # A copy, not a mapping of the file: the child could still hold the file open and
         # shorten it, and a mapped page past the end kills the reader (SIGBUS).
-        with memoryview(buf) as view:  # released: an mmap with a view cannot be freed
-            done = 0
-            while done < size:
-                n = os.readv(fd, [view[done:done + _CHUNK]])
-                if n == 0:
-                    raise SpillError(f"spilled buffer {name} ended after {done} of {size} "
-                                     "bytes")
-                done += n
+        try:
+            _read_body(fd, buf, size)
+        except EOFError as e:  # shortened by the child after the check above
+            raise SpillError(f"spilled buffer {name} {e}") from e
     finally:
         os.close(fd)
 
@@ -454,12 +450,14 @@ def _frame_size(fd: int) -> int:
 
 
 def _read_body(fd: int, buf: bytearray | mmap.mmap, size: int) -> None:
+    """Reads ``size`` bytes from ``fd`` into the start of ``buf``, a chunk at a time; an
+    end before them is an EOFError."""
     with memoryview(buf) as view:  # released: an mmap with a view cannot be freed
         done = 0
         while done < size:
             n = os.readv(fd, [view[done:min(size, done + _CHUNK)]])
             if n == 0:
-                raise EOFError(f"the channel closed after {done} of a frame's {size} bytes")
+                raise EOFError(f"ended after {done} of {size} bytes")
             done += n
 
 
