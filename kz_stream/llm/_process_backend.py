@@ -41,18 +41,21 @@ class ProcessBackend(ServingBackend):
             name=f"kz-{kind}-engine", daemon=True)
         self._process.start()
         child_end.close()
+        # The reader thread and close() may both wait for the child: one at a time, or
+        # one's waitpid reaps it while the other's finds no child and reports it alive.
+        self._reap_lock = threading.Lock()
         if not self._conn.poll(_START_TIMEOUT_S):
-            self._process.kill()
+            self._reap(0)
             raise BackendError(f"the {kind} engine process did not start in "
                                f"{_START_TIMEOUT_S:.0f} s")
         try:
             message = self._conn.recv()
         except EOFError:
-            self._process.join(5)
+            self._reap(5)
             raise BackendError(f"the {kind} engine process exited while starting "
                                f"(exit code {self._process.exitcode})") from None
         if message[0] != "ready":
-            self._process.join(5)
+            self._reap(5)
             raise BackendError(f"the {kind} engine could not start: {message[1]}")
         super().__init__(policy_version=message[1])
         self._ids = itertools.count()
@@ -92,7 +95,7 @@ class ProcessBackend(ServingBackend):
             future = self._pending.get(call_id)
             if future is not None:
                 self._settle_threadsafe(future, ok, value)
-        self._process.join(5)
+        self._reap(5, kill=False)  # a closing child may still be shutting down
         self._lost = f"the engine process exited (exit code {self._process.exitcode})"
         for future in list(self._pending.values()):
             self._settle_threadsafe(future, False, self._lost)
@@ -121,10 +124,19 @@ class ProcessBackend(ServingBackend):
                 await asyncio.wait_for(self._call("close"), _CLOSE_TIMEOUT_S)
             except (BackendError, TimeoutError):
                 pass
-        await asyncio.to_thread(self._process.join, _CLOSE_TIMEOUT_S)
-        if self._process.is_alive():
-            self._process.kill()
+        await asyncio.to_thread(self._reap, _CLOSE_TIMEOUT_S)
         self._conn.close()
+
+    def _reap(self, timeout: float, *, kill: bool = True) -> None:
+        """Waits up to ``timeout`` for the child to exit; with ``kill``, kills it if it has
+        not and returns once it is reaped (its exit code known)."""
+        with self._reap_lock:
+            self._process.join(timeout)
+            if kill and self._process.exitcode is None:
+                # Also the case of a child whose pipes have closed but that is not yet a
+                # zombie: join's WNOHANG poll missed it. A blocking join waits it out.
+                self._process.kill()
+                self._process.join()
 
 
 def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:

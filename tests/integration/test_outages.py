@@ -153,6 +153,8 @@ async def test_the_recorder_waits_out_a_postgres_restart_with_nothing_lost_or_de
             published += after
             await wait_for(lambda: recorder.appended_total >= 600, "all 600 events stored")
             await wait_for(lambda: get(health_url)[0] == 200, "healthy again")
+            # A batch is committed (and its lag counted) after its events are stored.
+            await wait_for(lambda: recorder.subscriptions[0].lag() == 0, "the last batch committed")
             _, metrics = await asyncio.to_thread(get, metrics_url)
         finally:
             recorder.request_stop()
