@@ -96,6 +96,17 @@ def trip_s(conn: Connection, spill_dir: str | None, before: bool = False) -> flo
     return took
 
 
+def start_child(module: str) -> tuple[Connection, subprocess.Popen[bytes]]:
+    """``python -m module --child FD`` and this end of its socket."""
+    a, b = socket.socketpair()
+    conn = Connection(os.dup(a.fileno()))
+    a.close()
+    proc = subprocess.Popen([sys.executable, "-m", module, "--child", str(b.fileno())],
+                            pass_fds=(b.fileno(),), cwd=ROOT)
+    b.close()
+    return conn, proc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-gib", type=float, nargs="+", default=[1.0, 4.0])
@@ -109,12 +120,7 @@ def main() -> None:
     if args.child is not None:
         child(args.child)
         return
-    a, b = socket.socketpair()
-    conn = Connection(os.dup(a.fileno()))
-    a.close()
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_ipc", "--child",
-                             str(b.fileno())], pass_fds=(b.fileno(),), cwd=ROOT)
-    b.close()
+    conn, proc = start_child("benchmarks.bench_ipc")
     folders = {"shm": tempfile.mkdtemp(prefix="kz-bench-spill-", dir=SHM),
                "disk": tempfile.mkdtemp(prefix="kz-bench-spill-", dir=args.disk_dir)}
     where = {"before": "through the socket, read as before (a BytesIO copy)",

@@ -67,6 +67,11 @@ class VerifierConfig(BaseModel):
     # through the socket, 1 GiB about the same (0.70 against 0.64 s;
     # ``benchmarks/bench_ipc.py``, 2026-12-05).
     oracle_spill: bool = True
+    # A prepared problem's inputs of this size and up are kept in sealed memory files
+    # (``_ipc.share``), whose descriptors go to the workers instead of the bytes: a
+    # candidate's run, ablation and profile each send the inputs again, and every sample
+    # of a problem has a worker of its own. None: every input through the socket.
+    input_share_min_bytes: int | None = Field(default=16 << 20, ge=1)
     # Workers started ahead of need, per device. None: two per slot on a GPU (a worker
     # takes seconds to start, and each candidate uses a fresh one), one on the CPU.
     prewarm: int | None = Field(default=None, ge=0)

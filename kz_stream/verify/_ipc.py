@@ -23,6 +23,14 @@ name of the fixed pattern, opened in that folder without following links, a regu
 of the size announced, and deletes it; anything else is a ``SpillError`` (the child is
 killed).
 
+A tensor made by ``share`` (the verifier's copy of a prepared problem's big inputs, which
+go to every worker of the problem's candidates, several times each) lives in a sealed
+memory file (``memfd_create``; no write, shrink or growth, by anyone, from then on):
+``send`` passes the file's descriptor beside the frames (``SCM_RIGHTS``) instead of the
+bytes, and the receiver maps it copy-on-write, so a candidate may write to its inputs
+without reaching the file. Only the verifier's own requests carry such descriptors; a
+child's message that announces one is refused.
+
 A call that exceeds its deadline kills the whole process group. The child kills its group
 when the verifier's end of the socket closes, and the group is in the verifier's registry
 (``kz_stream.verify._lifeline``).
@@ -31,12 +39,14 @@ when the verifier's end of the socket closes, and the group is in the verifier's
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import itertools
 import mmap
 import os
 import pickle
 import re
+import resource
 import shutil
 import socket
 import stat
@@ -47,6 +57,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing import BufferTooShort
 from multiprocessing.connection import Connection
@@ -212,14 +223,22 @@ class _Pickler(pickle.Pickler):
     """Pickles CPU tensors as out-of-band buffers: their bytes go over the socket once,
     with no torch.save round trip."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # id() of each out-of-band buffer that is a shared tensor's -> its sealed file.
+        self.shared_fds: dict[int, int] = {}
+
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
             return NotImplemented
         t = obj.detach().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
-        return _rebuild_tensor, (pickle.PickleBuffer(raw), str(t.dtype).removeprefix("torch."),
-                                 tuple(t.shape))
+        buffer = pickle.PickleBuffer(raw)
+        shared = _SHARED.get(t.data_ptr()) if t.numel() else None
+        if shared is not None and shared[1] == t.nbytes:
+            self.shared_fds[id(buffer)] = shared[0]
+        return _rebuild_tensor, (buffer, str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
 
 # A buffer of at least this many bytes travels through a file of the receiver's spill
@@ -243,6 +262,97 @@ _CHUNK = 64 << 20  # a read's size: 1 GiB reads were slower here (0.19 s/GiB, no
 # (``reap_left_behind``).
 _LEFT_BEHIND = re.compile(r"kz-(?:spill|child)-([0-9]+)-([0-9]+)-[A-Za-z0-9_]+")
 SHM = "/dev/shm"
+
+
+# A tensor of at least this many bytes is worth a sealed file of its own (``share``).
+SHARE_MIN_BYTES = 16 << 20
+# The size list's entry of a buffer whose sealed file comes beside the frames.
+_SHARED_ENTRY = "memfd"
+# The seals a shared file carries: its bytes are fixed for every process that maps it.
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Tensors made by ``share`` in this process: data_ptr -> (sealed file, bytes).
+_SHARED: dict[int, tuple[int, int]] = {}
+
+
+def share(t: Any, min_bytes: int = SHARE_MIN_BYTES) -> Any:
+    """``t`` as a tensor of the same dtype, shape and values whose bytes are a sealed
+    memory file, mapped here copy-on-write: ``send`` hands a child the file's descriptor
+    instead of the bytes. ``t`` itself when it is not a CPU tensor of ``min_bytes`` or
+    more, or when the host makes no such file (or this process has no descriptor left).
+
+    Written here, not with ``torch.multiprocessing``'s shared tensors: those are writable
+    by every process that maps them, and the receiver here runs untrusted code."""
+    torch = sys.modules.get("torch")
+    if (torch is None or not isinstance(t, torch.Tensor) or t.device.type != "cpu"
+            or t.nbytes < max(min_bytes, 1) or len(_SHARED) >= _max_shared()):
+        return t
+    src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    n = src.numel()
+    try:
+        fd = os.memfd_create("kz-input", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (AttributeError, OSError):
+        return t
+    try:
+        # Written, not copied into a shared mapping: a fault per 4 KiB page (tmpfs gets
+        # no huge pages by default) made that 1.9 s a GiB on the 2-core VM, this 0.7.
+        _write_all(fd, memoryview(src.numpy()))
+        # No writable shared mapping was made, so the write seal can be added.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        view = mmap.mmap(fd, n, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, BufferError):
+        os.close(fd)
+        return t
+    out = _rebuild_tensor(view, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+    address = out.data_ptr()
+    _SHARED[address] = (fd, n)
+    # The mapping goes when its last tensor does; the file's descriptor with it.
+    weakref.finalize(view, _unshare, address, fd)
+    return out
+
+
+def _max_shared() -> int:
+    """How many shared files this process keeps at once: a quarter of its descriptors, so
+    that shared inputs never leave it without one for a new worker's socket."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft // 4
+
+
+def _unshare(address: int, fd: int) -> None:
+    _SHARED.pop(address, None)
+    os.close(fd)
+
+
+def _map_shared(fd: int, size: int) -> mmap.mmap:
+    """A copy-on-write mapping of the sealed file ``fd`` of ``size`` bytes (closed here);
+    a file of another size or without the seals is a SpillError."""
+    try:
+        st = os.fstat(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise SpillError(f"a shared buffer's file holds {st.st_size} bytes, "
+                             f"announced {size}")
+        if seals & _SEALS != _SEALS:
+            raise SpillError("a shared buffer's file is not sealed against writes")
+        try:
+            return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise MemoryError(f"no room to map a shared buffer of {size} bytes: {e}") from e
+    finally:
+        os.close(fd)
+
+
+def _recv_fd(conn: Connection) -> int:
+    """The one descriptor ``send`` passed beside the frames (a 1-byte message)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        msg, fds, flags, _ = socket.recv_fds(sock, 1, 1)
+    if msg != b"F" or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise SpillError(f"a shared buffer's descriptor did not come ({msg!r}, "
+                         f"{len(fds)} descriptors)")
+    return fds[0]
 
 
 class SpillError(UnreadableReply):
@@ -290,23 +400,33 @@ def _unlink(name: str, dir_fd: int | None = None) -> None:
 
 def send(conn: Connection, obj: Any, spill_dir: str | None = None, *,
          spill_min: int = SPILL_MIN_BYTES) -> None:
-    """Sends ``obj``: a list that says, per out-of-band buffer, its size or ``(file name,
-    size)`` (to be spilled to ``spill_dir``, when given, for a buffer of at least
-    ``spill_min`` bytes), then the pickle, then per buffer its bytes or, once its file is
-    written, an empty frame (the bytes after all where the file could not be written).
-    The receiver reads a file while the next one is written."""
+    """Sends ``obj``: a list that says, per out-of-band buffer, its size, ``("memfd",
+    size)`` (a ``share``d tensor's) or ``(file name, size)`` (to be spilled to
+    ``spill_dir``, when given, for a buffer of at least ``spill_min`` bytes), then the
+    pickle, then per buffer its bytes, its sealed file's descriptor or, once its spill
+    file is written, an empty frame (the bytes after all where the file could not be
+    written). The receiver reads a file while the next one is written."""
     buffers: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+    pickler = _Pickler(f, protocol=5, buffer_callback=buffers.append)
+    pickler.dump(obj)
     sizes: list[int | tuple[str, int]] = []
     for b in buffers:
         n = memoryview(b).nbytes
-        sizes.append((_spill_name(), n) if spill_dir is not None and n >= max(spill_min, 1)
-                     else n)
+        if id(b) in pickler.shared_fds:
+            sizes.append((_SHARED_ENTRY, n))
+        elif spill_dir is not None and n >= max(spill_min, 1):
+            sizes.append((_spill_name(), n))
+        else:
+            sizes.append(n)
     conn.send_bytes(pickle.dumps(sizes))
     conn.send_bytes(f.getbuffer())
     try:
         for b, size in zip(buffers, sizes, strict=True):
+            if isinstance(size, tuple) and size[0] == _SHARED_ENTRY:
+                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                    socket.send_fds(sock, [b"F"], [pickler.shared_fds[id(b)]])
+                continue
             if isinstance(size, tuple):
                 assert spill_dir is not None
                 if _spill(os.path.join(spill_dir, size[0]), b.raw()):
@@ -316,14 +436,14 @@ def send(conn: Connection, obj: Any, spill_dir: str | None = None, *,
     except BaseException:
         if spill_dir is not None:  # the receiver has failed too: the files are no one's
             for size in sizes:
-                if isinstance(size, tuple):
+                if isinstance(size, tuple) and size[0] != _SHARED_ENTRY:
                     _unlink(os.path.join(spill_dir, size[0]))
         raise
 
 
-def _spilled_names(sizes: Any) -> list[str]:
+def _spilled_names(sizes: Any, shared: bool) -> list[str]:
     """The file names of a size list's spilled entries; raises SpillError for an entry of
-    any other form."""
+    any other form, or a shared file's where ``shared`` is False."""
     if not isinstance(sizes, list):
         raise SpillError(f"the size list is a {type(sizes).__name__}")
     names = []
@@ -333,6 +453,11 @@ def _spilled_names(sizes: Any) -> list[str]:
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
                 and isinstance(entry[1], int) and entry[1] > 0):
             raise SpillError(f"a spilled entry is not (name, size): {entry!r:.200}")
+        if entry[0] == _SHARED_ENTRY:
+            if not shared:
+                raise SpillError("the message passes a shared file; only the verifier's "
+                                 "requests may")
+            continue
         if not _SPILL_NAME.fullmatch(entry[0]):
             raise SpillError("a spilled buffer's name is not of the spill pattern: "
                              f"{entry[0]!r:.200}")
@@ -468,7 +593,7 @@ def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = Fals
     ``trusted``: the message is the verifier's own (a child reading its requests); else
     it may name no code (``_ReplyUnpickler``), or it raises UnreadableReply."""
     sizes = _loads(_recv_frame(conn, _MAX_PICKLE_BYTES), trusted)
-    names = _spilled_names(sizes)
+    names = _spilled_names(sizes, shared=trusted)
     dir_fd = None
     if names:
         if spill_dir is None:
@@ -483,6 +608,9 @@ def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = Fals
         head = _recv_frame(conn, _MAX_PICKLE_BYTES)
         bufs: list[bytearray | mmap.mmap] = []
         for n in sizes:
+            if isinstance(n, tuple) and n[0] == _SHARED_ENTRY:
+                bufs.append(_map_shared(_recv_fd(conn), n[1]))
+                continue
             if isinstance(n, tuple):
                 assert dir_fd is not None
                 bufs.append(_spilled_or_inline(conn, dir_fd, *n))

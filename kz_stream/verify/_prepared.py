@@ -9,6 +9,7 @@ from typing import Any
 from kz_stream.verify._compare import Tolerance
 from kz_stream.verify._config import VerifierConfig
 from kz_stream.verify._inputs import nbytes
+from kz_stream.verify._ipc import share
 from kz_stream.verify._messages import InputSet, ModelRequest, PrepareReply, TimeSetupRequest
 
 __all__ = ["Prepared"]
@@ -66,6 +67,15 @@ class Prepared:
             plan_notes=list(r.get("plan_notes", [])), dropped=list(r.get("dropped", [])),
             device_peak_bytes=int(r.get("device_peak_bytes", 0)),
             host_bytes=sum(int(s.get("bytes", 0)) for s in r["sets"]), phase_s=phases)
+
+    def share_inputs(self, min_bytes: int) -> None:
+        """Moves each set's inputs of ``min_bytes`` and up into sealed memory files
+        (``_ipc.share``): a worker then maps them instead of reading their bytes."""
+        for s in self.sets:
+            inputs = s["inputs"]
+            for j, v in enumerate(inputs):  # one at a time: each copy freed once moved
+                inputs[j] = share(v, min_bytes)
+            del v
 
     def set_summary(self) -> list[dict[str, Any]]:
         """Each input set checked: its label and input shapes."""

@@ -445,6 +445,9 @@ class Verifier:
             return self._verdict(status, reason, check=check)
         prepared = Prepared.from_reply(key, problem.source, seed,
                                        astscan.reference_ops(problem.source), r, call_s)
+        if self.config.input_share_min_bytes is not None:
+            # Gigabytes copied at KernelBench's sizes: off the event loop.
+            await asyncio.to_thread(prepared.share_inputs, self.config.input_share_min_bytes)
         self._prepared[key] = prepared
         while len(self._prepared) > 1 and (
                 len(self._prepared) > self.config.problem_cache

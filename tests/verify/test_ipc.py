@@ -548,3 +548,105 @@ def test_a_watch_that_cannot_read_the_worker_judges_nothing() -> None:
     assert gone.blind and gone.peak == 0 and not gone.over
     alive = asyncio.run(watch(os.getpid()))
     assert not alive.blind and alive.peak > 0 and not alive.over
+
+
+# -- shared inputs (``share``): a sealed file's descriptor instead of the bytes ----------
+
+
+def mapped_from(t: torch.Tensor) -> str:
+    """The /proc/self/maps name of the mapping that holds ``t``'s bytes."""
+    address = t.untyped_storage().data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[4].strip() if len(rest) > 4 else ""
+    return ""
+
+
+def shared_trip(pair: tuple[Connection, Connection], msg: Any) -> Any:
+    sender = threading.Thread(target=send, args=(pair[0], msg))
+    sender.start()
+    try:
+        return recv(pair[1], trusted=True)
+    finally:
+        sender.join()
+
+
+def test_a_shared_tensor_arrives_as_a_mapping_of_its_sealed_file(
+        pair: tuple[Connection, Connection]) -> None:
+    t = torch.randn(300, 500, generator=torch.Generator().manual_seed(1))
+    shared = ipc.share(t, SMALL)
+    assert torch.equal(shared, t) and mapped_from(shared).startswith("/memfd:kz-input")
+    got = shared_trip(pair, {"inputs": [shared, torch.ones(3)], "n": 2})
+    assert same(got["inputs"], [t, torch.ones(3)]) and got["n"] == 2
+    # Mapped, not read: the receiver's tensor lies in the same file.
+    assert mapped_from(got["inputs"][0]).startswith("/memfd:kz-input")
+
+
+def test_a_receiver_writes_to_its_own_copy_and_nobody_writes_to_the_file(
+        pair: tuple[Connection, Connection]) -> None:
+    t = torch.arange(4096, dtype=torch.float32)
+    shared = ipc.share(t, SMALL)
+    got = shared_trip(pair, {"x": shared})["x"]
+    got.fill_(-1.0)  # a candidate that writes to its input
+    assert torch.equal(shared, t)
+    assert torch.equal(shared_trip(pair, {"x": shared})["x"], t)  # the next worker's
+    fd, _ = ipc._SHARED[shared.data_ptr()]
+    for change in (lambda: os.write(fd, b"x"), lambda: os.ftruncate(fd, 8),
+                   lambda: os.ftruncate(fd, 1 << 20)):
+        with pytest.raises(PermissionError):
+            change()
+
+
+def test_small_and_device_less_values_are_not_shared() -> None:
+    small = torch.ones(8)
+    assert ipc.share(small, SMALL) is small
+    assert ipc.share("text", SMALL) == "text"
+    assert ipc.share(torch.ones(8), 0).data_ptr() in ipc._SHARED  # 0: every size
+
+
+def test_sharing_stops_short_of_the_descriptor_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    kept = ipc.share(torch.ones(4096), SMALL)
+    monkeypatch.setattr(ipc, "_max_shared", lambda: len(ipc._SHARED))
+    plain = torch.ones(4096)
+    assert ipc.share(plain, SMALL) is plain and kept.data_ptr() in ipc._SHARED
+
+
+def test_a_shared_files_descriptor_goes_with_its_last_tensor() -> None:
+    shared = ipc.share(torch.ones(4096), SMALL)
+    address = shared.data_ptr()
+    fd, _ = ipc._SHARED[address]
+    view = shared[10:20]
+    del shared
+    assert address in ipc._SHARED  # the view holds the mapping
+    del view
+    assert address not in ipc._SHARED
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_a_childs_message_may_not_pass_a_shared_file(
+        pair: tuple[Connection, Connection]) -> None:
+    shared = ipc.share(torch.ones(4096), SMALL)
+    sender = threading.Thread(target=send, args=(pair[0], {"x": shared}))
+    sender.start()
+    try:
+        with pytest.raises(SpillError, match="only the verifier's requests"):
+            recv(pair[1])  # as the verifier reads a child's reply
+    finally:
+        sender.join()
+
+
+def test_a_file_without_the_seals_is_refused(pair: tuple[Connection, Connection],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4096 * 4)
+    t = torch.zeros(4096)
+    monkeypatch.setitem(ipc._SHARED, t.data_ptr(), (fd, t.nbytes))
+    try:
+        with pytest.raises(SpillError, match="not sealed"):
+            shared_trip(pair, {"x": t})
+    finally:
+        os.close(fd)

@@ -278,3 +278,31 @@ async def test_problems_that_do_not_fit_the_host_together_are_not_prepared_toget
     else:
         assert "b was not prepared at the same time" in first["error"], first
         assert "error" not in second, second
+
+
+def test_shared_inputs_reach_each_worker_as_the_prepared_bytes() -> None:
+    """With every input shared (a sealed file per input, mapped by each worker): an
+    honest candidate sees its inputs mapped from the file and is correct; one that writes
+    to its input changes only its own copy, so the next candidate's inputs are intact."""
+    from kz_stream.verify import VerifierConfig
+    from kz_stream.verify import _ipc as ipc
+
+    # No static scan: the probe below reads a file, which the scan calls a hack.
+    v = Verifier(VerifierConfig(devices=[], prewarm=0, input_share_min_bytes=1,
+                                static_scan=False))
+    try:
+        problem = Problem(PROBLEMS["relu"])
+        writer = TRITON_HONEST["relu"].replace(  # the right output, then its input wiped
+            "        return y", "        x.fill_(-1.0)\n        return y")
+        wrote = v.verify_sync(problem, Candidate(writer, "triton"))
+        assert wrote.status is not Status.CORRECT and wrote.check == "input_mutation", (
+            wrote.status, wrote.check, wrote.reason)
+        mapped = TRITON_HONEST["relu"].replace(  # fails unless its input is the file's
+            "        x = x.contiguous()",
+            "        assert '/memfd:kz-input' in open('/proc/self/maps').read(), 'copied'\n"
+            "        x = x.contiguous()")
+        honest = v.verify_sync(problem, Candidate(mapped, "triton"))
+        assert honest.status is Status.CORRECT, (honest.check, honest.reason)
+        assert ipc._SHARED, "the prepared problem's inputs are not shared"
+    finally:
+        v.close_sync()
