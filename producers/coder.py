@@ -6,7 +6,9 @@ Admission control: a group is started only if the engine's policy is at most
 for the load (the bus pauses the partitions meanwhile). New policy versions from
 ``kz.policy`` load without dropping groups in flight: each group reports the version it
 started with. With ``max_unjudged``, a call is started only while fewer of the run's
-kernels than that wait for a verdict (at most ``max_unjudged_wait_s`` at a time).
+kernels than that wait for a verdict (at most ``max_unjudged_wait_s`` at a time), and
+takes only as many of the waiting modules as have room under it; the rest wait for the
+next call.
 """
 
 from __future__ import annotations
@@ -203,10 +205,23 @@ class CoderService(Service):
         work = [(m.event, module) for m in batch
                 if m.event is not None and m.event.type == "ModuleProposed"
                 and (module := payload_as(m.event, ModuleProposed)).validation.valid]
-        if work:
+        while work:
             await self.wait_for_verifier()
-        await asyncio.gather(*(self.generate_group(event, module, _backend(b))
-                               for event, module in work for b in self.config.backends))
+            n = self._modules_with_room(len(work))
+            taken, work = work[:n], work[n:]
+            await asyncio.gather(*(self.generate_group(event, module, _backend(b))
+                                   for event, module in taken for b in self.config.backends))
+
+    def _modules_with_room(self, waiting: int) -> int:
+        """How many of ``waiting`` modules the next call takes: those whose kernels keep
+        the unjudged within ``max_unjudged`` (at least one: the wait has ended), so that a
+        merged call of many modules does not overshoot the bound by its whole size."""
+        limit = self.config.max_unjudged
+        if limit is None:
+            return waiting
+        per_module = self.config.group_size * len(self.config.backends)
+        room = limit - len(self.unjudged)
+        return min(waiting, max(1, -(-room // per_module)))
 
     async def wait_for_verifier(self) -> None:
         """Waits while ``max_unjudged`` of the run's kernels have no verdict, for

@@ -102,17 +102,32 @@ def tree_pids(pid: int) -> list[int]:
 
 
 def tree_memory(pid: int, *, within: int | None = None) -> int:
-    """Resident bytes of ``pid`` and every process under it, each page shared between
-    them counted once (the sum of their PSS: forked children share their parent's
-    pages), of what is still there. With ``within``: the sum of their RSS where that is
-    at most ``within`` (an upper bound, read without walking a big process's pages)."""
+    """Resident bytes of ``pid`` and every process under it, each private page shared
+    between them counted once (the sum of their PSS: forked children share their
+    parent's pages), of what is still there. Shared-memory pages (a ``share``d input's
+    mapping) count in full in each process that maps them: their PSS is split with the
+    verifier and other workers, which would let a candidate hold that much more. With
+    ``within``: the sum of their RSS where that is at most ``within`` (an upper bound,
+    read without walking a big process's pages)."""
     pids = tree_pids(pid)
     if within is not None:
         rss = _summed(pids, "statm", lambda text: int(text.split()[1]) * _PAGE)
         if rss <= within:
             return rss
-    return _summed(pids, "smaps_rollup", lambda text: 1024 * next(
-        int(line.split()[1]) for line in text.splitlines() if line.startswith("Pss:")))
+    return (_summed(pids, "smaps_rollup", lambda text: _kib(text, "Pss:")
+                    - _kib(text, "Pss_Shmem:", missing=0))
+            + _summed(pids, "status", lambda text: _kib(text, "RssShmem:", missing=0)))
+
+
+def _kib(text: str, field: str, missing: int | None = None) -> int:
+    """The bytes of a /proc file's ``field`` line (in kB); ``missing`` where it has none
+    (else a StopIteration)."""
+    for line in text.splitlines():
+        if line.startswith(field):
+            return 1024 * int(line.split()[1])
+    if missing is None:
+        raise StopIteration(field)
+    return missing
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -235,9 +250,9 @@ class _Pickler(pickle.Pickler):
         t = obj.detach().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
         buffer = pickle.PickleBuffer(raw)
-        shared = _SHARED.get(t.data_ptr()) if t.numel() else None
-        if shared is not None and shared[1] == t.nbytes:
-            self.shared_fds[id(buffer)] = shared[0]
+        fd = _shared_file(t)
+        if fd is not None:
+            self.shared_fds[id(buffer)] = fd
         return _rebuild_tensor, (buffer, str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
 
@@ -270,8 +285,11 @@ SHARE_MIN_BYTES = 16 << 20
 _SHARED_ENTRY = "memfd"
 # The seals a shared file carries: its bytes are fixed for every process that maps it.
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-# Tensors made by ``share`` in this process: data_ptr -> (sealed file, bytes).
-_SHARED: dict[int, tuple[int, int]] = {}
+# Tensors made by ``share`` in this process: data_ptr -> (sealed file, bytes, mapping).
+# The mapping's weak reference tells a live entry from one whose mapping is being freed:
+# an mmap is unmapped (the GIL released) before its finalizer runs, and another buffer
+# may be given the same address in between.
+_SHARED: dict[int, tuple[int, int, weakref.ref[mmap.mmap]]] = {}
 
 
 def share(t: Any, min_bytes: int = SHARE_MIN_BYTES) -> Any:
@@ -279,6 +297,8 @@ def share(t: Any, min_bytes: int = SHARE_MIN_BYTES) -> Any:
     memory file, mapped here copy-on-write: ``send`` hands a child the file's descriptor
     instead of the bytes. ``t`` itself when it is not a CPU tensor of ``min_bytes`` or
     more, or when the host makes no such file (or this process has no descriptor left).
+    A write to the returned tensor changes this process's copy only: ``send`` goes on
+    passing the file's bytes (the verifier never writes to its inputs).
 
     Written here, not with ``torch.multiprocessing``'s shared tensors: those are writable
     by every process that maps them, and the receiver here runs untrusted code."""
@@ -286,7 +306,11 @@ def share(t: Any, min_bytes: int = SHARE_MIN_BYTES) -> Any:
     if (torch is None or not isinstance(t, torch.Tensor) or t.device.type != "cpu"
             or t.nbytes < max(min_bytes, 1) or len(_SHARED) >= _max_shared()):
         return t
-    src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    try:
+        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        raw = memoryview(src.numpy())
+    except (RuntimeError, TypeError):  # a tensor without plain bytes (quantized, conj)
+        return t
     n = src.numel()
     try:
         fd = os.memfd_create("kz-input", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -295,7 +319,7 @@ def share(t: Any, min_bytes: int = SHARE_MIN_BYTES) -> Any:
     try:
         # Written, not copied into a shared mapping: a fault per 4 KiB page (tmpfs gets
         # no huge pages by default) made that 1.9 s a GiB on the 2-core VM, this 0.7.
-        _write_all(fd, memoryview(src.numpy()))
+        _write_all(fd, raw)
         # No writable shared mapping was made, so the write seal can be added.
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         view = mmap.mmap(fd, n, flags=mmap.MAP_PRIVATE,
@@ -305,27 +329,39 @@ def share(t: Any, min_bytes: int = SHARE_MIN_BYTES) -> Any:
         return t
     out = _rebuild_tensor(view, str(t.dtype).removeprefix("torch."), tuple(t.shape))
     address = out.data_ptr()
-    _SHARED[address] = (fd, n)
+    _SHARED[address] = (fd, n, weakref.ref(view))
     # The mapping goes when its last tensor does; the file's descriptor with it.
     weakref.finalize(view, _unshare, address, fd)
     return out
 
 
 def _max_shared() -> int:
-    """How many shared files this process keeps at once: a quarter of its descriptors, so
-    that shared inputs never leave it without one for a new worker's socket."""
+    """How many shared files this process keeps at once: each takes two descriptors (its
+    own and its mapping's copy), and all of them a quarter of the process's, so that
+    shared inputs never leave it without one for a new worker's socket."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return 1 << 20 if soft == resource.RLIM_INFINITY else soft // 4
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft // 8
+
+
+def _shared_file(t: Any) -> int | None:
+    """The sealed file that holds exactly ``t``'s bytes, if ``share`` made one."""
+    entry = _SHARED.get(t.data_ptr()) if t.numel() else None
+    if entry is None or entry[1] != t.nbytes or entry[2]() is None:
+        return None
+    return entry[0]
 
 
 def _unshare(address: int, fd: int) -> None:
-    _SHARED.pop(address, None)
+    entry = _SHARED.get(address)
+    if entry is not None and entry[0] == fd:  # not a later tensor's at the same address
+        del _SHARED[address]
     os.close(fd)
 
 
 def _map_shared(fd: int, size: int) -> mmap.mmap:
-    """A copy-on-write mapping of the sealed file ``fd`` of ``size`` bytes (closed here);
-    a file of another size or without the seals is a SpillError."""
+    """A copy-on-write mapping of the sealed file ``fd`` of ``size`` bytes (``fd`` is
+    closed here; the mapping keeps a copy of it); a file of another size or without the
+    seals is a SpillError."""
     try:
         st = os.fstat(fd)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)

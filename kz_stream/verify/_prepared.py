@@ -71,10 +71,15 @@ class Prepared:
     def share_inputs(self, min_bytes: int) -> None:
         """Moves each set's inputs of ``min_bytes`` and up into sealed memory files
         (``_ipc.share``): a worker then maps them instead of reading their bytes."""
+        # id -> shared: a tensor given twice is one file. (An original freed once moved
+        # frees its id, but every original looked up later was alive beside it.)
+        done: dict[int, Any] = {}
         for s in self.sets:
             inputs = s["inputs"]
             for j, v in enumerate(inputs):  # one at a time: each copy freed once moved
-                inputs[j] = share(v, min_bytes)
+                if id(v) not in done:
+                    done[id(v)] = share(v, min_bytes)
+                inputs[j] = done[id(v)]
             del v
 
     def set_summary(self) -> list[dict[str, Any]]:

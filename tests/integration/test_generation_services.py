@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kz_stream.app import open_context, redeliver_unfinished
+from kz_stream.bus import BusMessage
 from kz_stream.config import CoderSettings, LLMConfig, ProposerSettings, Settings, TopicsConfig
 from kz_stream.consumers.recorder import Recorder
 from kz_stream.events import (
@@ -325,6 +326,47 @@ async def test_an_all_invalid_prompt_is_followed_by_a_synthesized_module(
         assert resynthesized[0].source != synthesized.source
     finally:
         await stop_all(services, tasks)
+        await backend.close()
+
+
+async def test_a_call_takes_only_the_modules_with_room_under_max_unjudged(
+    ctx: ServiceContext,
+) -> None:
+    """Two modules in one batch, room for one group: the first is coded, the second waits
+    for a verdict instead of riding along in the same call."""
+    backend = TransformersBackend.from_pretrained(smollm2_dir())
+    llm = LLMConfig(max_tokens=8, temperature=1.0, seed=0)
+    coder = CoderService(ctx, backend, CoderSettings(
+        group_size=2, llm=llm, max_unjudged=2, max_batch=4, merge_waiting=True))
+    recorder = Recorder(ctx)
+    recording = asyncio.create_task(recorder.run())
+    batch = [BusMessage(topic=ctx.settings.topics.modules, partition=0, offset=i, key=None,
+                        value=b"", event=_module_event(name, i))
+             for i, name in enumerate(["first", "second"])]
+    handling = asyncio.create_task(coder.handle_modules(batch))
+    tasks = [recording, handling]
+    try:
+        first = await wait_until(ctx, "KernelGenerated", 2, tasks)
+        for _ in range(600):
+            if coder.waiting_for_verifier or handling.done():
+                break
+            await asyncio.sleep(0.1)
+        assert coder.waiting_for_verifier and not handling.done()
+        assert {payload_as(e, KernelGenerated).module_id for e in first} == {"first"}
+
+        g = payload_as(first[0], KernelGenerated)
+        await ctx.store.append([new_event(
+            KernelVerified(kernel_id=g.kernel_id, module_id=g.module_id, group_id=g.group_id,
+                           status=VerdictStatus.INCORRECT),
+            stream_id=first[0].stream_id, stream_version=1, correlation_id=ctx.settings.run_id)])
+        await asyncio.wait_for(handling, 120)
+        coded = [payload_as(e, KernelGenerated).module_id
+                 for e in await wait_until(ctx, "KernelGenerated", 4, [recording])]
+        assert sorted(coded) == ["first", "first", "second", "second"]
+    finally:
+        handling.cancel()
+        recorder.request_stop()
+        await asyncio.gather(recording, handling, return_exceptions=True)
         await backend.close()
 
 

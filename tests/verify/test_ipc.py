@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import mmap
 import os
 import pickle
 import socket
@@ -13,6 +14,7 @@ import struct
 import threading
 import time
 import tracemalloc
+import weakref
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -592,18 +594,21 @@ def test_a_receiver_writes_to_its_own_copy_and_nobody_writes_to_the_file(
     got.fill_(-1.0)  # a candidate that writes to its input
     assert torch.equal(shared, t)
     assert torch.equal(shared_trip(pair, {"x": shared})["x"], t)  # the next worker's
-    fd, _ = ipc._SHARED[shared.data_ptr()]
+    fd = ipc._SHARED[shared.data_ptr()][0]
     for change in (lambda: os.write(fd, b"x"), lambda: os.ftruncate(fd, 8),
                    lambda: os.ftruncate(fd, 1 << 20)):
         with pytest.raises(PermissionError):
             change()
 
 
-def test_small_and_device_less_values_are_not_shared() -> None:
+def test_small_and_non_cpu_values_are_not_shared() -> None:
     small = torch.ones(8)
     assert ipc.share(small, SMALL) is small
     assert ipc.share("text", SMALL) == "text"
-    assert ipc.share(torch.ones(8), 0).data_ptr() in ipc._SHARED  # 0: every size
+    every = ipc.share(torch.ones(8), 0)  # 0: every size
+    assert every.data_ptr() in ipc._SHARED
+    on_meta = torch.ones(1 << 20, device="meta")
+    assert ipc.share(on_meta, SMALL) is on_meta
 
 
 def test_sharing_stops_short_of_the_descriptor_limit(
@@ -617,7 +622,7 @@ def test_sharing_stops_short_of_the_descriptor_limit(
 def test_a_shared_files_descriptor_goes_with_its_last_tensor() -> None:
     shared = ipc.share(torch.ones(4096), SMALL)
     address = shared.data_ptr()
-    fd, _ = ipc._SHARED[address]
+    fd = ipc._SHARED[address][0]
     view = shared[10:20]
     del shared
     assert address in ipc._SHARED  # the view holds the mapping
@@ -644,9 +649,46 @@ def test_a_file_without_the_seals_is_refused(pair: tuple[Connection, Connection]
     fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
     os.ftruncate(fd, 4096 * 4)
     t = torch.zeros(4096)
-    monkeypatch.setitem(ipc._SHARED, t.data_ptr(), (fd, t.nbytes))
+    alive = mmap.mmap(-1, 4096)
+    monkeypatch.setitem(ipc._SHARED, t.data_ptr(), (fd, t.nbytes, weakref.ref(alive)))
     try:
         with pytest.raises(SpillError, match="not sealed"):
             shared_trip(pair, {"x": t})
     finally:
         os.close(fd)
+
+
+def test_a_tensor_given_twice_is_shared_as_one_file() -> None:
+    from kz_stream.verify._prepared import Prepared
+
+    t = torch.arange(4096, dtype=torch.float32)
+    prepared = Prepared(key="k", source="", seed=0, sets=[{"inputs": [t, t, 3]}],  # type: ignore[typeddict-item]
+                        tolerances=[], specs=[], ref_ops=[], static_ops=frozenset(), flops=0,
+                        bytes=0, input_bytes=0, weight_seed=0, own_model_key="", init_args=[],
+                        notes=[], plan_notes=[], dropped=[], device_peak_bytes=0, host_bytes=0)
+    prepared.share_inputs(SMALL)
+    a, b, n = prepared.sets[0]["inputs"]
+    assert a is b and a.data_ptr() in ipc._SHARED and n == 3 and torch.equal(a, t)
+
+
+def test_tree_memory_counts_a_shared_inputs_pages_in_full() -> None:
+    """A worker that maps a shared input shares its pages with the verifier (and other
+    workers): its PSS would count part of them, leaving the candidate that much more."""
+    import subprocess
+    import sys
+
+    shared = ipc.share(torch.ones(64 << 20, dtype=torch.uint8), SMALL)
+    assert int(shared.sum()) == 64 << 20  # mapped and read here too: split PSS
+    fd = ipc._SHARED[shared.data_ptr()][0]
+    code = ("import mmap, sys, time\n"
+            f"m = mmap.mmap({fd}, {64 << 20}, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)\n"
+            "assert sum(m[i] for i in range(0, len(m), 4096)) == len(m) // 4096\n"
+            "print('ready', flush=True)\ntime.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            pass_fds=(fd,), start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert ipc.tree_memory(proc.pid) >= 64 << 20
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
