@@ -1,16 +1,19 @@
 """How fast a big reply travels from a child process to the verifier (``_ipc.send`` and
 ``recv``): a reply of float32 tensors (like the oracle's input sets and expected outputs)
-through the socket (the baseline), against spilled to files under /dev/shm (tmpfs, what
-the oracle uses) and in a folder on disk (the fallback, the child's private folder); and
+through the socket (the baseline), against as sealed memory files (what the oracle uses
+since 2026-12-05: the parent maps them, copying nothing), and spilled to files under
+/dev/shm (tmpfs, the oracle's way before, now the fallback on a host without sealed files)
+and in a folder on disk (the child's private folder, where the jail hides /dev/shm); and
 the socket as it was read before 2026-12-05 (``before``: multiprocessing's
 ``recv_bytes_into``, which holds each frame in a BytesIO and then copies it), the baseline
 of the socket's figure.
 
 Each figure is the median of ``--repeats`` trips, from the moment the child is told to
 send (its tensors already made) until ``recv`` has returned the reply in the parent:
-pickling, the child's writes and the parent's reads. A first trip of each mode is not
-counted: in a VM the first touch of guest memory is slow (up to 4x here), and it lands
-on whichever mode runs first.
+pickling, the child's writes and the parent's reads (none for a sealed file: the
+parent's first reads of its pages come later, as faults, where it reads them). A first
+trip of each mode is not counted: in a VM the first touch of guest memory is slow (up to
+4x here), and it lands on whichever mode runs first.
 
 Run: ``python -m benchmarks.bench_ipc [--sizes-gib 1 4] [--repeats 5]``.
 Run as ``python -m benchmarks.bench_ipc --child FD`` it is the sending child.
@@ -39,7 +42,7 @@ from benchmarks._results import metric, write_result  # noqa: E402
 from kz_stream.verify import _ipc  # noqa: E402
 from kz_stream.verify._ipc import SHM, recv, send  # noqa: E402
 
-MODES = ("before", "inline", "shm", "disk")
+MODES = ("before", "inline", "sealed", "shm", "disk")
 
 
 def _recv_frame_before(conn: Connection, buf: Any) -> int:
@@ -65,6 +68,7 @@ def child(fd: int) -> None:
             reply = [torch.full((min(each, n - i) // 4,), 1.5) for i in range(0, n, each)]
             send(conn, {"made": len(reply)})
         elif cmd["cmd"] == "send":
+            _ipc._SEALING = bool(cmd["sealing"])  # off: the spill files' path
             send(conn, {"sets": reply}, cmd["spill_dir"])
 
 
@@ -77,16 +81,18 @@ def _shmem_huge() -> str:
     return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
 
 
-def trip_s(conn: Connection, spill_dir: str | None, before: bool = False) -> float:
+def trip_s(conn: Connection, spill_dir: str | None, before: bool = False,
+           sealing: bool = False) -> float:
     """Seconds for one reply's trip, child to parent; ``before``: read as before the
-    socket's frames went straight into their buffers."""
+    socket's frames went straight into their buffers; ``sealing``: big buffers as sealed
+    memory files (with a ``spill_dir``), else through its files."""
     now = _ipc._recv_frame_into, _ipc._zeroed
     if before:  # and into a bytearray, as then
         _ipc._recv_frame_into = _recv_frame_before  # type: ignore[assignment]
         _ipc._zeroed = bytearray  # type: ignore[assignment]
     try:
         t = time.perf_counter()
-        send(conn, {"cmd": "send", "spill_dir": spill_dir})
+        send(conn, {"cmd": "send", "spill_dir": spill_dir, "sealing": sealing})
         reply = recv(conn, spill_dir)
         took = time.perf_counter() - t
     finally:
@@ -121,10 +127,12 @@ def main() -> None:
         child(args.child)
         return
     conn, proc = start_child("benchmarks.bench_ipc")
-    folders = {"shm": tempfile.mkdtemp(prefix="kz-bench-spill-", dir=SHM),
+    shm = tempfile.mkdtemp(prefix="kz-bench-spill-", dir=SHM)
+    folders = {"shm": shm, "sealed": shm,
                "disk": tempfile.mkdtemp(prefix="kz-bench-spill-", dir=args.disk_dir)}
     where = {"before": "through the socket, read as before (a BytesIO copy)",
-             "inline": "through the socket", "shm": "spilled to /dev/shm",
+             "inline": "through the socket", "sealed": "as sealed memory files",
+             "shm": "spilled to /dev/shm",
              "disk": f"spilled to a disk folder ({args.disk_dir})"}
     metrics: dict[str, dict[str, Any]] = {}
     raw: dict[str, list[float]] = {}
@@ -135,16 +143,18 @@ def main() -> None:
             made = recv(conn)["made"]
             times: dict[str, float] = {}
             for mode in MODES:  # the warm-up
-                trip_s(conn, folders.get(mode), before=mode == "before")
+                trip_s(conn, folders.get(mode), mode == "before", mode == "sealed")
             for _ in range(args.repeats):  # interleaved: drift hits every mode alike
                 for mode in MODES:
-                    took = trip_s(conn, folders.get(mode), before=mode == "before")
+                    took = trip_s(conn, folders.get(mode), mode == "before",
+                                  mode == "sealed")
                     raw.setdefault(f"{gib:g} {mode}", []).append(round(took, 3))
             for mode in MODES:
                 times[mode] = statistics.median(raw[f"{gib:g} {mode}"])
             assert not any(os.listdir(d) for d in folders.values())  # recv removed them
             label = f"{gib:g} GiB reply ({made} tensors)"
-            baseline = {"before": None, "inline": "before", "shm": "inline", "disk": "inline"}
+            baseline = {"before": None, "inline": "before", "sealed": "inline", "shm": "inline",
+                        "disk": "inline"}
             for mode in MODES:
                 b = baseline[mode]
                 base = None if b is None else times[b]

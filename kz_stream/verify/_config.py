@@ -61,11 +61,11 @@ class VerifierConfig(BaseModel):
     # is killed and the candidate gets ``out_of_memory``; an OOM kill by the host's kernel
     # within it is the host's fault (``infra_error`` / ``host_memory``). None: no watch.
     worker_host_margin_bytes: int | None = Field(default=8 << 30, ge=0)
-    # The oracle's big replies (16 MiB buffers and up) through files under /dev/shm
-    # (``_ipc``'s spill) instead of the socket, only while the candidates' workers are
-    # jailed. On this project's 2-core VM a 4 GiB reply took 3.1 s so against 5.7 s
-    # through the socket, 1 GiB about the same (0.70 against 0.64 s;
-    # ``benchmarks/bench_ipc.py``, 2026-12-05).
+    # The oracle's big replies (16 MiB buffers and up) as sealed memory files the verifier
+    # maps (``_ipc``; files under /dev/shm on a host without them) instead of the socket,
+    # only while the candidates' workers are jailed. On this project's 2-core VM a 4 GiB
+    # reply took 2.9 s so against 6.5 s through the socket (``benchmarks/bench_ipc.py``,
+    # 2026-12-05, two cores shared with a CI run).
     oracle_spill: bool = True
     # A prepared problem's inputs of this size and up are kept in sealed memory files
     # (``_ipc.share``), whose descriptors go to the workers instead of the bytes: a

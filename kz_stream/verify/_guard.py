@@ -66,6 +66,16 @@ _FS_EVENTS = frozenset(
 )
 
 
+def _to_connected_unix_peer(event: str, args: tuple[Any, ...]) -> bool:
+    """A message on a connected Unix socket (no address): the oracle passes its replies'
+    sealed files to the verifier so (``_ipc.send``). It reaches the socket's peer alone,
+    and a new one cannot be connected (``socket.connect`` stays denied)."""
+    import socket
+
+    return (event == "socket.sendmsg" and len(args) == 2 and args[1] is None
+            and getattr(args[0], "family", None) == socket.AF_UNIX)
+
+
 class GuardViolation(PermissionError):
     """Raised inside the guarded code when it attempts a forbidden action."""
 
@@ -116,7 +126,7 @@ class Guard:
                 return
             self._deny(f"{event} {_short(args)}")
         elif event in _NETWORK_EVENTS:
-            if not self.allow_network:
+            if not self.allow_network and not _to_connected_unix_peer(event, args):
                 self._deny(f"{event} {_short(args)}")
         elif event == "open":
             path, mode, flags = [*args, None, None, None][:3]

@@ -12,24 +12,28 @@ Each buffer's frame is read straight into the buffer its tensor is built on
 a receiver held a message twice): on this project's 2-core VM a 1 GiB reply's trip took
 0.64 s against 2.13 s before, 4 GiB 5.7 s against 9.0 s (``benchmarks/bench_ipc.py``).
 
-A child made with ``spill=True`` (the oracle, with ``VerifierConfig.oracle_spill``, whose
-replies hold GBs of input sets and expected outputs; never a process that runs candidate
-code) sends each buffer of at least ``SPILL_MIN_BYTES`` through a file of a folder the
-verifier made for it (``KZ_SPILL_DIR``: under /dev/shm where it can, else in the child's
-private folder) instead: the message names the file, and an empty frame on the socket
-says it is written, so the verifier reads one file while the child writes the next (a
-4 GiB reply 3.1 s through /dev/shm on the VM). The verifier reads such a file only by a
-name of the fixed pattern, opened in that folder without following links, a regular file
-of the size announced, and deletes it; anything else is a ``SpillError`` (the child is
-killed).
+Big buffers travel as sealed memory files (``memfd_create``, then sealed against
+writes, shrinking and growth: nobody, the sender included, can change the bytes from
+then on): ``send`` passes the file's descriptor beside the frames (``SCM_RIGHTS``)
+instead of the bytes, and the receiver checks the file's size and seals and maps it
+copy-on-write (a write reaches its own pages only). Two senders use them:
 
-A tensor made by ``share`` (the verifier's copy of a prepared problem's big inputs, which
-go to every worker of the problem's candidates, several times each) lives in a sealed
-memory file (``memfd_create``; no write, shrink or growth, by anyone, from then on):
-``send`` passes the file's descriptor beside the frames (``SCM_RIGHTS``) instead of the
-bytes, and the receiver maps it copy-on-write, so a candidate may write to its inputs
-without reaching the file. Only the verifier's own requests carry such descriptors; a
-child's message that announces one is refused.
+- the verifier, for a tensor made by ``share`` (a prepared problem's big inputs, which go
+  to every worker of the problem's candidates, several times each);
+- a child made with ``spill=True`` (the oracle, with ``VerifierConfig.oracle_spill``,
+  whose replies hold GBs of input sets and expected outputs; never a process that runs
+  candidate code), for each buffer of at least ``SPILL_MIN_BYTES``. The verifier keeps
+  those files (``_SHARED``): an input set's go on to the workers as they came. A buffer
+  whose file cannot be made comes as bytes after all.
+
+A child without ``spill=True`` may pass no file (``SpillError``, the child is killed).
+On a host without sealed files, a ``spill=True`` child sends such a buffer through a
+file of a folder the verifier made for it (``KZ_SPILL_DIR``: under /dev/shm where it
+can, else in the child's private folder) instead: the message names the file, and an
+empty frame on the socket says it is written, so the verifier reads one file while the
+child writes the next. The verifier reads such a file only by a name of the fixed
+pattern, opened in that folder without following links, a regular file of the size
+announced, and deletes it; anything else is a ``SpillError``.
 
 A call that exceeds its deadline kills the whole process group. The child kills its group
 when the verifier's end of the socket closes, and the group is in the verifier's registry
@@ -283,60 +287,98 @@ SHM = "/dev/shm"
 SHARE_MIN_BYTES = 16 << 20
 # The size list's entry of a buffer whose sealed file comes beside the frames.
 _SHARED_ENTRY = "memfd"
-# The seals a shared file carries: its bytes are fixed for every process that maps it.
+# The seals a sealed file carries: its bytes are fixed for every process that maps it.
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-# Tensors made by ``share`` in this process: data_ptr -> (sealed file, bytes, mapping).
-# The mapping's weak reference tells a live entry from one whose mapping is being freed:
-# an mmap is unmapped (the GIL released) before its finalizer runs, and another buffer
-# may be given the same address in between.
+# Before a sealed-file entry's buffer: its descriptor comes with this byte (SCM_RIGHTS)...
+_FILE_FOLLOWS = b"F"
+# ...or, where the sender could not make the file, this byte and then the bytes' frame.
+_BYTES_FOLLOW = b"B"
+# Sealed files this process keeps, each as a live tensor's bytes: data_ptr -> (file,
+# bytes, mapping). The mapping's weak reference tells a live entry from one whose mapping
+# is being freed: an mmap is unmapped (the GIL released) before its finalizer runs, and
+# another buffer may be given the same address in between.
 _SHARED: dict[int, tuple[int, int, weakref.ref[mmap.mmap]]] = {}
 
 
 def share(t: Any, min_bytes: int = SHARE_MIN_BYTES) -> Any:
     """``t`` as a tensor of the same dtype, shape and values whose bytes are a sealed
     memory file, mapped here copy-on-write: ``send`` hands a child the file's descriptor
-    instead of the bytes. ``t`` itself when it is not a CPU tensor of ``min_bytes`` or
-    more, or when the host makes no such file (or this process has no descriptor left).
-    A write to the returned tensor changes this process's copy only: ``send`` goes on
-    passing the file's bytes (the verifier never writes to its inputs).
+    instead of the bytes. ``t`` itself when it is one already (an oracle's reply comes in
+    such files), when it is not a CPU tensor of ``min_bytes`` or more, or when the host
+    makes no such file (or this process has no descriptor left). A write to the returned
+    tensor changes this process's copy only: ``send`` goes on passing the file's bytes
+    (the verifier never writes to its inputs).
 
     Written here, not with ``torch.multiprocessing``'s shared tensors: those are writable
     by every process that maps them, and the receiver here runs untrusted code."""
     torch = sys.modules.get("torch")
     if (torch is None or not isinstance(t, torch.Tensor) or t.device.type != "cpu"
-            or t.nbytes < max(min_bytes, 1) or len(_SHARED) >= _max_shared()):
+            or t.nbytes < max(min_bytes, 1) or _shared_file(t) is not None
+            or len(_SHARED) >= _max_shared()):
         return t
     try:
         src = t.detach().contiguous().reshape(-1).view(torch.uint8)
         raw = memoryview(src.numpy())
     except (RuntimeError, TypeError):  # a tensor without plain bytes (quantized, conj)
         return t
-    n = src.numel()
-    try:
-        fd = os.memfd_create("kz-input", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    except (AttributeError, OSError):
+    fd = _sealed_file(raw)
+    if fd is None:
         return t
+    try:
+        view = _mapped(fd, raw.nbytes, keep=True)
+    except MemoryError:
+        return t
+    return _rebuild_tensor(view, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+def _sealed_file(raw: memoryview) -> int | None:
+    """A new memory file holding ``raw``, sealed (``_SEALS``); None where the host makes
+    none (no memfd, no memory, no descriptor left)."""
+    try:
+        fd = os.memfd_create("kz-sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (AttributeError, OSError):
+        return None
     try:
         # Written, not copied into a shared mapping: a fault per 4 KiB page (tmpfs gets
         # no huge pages by default) made that 1.9 s a GiB on the 2-core VM, this 0.7.
         _write_all(fd, raw)
         # No writable shared mapping was made, so the write seal can be added.
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        view = mmap.mmap(fd, n, flags=mmap.MAP_PRIVATE,
-                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except (OSError, BufferError):
+    except OSError:
         os.close(fd)
-        return t
-    out = _rebuild_tensor(view, str(t.dtype).removeprefix("torch."), tuple(t.shape))
-    address = out.data_ptr()
-    _SHARED[address] = (fd, n, weakref.ref(view))
-    # The mapping goes when its last tensor does; the file's descriptor with it.
+        return None
+    return fd
+
+
+def _mapped(fd: int, size: int, *, keep: bool) -> mmap.mmap:
+    """A copy-on-write mapping of the sealed file ``fd``; with ``keep`` (and a descriptor
+    to spare) ``fd`` stays open as the mapping's file for ``send`` (``_SHARED``), else it
+    is closed here (the mapping keeps a copy of it). No room is a MemoryError."""
+    try:
+        view = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        os.close(fd)
+        raise MemoryError(f"no room to map a buffer of {size} bytes: {e}") from e
+    if not keep or len(_SHARED) >= _max_shared():
+        os.close(fd)
+        return view
+    with memoryview(view) as m:  # released at once: an mmap with a view cannot be freed
+        address = _address_of(m)
+    _SHARED[address] = (fd, size, weakref.ref(view))
+    # The file's descriptor goes with the mapping, when its last tensor does.
     weakref.finalize(view, _unshare, address, fd)
-    return out
+    return view
+
+
+def _address_of(m: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
 
 
 def _max_shared() -> int:
-    """How many shared files this process keeps at once: each takes two descriptors (its
+    """How many sealed files this process keeps at once: each takes two descriptors (its
     own and its mapping's copy), and all of them a quarter of the process's, so that
     shared inputs never leave it without one for a new worker's socket."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -344,7 +386,7 @@ def _max_shared() -> int:
 
 
 def _shared_file(t: Any) -> int | None:
-    """The sealed file that holds exactly ``t``'s bytes, if ``share`` made one."""
+    """The sealed file this process keeps that holds exactly ``t``'s bytes, if any."""
     entry = _SHARED.get(t.data_ptr()) if t.numel() else None
     if entry is None or entry[1] != t.nbytes or entry[2]() is None:
         return None
@@ -358,37 +400,52 @@ def _unshare(address: int, fd: int) -> None:
     os.close(fd)
 
 
-def _map_shared(fd: int, size: int) -> mmap.mmap:
-    """A copy-on-write mapping of the sealed file ``fd`` of ``size`` bytes (``fd`` is
-    closed here; the mapping keeps a copy of it); a file of another size or without the
-    seals is a SpillError."""
+def _send_file(conn: Connection, fd: int | None, data: memoryview) -> None:
+    """A sealed-file entry's buffer: the file's descriptor or, where there is none, the
+    bytes (``_FILE_FOLLOWS`` / ``_BYTES_FOLLOW``)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        if fd is not None:
+            socket.send_fds(sock, [_FILE_FOLLOWS], [fd])
+            return
+        sock.sendall(_BYTES_FOLLOW)
+    conn.send_bytes(data)
+
+
+def _recv_file(conn: Connection, size: int, *, keep: bool) -> mmap.mmap | bytearray:
+    """A sealed-file entry's buffer of ``size`` bytes (``_send_file``): its file mapped
+    copy-on-write (checked to be of that size and sealed; ``keep``: see ``_mapped``), or
+    the bytes the sender sent instead. Anything else is a SpillError."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        msg, fds, flags, _ = socket.recv_fds(sock, 1, 1)
+    if msg == _FILE_FOLLOWS and len(fds) == 1 and not flags & socket.MSG_CTRUNC:
+        _check_sealed(fds[0], size)
+        return _mapped(fds[0], size, keep=keep)
+    for fd in fds:
+        os.close(fd)
+    if msg == _BYTES_FOLLOW and not fds:
+        return _recv_buffer(conn, size, SpillError)
+    raise SpillError(f"a sealed file's descriptor did not come ({msg!r}, "
+                     f"{len(fds)} descriptors)")
+
+
+def _check_sealed(fd: int, size: int) -> None:
+    """Raises SpillError (closing ``fd``) unless ``fd`` is a file of ``size`` bytes that
+    nobody can change: sealed against writes (no writable shared mapping of it exists,
+    none can be made), shrinking (no mapped page can vanish: a SIGBUS) and growth."""
     try:
         st = os.fstat(fd)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            raise SpillError(f"a shared buffer's file holds {st.st_size} bytes, "
-                             f"announced {size}")
-        if seals & _SEALS != _SEALS:
-            raise SpillError("a shared buffer's file is not sealed against writes")
-        try:
-            return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
-                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            raise MemoryError(f"no room to map a shared buffer of {size} bytes: {e}") from e
-    finally:
+    except OSError as e:
         os.close(fd)
-
-
-def _recv_fd(conn: Connection) -> int:
-    """The one descriptor ``send`` passed beside the frames (a 1-byte message)."""
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-        msg, fds, flags, _ = socket.recv_fds(sock, 1, 1)
-    if msg != b"F" or len(fds) != 1 or flags & socket.MSG_CTRUNC:
-        for fd in fds:
-            os.close(fd)
-        raise SpillError(f"a shared buffer's descriptor did not come ({msg!r}, "
-                         f"{len(fds)} descriptors)")
-    return fds[0]
+        raise SpillError(f"a sealed file cannot be read: {e}") from e
+    why = ""
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        why = f"a sealed file holds {st.st_size} bytes, announced {size}"
+    elif seals & _SEALS != _SEALS:
+        why = "a file is not sealed against writes"
+    if why:
+        os.close(fd)
+        raise SpillError(why)
 
 
 class SpillError(UnreadableReply):
@@ -447,12 +504,13 @@ def send(conn: Connection, obj: Any, spill_dir: str | None = None, *,
     pickler = _Pickler(f, protocol=5, buffer_callback=buffers.append)
     pickler.dump(obj)
     sizes: list[int | tuple[str, int]] = []
+    sealing = spill_dir is not None and _sealing_works()
     for b in buffers:
         n = memoryview(b).nbytes
         if id(b) in pickler.shared_fds:
             sizes.append((_SHARED_ENTRY, n))
         elif spill_dir is not None and n >= max(spill_min, 1):
-            sizes.append((_spill_name(), n))
+            sizes.append((_SHARED_ENTRY, n) if sealing else (_spill_name(), n))
         else:
             sizes.append(n)
     conn.send_bytes(pickle.dumps(sizes))
@@ -460,8 +518,13 @@ def send(conn: Connection, obj: Any, spill_dir: str | None = None, *,
     try:
         for b, size in zip(buffers, sizes, strict=True):
             if isinstance(size, tuple) and size[0] == _SHARED_ENTRY:
-                with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                    socket.send_fds(sock, [b"F"], [pickler.shared_fds[id(b)]])
+                kept = pickler.shared_fds.get(id(b))
+                fd = kept if kept is not None else _sealed_file(b.raw())
+                try:
+                    _send_file(conn, fd, b.raw())
+                finally:
+                    if kept is None and fd is not None:
+                        os.close(fd)  # the receiver has its own descriptor now
                 continue
             if isinstance(size, tuple):
                 assert spill_dir is not None
@@ -477,9 +540,23 @@ def send(conn: Connection, obj: Any, spill_dir: str | None = None, *,
         raise
 
 
+def _sealing_works() -> bool:
+    """Whether this host makes sealed memory files (``memfd_create``, Linux 3.17 and up)."""
+    global _SEALING
+    if _SEALING is None:
+        fd = _sealed_file(memoryview(b"x"))
+        _SEALING = fd is not None
+        if fd is not None:
+            os.close(fd)
+    return _SEALING
+
+
+_SEALING: bool | None = None
+
+
 def _spilled_names(sizes: Any, shared: bool) -> list[str]:
     """The file names of a size list's spilled entries; raises SpillError for an entry of
-    any other form, or a shared file's where ``shared`` is False."""
+    any other form, or a sealed file's where ``shared`` is False."""
     if not isinstance(sizes, list):
         raise SpillError(f"the size list is a {type(sizes).__name__}")
     names = []
@@ -491,8 +568,8 @@ def _spilled_names(sizes: Any, shared: bool) -> list[str]:
             raise SpillError(f"a spilled entry is not (name, size): {entry!r:.200}")
         if entry[0] == _SHARED_ENTRY:
             if not shared:
-                raise SpillError("the message passes a shared file; only the verifier's "
-                                 "requests may")
+                raise SpillError("the message passes a sealed file, but this receiver "
+                                 "takes none")
             continue
         if not _SPILL_NAME.fullmatch(entry[0]):
             raise SpillError("a spilled buffer's name is not of the spill pattern: "
@@ -629,7 +706,8 @@ def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = Fals
     ``trusted``: the message is the verifier's own (a child reading its requests); else
     it may name no code (``_ReplyUnpickler``), or it raises UnreadableReply."""
     sizes = _loads(_recv_frame(conn, _MAX_PICKLE_BYTES), trusted)
-    names = _spilled_names(sizes, shared=trusted)
+    # Sealed files: in the verifier's requests, and from a child it gave a spill folder.
+    names = _spilled_names(sizes, shared=trusted or spill_dir is not None)
     dir_fd = None
     if names:
         if spill_dir is None:
@@ -645,20 +723,14 @@ def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = Fals
         bufs: list[bytearray | mmap.mmap] = []
         for n in sizes:
             if isinstance(n, tuple) and n[0] == _SHARED_ENTRY:
-                bufs.append(_map_shared(_recv_fd(conn), n[1]))
+                # The verifier keeps a child's files: an input set's go on to workers.
+                bufs.append(_recv_file(conn, n[1], keep=not trusted))
                 continue
             if isinstance(n, tuple):
                 assert dir_fd is not None
                 bufs.append(_spilled_or_inline(conn, dir_fd, *n))
                 continue
-            buf = _zeroed(n)
-            try:
-                got = _recv_frame_into(conn, buf)
-            except BufferTooShort as e:
-                raise UnreadableReply(f"more bytes came than announced ({n})") from e
-            if got != n:
-                raise UnreadableReply(f"a buffer of {got} bytes came, announced {n}")
-            bufs.append(buf)
+            bufs.append(_recv_buffer(conn, n, UnreadableReply))
         return _loads(head, trusted, bufs)
     except BaseException:
         if dir_fd is not None:
@@ -668,6 +740,20 @@ def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = Fals
     finally:
         if dir_fd is not None:
             os.close(dir_fd)
+
+
+def _recv_buffer(conn: Connection, size: int,
+                 error: type[UnreadableReply]) -> bytearray | mmap.mmap:
+    """The next frame's bytes in a buffer of their own, announced as ``size`` bytes; a
+    frame of another size raises ``error``."""
+    buf = _zeroed(size)
+    try:
+        got = _recv_frame_into(conn, buf)
+    except BufferTooShort as e:
+        raise error(f"more bytes came than announced ({size})") from e
+    if got != size:
+        raise error(f"a buffer of {got} bytes came, announced {size}")
+    return buf
 
 
 def _spilled_or_inline(conn: Connection, dir_fd: int, name: str,

@@ -100,3 +100,41 @@ def test_runs_whose_program_cannot_be_told_for_certain_are_refused(tmp_path: Pat
 
 def test_programs_not_named_are_refused(tmp_path: Path) -> None:
     assert _probe(tmp_path)["other_program"] == "refused"
+
+
+_SOCKETS = r"""
+import json, socket
+from kz_stream.verify._guard import Guard, GuardViolation
+a, b = socket.socketpair()
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+Guard().install()
+
+def attempt(fn):
+    try:
+        fn()
+        return "ran"
+    except GuardViolation:
+        return "refused"
+    except OSError:
+        return "ran"  # past the guard; the network itself said no
+
+out = {
+    "sendmsg_to_unix_peer": attempt(lambda: a.sendmsg([b"x"])),
+    "sendmsg_to_an_address": attempt(lambda: udp.sendmsg([b"x"], [], 0, ("127.0.0.1", 9))),
+    "connect": attempt(lambda: socket.socket(socket.AF_UNIX).connect("/tmp/kz-none")),
+}
+print(json.dumps(out))
+"""
+
+
+def test_only_a_message_to_a_connected_unix_peer_may_be_sent() -> None:
+    """The oracle passes its replies' sealed files on its channel to the verifier with
+    sendmsg; every other socket stays closed to it."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", _SOCKETS], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "sendmsg_to_unix_peer": "ran", "sendmsg_to_an_address": "refused",
+        "connect": "refused"}

@@ -47,7 +47,20 @@ def pair() -> Iterator[tuple[Connection, Connection]]:
 
 
 @pytest.fixture
-def folder(tmp_path: Path) -> Path:
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A spill folder, on a host as if it made no sealed memory files: big buffers then
+    go through files of the folder."""
+    monkeypatch.setattr(ipc, "_SEALING", False)
+    d = tmp_path / "spill"
+    d.mkdir(mode=0o700)
+    return d
+
+
+@pytest.fixture
+def sealing_folder(tmp_path: Path) -> Path:
+    """A spill folder on this host, which makes sealed memory files: big buffers go as
+    those."""
+    assert ipc._sealing_works()
     d = tmp_path / "spill"
     d.mkdir(mode=0o700)
     return d
@@ -369,9 +382,10 @@ JAIL = pytest.mark.skipif(isolation().level != "jail", reason="this host allows 
 
 
 @JAIL
-def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_oracle_replies_through_sealed_files(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real oracle child, started as the verifier starts it, on a problem whose float64
-    input passes the threshold: it comes through a file, which is gone afterwards."""
+    input passes the threshold: its big buffers come as sealed memory files, mapped here
+    (the oracle's guard lets it pass them on its channel), and no spill file is made."""
     read = count_spill_reads(monkeypatch)
     lane = Lane(VerifierConfig(devices=[], oracle_spill=True), None)
     try:
@@ -381,8 +395,11 @@ def test_the_oracle_replies_through_its_spill_folder(monkeypatch: pytest.MonkeyP
         spill_dir = lane.oracles[0].spill_dir
         own = next(s for s in reply["sets"] if s["label"] == "own")
         # Each full-size set's input and its float64 and honest outputs.
-        full = sum(1 for s in reply["sets"] if s["inputs"][0].numel() == 2048 * 2100)
-        assert full >= 3 and len(read) >= 3 * full and os.listdir(spill_dir) == []
+        full = [s for s in reply["sets"] if s["inputs"][0].numel() == 2048 * 2100]
+        assert len(full) >= 3 and not read and os.listdir(spill_dir) == []
+        for s in full:
+            for t in (s["inputs"][0], s["expected"][0], s["honest"][0]):
+                assert mapped_from(t).startswith("/memfd:kz-sealed")
         assert own["expected"][0].dtype == torch.float64
         assert torch.equal(own["expected"][0], torch.relu(own["inputs"][0].double()))
     finally:
@@ -408,15 +425,17 @@ def test_the_oracle_replies_on_the_socket(config: VerifierConfig) -> None:
 
 @JAIL
 def test_a_jailed_child_spills_into_its_private_folder(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The jail mounts a fresh /dev/shm, so a jailed child's folder is in its scratch,
-    which it sees at the same path."""
+    """The jail mounts a fresh /dev/shm, so a jailed child's folder (for hosts without
+    sealed files) is in its scratch, which it sees at the same path; its sealed files
+    come through the jail."""
     read = count_spill_reads(monkeypatch)
     child = ipc.Child("kz_stream.verify._oracle", ["cpu"], strong=True, spill=True)
     try:
         assert child.strong and child.spill_dir == os.path.join(child.private, "spill")
         reply = child.call(PREPARE, 300)
         assert reply["ok"], reply
-        assert read and os.listdir(child.spill_dir) == []
+        assert not read and os.listdir(child.spill_dir) == []
+        assert mapped_from(reply["sets"][0]["inputs"][0]).startswith("/memfd:kz-sealed")
     finally:
         child.kill()
 
@@ -579,11 +598,11 @@ def test_a_shared_tensor_arrives_as_a_mapping_of_its_sealed_file(
         pair: tuple[Connection, Connection]) -> None:
     t = torch.randn(300, 500, generator=torch.Generator().manual_seed(1))
     shared = ipc.share(t, SMALL)
-    assert torch.equal(shared, t) and mapped_from(shared).startswith("/memfd:kz-input")
+    assert torch.equal(shared, t) and mapped_from(shared).startswith("/memfd:kz-sealed")
     got = shared_trip(pair, {"inputs": [shared, torch.ones(3)], "n": 2})
     assert same(got["inputs"], [t, torch.ones(3)]) and got["n"] == 2
     # Mapped, not read: the receiver's tensor lies in the same file.
-    assert mapped_from(got["inputs"][0]).startswith("/memfd:kz-input")
+    assert mapped_from(got["inputs"][0]).startswith("/memfd:kz-sealed")
 
 
 def test_a_receiver_writes_to_its_own_copy_and_nobody_writes_to_the_file(
@@ -638,8 +657,8 @@ def test_a_childs_message_may_not_pass_a_shared_file(
     sender = threading.Thread(target=send, args=(pair[0], {"x": shared}))
     sender.start()
     try:
-        with pytest.raises(SpillError, match="only the verifier's requests"):
-            recv(pair[1])  # as the verifier reads a child's reply
+        with pytest.raises(SpillError, match="this receiver takes none"):
+            recv(pair[1])  # as the verifier reads a reply of a child without a folder
     finally:
         sender.join()
 
@@ -692,3 +711,59 @@ def test_tree_memory_counts_a_shared_inputs_pages_in_full() -> None:
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+def sealed_trip(pair: tuple[Connection, Connection], folder: Path, msg: Any) -> Any:
+    """``msg`` from a child with a spill folder to the verifier, as the oracle replies."""
+    sender = threading.Thread(target=send, args=(pair[0], msg, str(folder)),
+                              kwargs={"spill_min": SMALL})
+    sender.start()
+    try:
+        return recv(pair[1], str(folder))
+    finally:
+        sender.join()
+
+
+def test_a_childs_big_buffers_come_as_sealed_files_the_verifier_keeps(
+        pair: tuple[Connection, Connection], sealing_folder: Path) -> None:
+    msg = tensors()
+    got = sealed_trip(pair, sealing_folder, msg)
+    assert same(msg, got) and os.listdir(sealing_folder) == []
+    big = got["i64"]  # 8.4 KB: past SMALL
+    assert mapped_from(big).startswith("/memfd:kz-sealed") and big.data_ptr() in ipc._SHARED
+    assert ipc.share(big, SMALL) is big  # an input set's go on to workers as they are
+    assert not mapped_from(got["scalar"]).startswith("/memfd")  # small: on the socket
+
+
+def test_a_child_that_cannot_make_a_file_sends_the_bytes(
+        pair: tuple[Connection, Connection], sealing_folder: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ipc, "_sealed_file", lambda raw: None)  # a full memory, say
+    msg = tensors()
+    got = sealed_trip(pair, sealing_folder, msg)
+    assert same(msg, got) and not mapped_from(got["i64"]).startswith("/memfd")
+
+
+@pytest.mark.parametrize("lie", ["unsealed", "write sealed only", "shorter"])
+def test_a_childs_file_that_could_still_change_or_is_not_as_announced_is_refused(
+        pair: tuple[Connection, Connection], sealing_folder: Path,
+        monkeypatch: pytest.MonkeyPatch, lie: str) -> None:
+    def lying(raw: memoryview) -> int:
+        fd = os.memfd_create("liar", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.write(fd, raw[:-8] if lie == "shorter" else raw)
+        if lie == "write sealed only":  # it could still shrink: a SIGBUS in the reader
+            import fcntl
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        elif lie == "shorter":
+            fcntl_seal_all(fd)
+        return fd
+
+    monkeypatch.setattr(ipc, "_sealed_file", lying)
+    with pytest.raises(SpillError, match=r"not sealed|announced"):
+        sealed_trip(pair, sealing_folder, {"t": torch.ones(4096)})
+
+
+def fcntl_seal_all(fd: int) -> None:
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ipc._SEALS)

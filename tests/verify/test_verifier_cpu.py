@@ -311,7 +311,7 @@ def test_shared_inputs_reach_each_worker_as_the_prepared_bytes() -> None:
             wrote.status, wrote.check, wrote.reason)
         mapped = TRITON_HONEST["relu"].replace(  # fails unless x is mapped from the file
             "        x = x.contiguous()",
-            "        assert '/memfd:kz-input' in _mapping_of(x), 'copied'\n"
+            "        assert '/memfd:kz-sealed' in _mapping_of(x), 'copied'\n"
             "        x = x.contiguous()"
         ).replace("class ModelNew", _MAPPING_OF + "\n\nclass ModelNew")
         honest = v.verify_sync(problem, Candidate(mapped, "triton"))
