@@ -66,14 +66,18 @@ _FS_EVENTS = frozenset(
 )
 
 
-def _to_connected_unix_peer(event: str, args: tuple[Any, ...]) -> bool:
-    """A message on a connected Unix socket (no address): the oracle passes its replies'
-    sealed files to the verifier so (``_ipc.send``). It reaches the socket's peer alone,
-    and a new one cannot be connected (``socket.connect`` stays denied)."""
-    import socket
+def _to_channel(event: str, args: tuple[Any, ...], channels: frozenset[int]) -> bool:
+    """A message with no address on one of ``channels``, connected Unix sockets: the
+    oracle passes its replies' sealed files to the verifier so (``_ipc.send``). Read
+    through ``_socket``'s own accessors: a subclass could report another family."""
+    import _socket
 
-    return (event == "socket.sendmsg" and len(args) == 2 and args[1] is None
-            and getattr(args[0], "family", None) == socket.AF_UNIX)
+    if event != "socket.sendmsg" or len(args) != 2 or args[1] is not None:
+        return False
+    sock = args[0]
+    return (isinstance(sock, _socket.socket)
+            and _socket.socket.family.__get__(sock) == _socket.AF_UNIX
+            and _socket.socket.fileno(sock) in channels)
 
 
 class GuardViolation(PermissionError):
@@ -92,6 +96,9 @@ class Guard:
     # files, so a candidate's own ``./gcc`` (or a PATH pointing at it) is refused.
     allowed_programs: frozenset[str] = frozenset()
     write_roots: tuple[str, ...] = ()
+    # Connected Unix sockets (descriptors) that messages with descriptors may be sent on:
+    # the oracle's channel to the verifier.
+    channels: frozenset[int] = frozenset()
     violations: list[str] = field(default_factory=list)
     writes: list[str] = field(default_factory=list)
     active: bool = True
@@ -126,7 +133,7 @@ class Guard:
                 return
             self._deny(f"{event} {_short(args)}")
         elif event in _NETWORK_EVENTS:
-            if not self.allow_network and not _to_connected_unix_peer(event, args):
+            if not self.allow_network and not _to_channel(event, args, self.channels):
                 self._deny(f"{event} {_short(args)}")
         elif event == "open":
             path, mode, flags = [*args, None, None, None][:3]

@@ -42,6 +42,7 @@ when the verifier's end of the socket closes, and the group is in the verifier's
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
@@ -400,32 +401,67 @@ def _unshare(address: int, fd: int) -> None:
     os.close(fd)
 
 
+@contextlib.contextmanager
+def _as_socket(conn: Connection) -> Iterator[socket.socket]:
+    """``conn``'s own descriptor as a socket, for the messages that carry descriptors
+    (the oracle's guard allows those on its channel's descriptor only); left open."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        yield sock
+    finally:
+        sock.detach()
+
+
 def _send_file(conn: Connection, fd: int | None, data: memoryview) -> None:
-    """A sealed-file entry's buffer: the file's descriptor or, where there is none, the
+    """A sealed-file entry's buffer: the file's descriptor or, where there is none or it
+    cannot be passed (the user's descriptors in flight at their limit, ETOOMANYREFS), the
     bytes (``_FILE_FOLLOWS`` / ``_BYTES_FOLLOW``)."""
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+    with _as_socket(conn) as sock:
         if fd is not None:
-            socket.send_fds(sock, [_FILE_FOLLOWS], [fd])
-            return
+            try:
+                socket.send_fds(sock, [_FILE_FOLLOWS], [fd])
+                return
+            except OSError as e:
+                if e.errno != errno.ETOOMANYREFS:
+                    raise
         sock.sendall(_BYTES_FOLLOW)
     conn.send_bytes(data)
 
 
 def _recv_file(conn: Connection, size: int, *, keep: bool) -> mmap.mmap | bytearray:
-    """A sealed-file entry's buffer of ``size`` bytes (``_send_file``): its file mapped
-    copy-on-write (checked to be of that size and sealed; ``keep``: see ``_mapped``), or
-    the bytes the sender sent instead. Anything else is a SpillError."""
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+    """A sealed-file entry's buffer of ``size`` bytes (``_send_file``): its file, checked
+    to be of that size and sealed, mapped copy-on-write (``keep``: see ``_mapped``; with
+    no slot left to keep it, its bytes are copied out and no descriptor is held), or the
+    bytes the sender sent instead. Anything else is a SpillError."""
+    with _as_socket(conn) as sock:
         msg, fds, flags, _ = socket.recv_fds(sock, 1, 1)
     if msg == _FILE_FOLLOWS and len(fds) == 1 and not flags & socket.MSG_CTRUNC:
+        os.set_inheritable(fds[0], False)
         _check_sealed(fds[0], size)
+        if keep and len(_SHARED) >= _max_shared():
+            return _copied(fds[0], size)
         return _mapped(fds[0], size, keep=keep)
     for fd in fds:
         os.close(fd)
     if msg == _BYTES_FOLLOW and not fds:
         return _recv_buffer(conn, size, SpillError)
+    if not msg:
+        raise EOFError("the channel closed before a sealed file's descriptor")
     raise SpillError(f"a sealed file's descriptor did not come ({msg!r}, "
                      f"{len(fds)} descriptors)")
+
+
+def _copied(fd: int, size: int) -> bytearray | mmap.mmap:
+    """The bytes of the sealed file ``fd`` in a buffer of their own (``fd`` is closed):
+    a child that sends many files cannot make the verifier hold a descriptor for each."""
+    buf = _zeroed(size)
+    view = _mapped(fd, size, keep=False)
+    try:
+        with memoryview(buf) as dst, memoryview(view) as src:
+            dst[:] = src
+    finally:
+        view.close()
+    return buf
 
 
 def _check_sealed(fd: int, size: int) -> None:
@@ -433,13 +469,17 @@ def _check_sealed(fd: int, size: int) -> None:
     nobody can change: sealed against writes (no writable shared mapping of it exists,
     none can be made), shrinking (no mapped page can vanish: a SIGBUS) and growth."""
     try:
-        st = os.fstat(fd)
+        # Seals first: only a memory file has them, and its fstat cannot block.
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        st = os.fstat(fd)
+        page = os.fstatvfs(fd).f_bsize
     except OSError as e:
         os.close(fd)
         raise SpillError(f"a sealed file cannot be read: {e}") from e
     why = ""
-    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+    if page != mmap.PAGESIZE:  # hugetlbfs: a private mapping would reserve huge pages
+        why = f"a sealed file of {page}-byte pages"
+    elif not stat.S_ISREG(st.st_mode) or st.st_size != size:
         why = f"a sealed file holds {st.st_size} bytes, announced {size}"
     elif seals & _SEALS != _SEALS:
         why = "a file is not sealed against writes"

@@ -256,6 +256,7 @@ def main() -> None:
     spill = os.environ.get("KZ_SPILL_DIR") or None
     # The reference is the Proposer's code: no network, processes or writes outside here.
     Guard(allowed_programs=frozenset({"ptxas", "cc", "gcc", "ldconfig"}),
+          channels=frozenset({conn.fileno()}),
           write_roots=(os.environ.get("KZ_PRIVATE_DIR", os.getcwd()), "/dev/shm",
                        *([spill] if spill else []))).install()
     oracle = Oracle(device)

@@ -106,8 +106,14 @@ _SOCKETS = r"""
 import json, socket
 from kz_stream.verify._guard import Guard, GuardViolation
 a, b = socket.socketpair()
+c, d = socket.socketpair()
 udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-Guard().install()
+
+class Disguised(socket.socket):
+    family = socket.AF_UNIX  # reports AF_UNIX; is not
+
+udp_disguised = Disguised(socket.AF_INET, socket.SOCK_DGRAM)
+Guard(channels=frozenset({a.fileno(), udp_disguised.fileno()})).install()
 
 def attempt(fn):
     try:
@@ -119,22 +125,25 @@ def attempt(fn):
         return "ran"  # past the guard; the network itself said no
 
 out = {
-    "sendmsg_to_unix_peer": attempt(lambda: a.sendmsg([b"x"])),
+    "sendmsg_on_the_channel": attempt(lambda: a.sendmsg([b"x"])),
+    "sendmsg_on_another_unix_socket": attempt(lambda: c.sendmsg([b"x"])),
     "sendmsg_to_an_address": attempt(lambda: udp.sendmsg([b"x"], [], 0, ("127.0.0.1", 9))),
+    "sendmsg_disguised": attempt(lambda: udp_disguised.sendmsg([b"x"])),
     "connect": attempt(lambda: socket.socket(socket.AF_UNIX).connect("/tmp/kz-none")),
 }
 print(json.dumps(out))
 """
 
 
-def test_only_a_message_to_a_connected_unix_peer_may_be_sent() -> None:
+def test_messages_with_descriptors_go_on_the_channel_alone() -> None:
     """The oracle passes its replies' sealed files on its channel to the verifier with
-    sendmsg; every other socket stays closed to it."""
+    sendmsg; every other socket stays closed to it, whatever family it reports."""
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-c", _SOCKETS], env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
-        "sendmsg_to_unix_peer": "ran", "sendmsg_to_an_address": "refused",
+        "sendmsg_on_the_channel": "ran", "sendmsg_on_another_unix_socket": "refused",
+        "sendmsg_to_an_address": "refused", "sendmsg_disguised": "refused",
         "connect": "refused"}

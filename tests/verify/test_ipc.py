@@ -767,3 +767,46 @@ def fcntl_seal_all(fd: int) -> None:
     import fcntl
 
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ipc._SEALS)
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_with_no_slot_to_keep_a_file_its_bytes_are_copied_out(
+        pair: tuple[Connection, Connection], sealing_folder: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that sends many files cannot make the verifier hold a descriptor each."""
+    monkeypatch.setattr(ipc, "_max_shared", lambda: 0)
+    before = open_descriptors()
+    msg = tensors()
+    got = sealed_trip(pair, sealing_folder, msg)
+    assert same(msg, got) and not mapped_from(got["i64"]).startswith("/memfd")
+    assert open_descriptors() == before
+
+
+def test_a_kept_file_is_not_inherited_by_programs_the_verifier_starts(
+        pair: tuple[Connection, Connection], sealing_folder: Path) -> None:
+    got = sealed_trip(pair, sealing_folder, {"t": torch.ones(4096)})
+    assert not os.get_inheritable(ipc._SHARED[got["t"].data_ptr()][0])
+
+
+def test_a_file_that_cannot_be_passed_goes_as_bytes(
+        pair: tuple[Connection, Connection], sealing_folder: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def too_many(*args: Any) -> None:  # the user's descriptors in flight at their limit
+        raise OSError(errno.ETOOMANYREFS, "Too many references")
+
+    monkeypatch.setattr(socket, "send_fds", too_many)
+    msg = tensors()
+    got = sealed_trip(pair, sealing_folder, msg)
+    assert same(msg, got) and not mapped_from(got["i64"]).startswith("/memfd")
+
+
+def test_a_channel_that_ends_before_a_files_descriptor_is_an_eof(
+        pair: tuple[Connection, Connection], sealing_folder: Path) -> None:
+    pair[0].send_bytes(pickle.dumps([("memfd", 4096)]))
+    pair[0].send_bytes(pickle.dumps([pickle.PickleBuffer(bytearray(8))], protocol=5))
+    pair[0].close()
+    with pytest.raises(EOFError):
+        recv(pair[1], str(sealing_folder))
