@@ -64,8 +64,8 @@ class VerifierConfig(BaseModel):
     # The oracle's big replies (16 MiB buffers and up) as sealed memory files the verifier
     # maps (``_ipc``; files under /dev/shm on a host without them) instead of the socket,
     # only while the candidates' workers are jailed. On this project's 2-core VM a 4 GiB
-    # reply took 2.9 s so against 6.5 s through the socket (``benchmarks/bench_ipc.py``,
-    # 2026-12-05, two cores shared with a CI run).
+    # reply took 2.1 s so against 4.1 s through the socket (``benchmarks/bench_ipc.py``,
+    # 2026-12-05).
     oracle_spill: bool = True
     # A prepared problem's inputs of this size and up are kept in sealed memory files
     # (``_ipc.share``), whose descriptors go to the workers instead of the bytes: a
