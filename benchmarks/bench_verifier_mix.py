@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_verifier import _plain_check, _vary_python  # noqa: E402
+from kz_stream.evaluation._run import EVAL_ORACLES_PER_GPU  # noqa: E402
 from kz_stream.testing.corpus.full_size import (  # noqa: E402
     FULL_SIZE_HONEST,
     FULL_SIZE_PROBLEMS,
@@ -56,12 +57,12 @@ def mix(samples: int, full: bool, seed: int = 0) -> list[tuple[str, str, str]]:
 
 
 async def verify_mix(jobs: list[tuple[str, str, str]], time_limit: float,
-                     save: Any) -> dict[str, Any]:
+                     save: Any, oracles: int) -> dict[str, Any]:
     """Sends every candidate to one verifier at once; what it finishes in ``time_limit``."""
-    from kz_stream.verify import Candidate, Problem, Verifier
+    from kz_stream.verify import Candidate, Problem, Verifier, VerifierConfig
 
     rows: list[dict[str, Any]] = []
-    async with Verifier() as v:
+    async with Verifier(VerifierConfig(oracles=oracles)) as v:
         t0 = time.monotonic()
 
         async def one(name: str, ref: str, cand: str) -> None:
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--small", action="store_true",
                     help="the corpus's small sizes on the CPU path: no plain loop, no result")
     ap.add_argument("--out", type=Path, default=None, help="raw rows, written as they come")
+    ap.add_argument("--oracles", type=int, default=EVAL_ORACLES_PER_GPU,
+                    help="problems prepared at once (kz eval run's default on a GPU)")
     ap.add_argument("--note", default="", help="appended to the result's notes")
     args = ap.parse_args()
     jobs = mix(args.samples, full=not args.small)
@@ -137,7 +140,7 @@ def main() -> None:
     gb = sum(input_bytes(FULL_SIZE_PROBLEMS[n], not args.small) for n in problems) / 2**30
     print(f"{len(problems)} problems ({gb:.1f} GB of inputs), {len(jobs)} candidates",
           flush=True)
-    ours = asyncio.run(verify_mix(jobs, args.time_limit, save))
+    ours = asyncio.run(verify_mix(jobs, args.time_limit, save, args.oracles))
     save({"verifier": {k: v for k, v in ours.items() if k != "rows"}})
     print(f"verifier: {ours['done']}/{ours['sent']} in {ours['wall_s']:.0f} s = "
           f"{ours['per_min']:.1f}/min", flush=True)
@@ -164,8 +167,9 @@ def write(ours: dict[str, Any], plain: dict[str, Any], args: argparse.Namespace)
     }
     notes = (f"{len({r[0] for r in mix(args.samples, True)})} problems of the full-size "
              f"corpus (levels 1 and 2), {args.samples} samples each, all sent at once; each "
-             f"side {args.time_limit:.0f} s; verifier finished {ours['done']} of "
-             f"{ours['sent']}, plain loop {plain['done']}; verdicts {dict(statuses)}")
+             f"side {args.time_limit:.0f} s; {args.oracles} oracles; verifier finished "
+             f"{ours['done']} of {ours['sent']}, plain loop {plain['done']}; "
+             f"verdicts {dict(statuses)}")
     if args.note:
         notes += f"; {args.note}"
     write_result("verifier_mix", "python -m benchmarks.bench_verifier_mix "
