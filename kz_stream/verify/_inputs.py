@@ -176,6 +176,30 @@ def redraw_(values: Sequence[Any], specs: Sequence[InputSpec], seed: int) -> Non
             v.random_(spec.lo, spec.hi + 1, generator=gen)
 
 
+def own_inputs(get_inputs: Callable[[], Sequence[Any]], seed: int,
+               device: str | torch.device = "cpu") -> list[Any]:
+    """The module's own ``get_inputs()`` under ``seed``, its tensors on ``device``.
+
+    Off the CPU it runs with ``device`` as torch's default device, so the module's
+    ``torch.rand`` draws there: KernelBench's generators draw on the host, 16-25 s for an
+    8 GiB input on the H100 host (2026-12-05), twice per problem. A generator that fails
+    so is run again on the host, under the same seed.
+    """
+    if torch.device(device).type != "cpu":
+        torch.manual_seed(seed)
+        try:
+            with torch.device(device):
+                values = list(get_inputs())
+        except Exception:
+            values = None
+        if values is not None:
+            return [v.contiguous().to(device) if isinstance(v, torch.Tensor) else v
+                    for v in values]
+    torch.manual_seed(seed)
+    return [v.contiguous().to(device) if isinstance(v, torch.Tensor) else v
+            for v in get_inputs()]
+
+
 def make_inputs(
     specs: Sequence[InputSpec], plan: InputPlan, seed: int,
     get_inputs: Callable[[], Sequence[Any]] | None = None,
@@ -184,12 +208,11 @@ def make_inputs(
     """The input set ``plan`` describes, drawn from ``seed``.
 
     For the "own" distribution at the module's own shapes ``get_inputs`` (the module's own
-    generator) is called under ``seed``; otherwise values are drawn from ``specs``.
+    generator) is called under ``seed`` (``own_inputs``); otherwise values are drawn from
+    ``specs``.
     """
     if plan.dist == "own" and not plan.size_map and get_inputs is not None:
-        torch.manual_seed(seed)
-        return [v.contiguous().to(device) if isinstance(v, torch.Tensor) else v
-                for v in get_inputs()]
+        return own_inputs(get_inputs, seed, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     out: list[Any] = []
     for spec in specs:

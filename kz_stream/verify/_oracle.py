@@ -35,6 +35,7 @@ from kz_stream.verify._inputs import (
     make_inputs,
     map_init,
     nbytes,
+    own_inputs,
     small_map,
 )
 from kz_stream.verify._ipc import error_reply, requests, send
@@ -87,8 +88,7 @@ class Oracle:
             ref = load_reference(msg["source"], directory)
             weight_seed = seed % (2**31)
             init = list(ref.get_init_inputs())
-            torch.manual_seed(seed)
-            own = list(ref.get_inputs())
+            own = own_inputs(ref.get_inputs, seed, self.device)
             specs = [InputSpec.of(v) for v in own]
             model = build_model(ref, init, weight_seed, self.device)
         sets: list[InputSet] = []
@@ -96,6 +96,10 @@ class Oracle:
         plan_notes: list[str] = []
         dropped: list[dict[str, str]] = []
         plans = default_plans(own, small_only=bool(msg.get("small_only")))
+        # The sets need its room on the device; later plans want its shapes alone, and the
+        # op log draws it again.
+        own = [torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+               for v in own]
         with_weights: set[str] = set()
         full_bytes = full_sets = 0
         for i, plan in enumerate(plans):
@@ -136,7 +140,7 @@ class Oracle:
         if not sets:
             raise RuntimeError("no input set could be evaluated: " + "; ".join(notes))
         # Ops the reference runs (for the candidate's fallback check) and its cost.
-        own_args = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in own]
+        own_args = own_inputs(ref.get_inputs, seed, self.device)
         oplog = OpLog()
         from torch.utils.flop_counter import FlopCounterMode
 

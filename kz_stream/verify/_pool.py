@@ -5,10 +5,11 @@ kept for timing, and the locks that say who may use the GPU."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -145,6 +146,7 @@ class Lane:
                          if index is not None else 60 << 20)
         self.gpu = aiorwlock.RWLock()
         self.slots = asyncio.Semaphore(config.candidates_per_gpu)
+        self._whole = asyncio.Lock()  # one taker of every slot at a time (``whole``)
         self.oracle_slots = asyncio.Semaphore(config.oracles)
         self.oracles: list[Child] = []  # idle, alive as far as is known
         self.oracles_busy: set[Child] = set()
@@ -165,6 +167,22 @@ class Lane:
         self.compiled: OrderedDict[tuple[str, int], CompiledBaseline] = OrderedDict()
         self.compiled_locks: dict[tuple[str, int], asyncio.Lock] = {}
         self.compiling: set[Child] = set()
+
+    @contextlib.asynccontextmanager
+    async def whole(self) -> AsyncIterator[None]:
+        """Every candidate slot of the device, so that no other candidate runs beside the
+        holder. Slots are taken one by one as they free up, under a lock: two takers never
+        each hold a part and wait for the rest."""
+        taken = 0
+        try:
+            async with self._whole:
+                while taken < self.config.candidates_per_gpu:
+                    await self.slots.acquire()
+                    taken += 1
+            yield
+        finally:
+            for _ in range(taken):
+                self.slots.release()
 
     def _env(self, fraction: float) -> dict[str, str]:
         env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),

@@ -306,14 +306,19 @@ class Verifier:
                 details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
                 verdict = await self._gpu_stage(lane, prepared, candidate, builds,
                                                 own_names, details)
-                if verdict.status is Status.INFRA_ERROR and verdict.check == "device_memory":
-                    # The device was full of others' memory, not the candidate's: once
-                    # more with the idle reference workers gone (the smaller plan).
-                    details["retried"] = verdict.reason
+            if verdict.status is Status.INFRA_ERROR and verdict.check == "device_memory":
+                # The device was full of others' memory, not the candidate's: once more
+                # with no other candidate beside it and the idle reference workers gone
+                # (the smaller plan). On an H100, three honest candidates of an 8 GiB
+                # problem at once each got this, and a retry beside the others again.
+                details["retried"] = verdict.reason
+                t0 = time.monotonic()
+                async with lane.whole():
+                    details["retry_wait_s"] = round(time.monotonic() - t0, 3)
                     await lane.drop_references(all_idle=True)
                     verdict = await self._gpu_stage(lane, prepared, candidate, builds,
                                                     list(own_names), details)
-                return verdict
+            return verdict
         finally:
             lane.busy -= 1
 

@@ -12,6 +12,7 @@ from kz_stream.verify._inputs import (
     fallbacks,
     make_inputs,
     odd_map,
+    own_inputs,
     redraw_,
 )
 
@@ -75,3 +76,35 @@ def test_a_batch_only_plan_leaves_class_labels_alone() -> None:
     logits, labels = make_inputs([InputSpec.of(v) for v in own], plan, seed=0)
     assert tuple(logits.shape) == (9, 10) and tuple(labels.shape) == (9,)
     assert int(labels.max()) > 9  # drawn from the full 0..63 range
+
+
+def _rand_inputs() -> list[torch.Tensor]:
+    return [torch.rand(3, 5), torch.randint(0, 7, (4,))]
+
+
+def test_own_inputs_on_the_host_are_the_generators_under_the_seed() -> None:
+    first, again = own_inputs(_rand_inputs, 11, "cpu"), own_inputs(_rand_inputs, 11, "cpu")
+    torch.manual_seed(11)
+    assert all(torch.equal(a, b) for a, b in zip(first, _rand_inputs(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_own_inputs_are_drawn_on_the_device_and_on_the_host_when_that_fails() -> None:
+    seen: list[str] = []
+
+    def plain() -> list[torch.Tensor]:
+        seen.append(torch.empty(0).device.type)  # where torch.rand would draw
+        return [torch.rand(2, 3)]
+
+    def host_only() -> list[torch.Tensor]:
+        seen.append(torch.empty(0).device.type)
+        x = torch.rand(2, 3)
+        assert x.sum().item() >= 0  # reads a value: no meta tensor can
+        return [x]
+
+    # "meta" stands in for a GPU here: a device with no values.
+    assert [v.device.type for v in own_inputs(plain, 3, "meta")] == ["meta"]
+    assert seen == ["meta"]
+    seen.clear()
+    assert [v.device.type for v in own_inputs(host_only, 3, "meta")] == ["meta"]
+    assert seen == ["meta", "cpu"]
