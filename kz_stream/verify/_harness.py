@@ -360,6 +360,23 @@ def _pristine(arg: Any, sent: Any, cuda: bool) -> Any:
     return arg.clone()
 
 
+def _snapshot(out: Any, cuda: bool) -> Any:
+    """A copy of ``out`` as it is now on the calling stream: on the device, or on the host
+    past ``_CLONE_MAX_BYTES`` (a device clone of a 6 GiB ReLU's output, beside the held
+    one, ran an honest worker out of its allowance on an H100, 2026-12-05)."""
+    if not isinstance(out, torch.Tensor):
+        return out
+    if cuda and out.nbytes > _CLONE_MAX_BYTES:
+        return out.detach().to("cpu")
+    return out.clone()
+
+
+def _on_host(snap: Any, out: Any) -> bool:
+    """Whether ``snap`` is ``out``'s host snapshot (``_snapshot``), not a device clone."""
+    return (isinstance(out, torch.Tensor) and isinstance(snap, torch.Tensor)
+            and out.device.type != "cpu" and snap.device.type == "cpu")
+
+
 def _run(state: State, msg: RunRequest) -> RunReply:
     """Runs one input set ``reps`` times with the per-call checks; returns CPU outputs."""
     inputs: list[Any] = msg["inputs"]
@@ -383,12 +400,14 @@ def _run(state: State, msg: RunRequest) -> RunReply:
             out = _call(state, args, key)
         flat = flatten(out)
         # Snapshot right away on the calling stream: differs from the synchronised output
-        # if the candidate left work running elsewhere.
-        snap = [o.clone() if isinstance(o, torch.Tensor) else o for o in flat]
+        # if the candidate left work running elsewhere. A big one goes to the host (the
+        # copy there is ordered on the same stream), where the output has to go anyway.
+        snap = [_snapshot(o, state.cuda) for o in flat]
         _sync(state)
-        for o, s in zip(flat, snap, strict=True):
-            if isinstance(o, torch.Tensor) and not bits_equal(o, s):
-                flags.append("unsynchronized_output")
+        late = [isinstance(o, torch.Tensor) and not bits_equal(o, s)
+                for o, s in zip(flat, snap, strict=True)]
+        if any(late):
+            flags.append("unsynchronized_output")
         for a, c in zip(args, clones, strict=True):
             if isinstance(a, torch.Tensor) and not bits_equal(a, c):
                 flags.append("input_mutation")
@@ -403,10 +422,13 @@ def _run(state: State, msg: RunRequest) -> RunReply:
         if new_threads:
             flags.append("thread")
         for o in flat:
-            if isinstance(o, torch.Tensor) and state.held_bytes < _HELD_OUTPUT_BYTES:
+            size = o.untyped_storage().nbytes() if isinstance(o, torch.Tensor) else 0
+            if size and state.held_bytes + size <= _HELD_OUTPUT_BYTES:
                 state.held.append(o)
-                state.held_bytes += o.untyped_storage().nbytes()
-        outs.append([o.detach().to("cpu") if isinstance(o, torch.Tensor) else o for o in flat])
+                state.held_bytes += size
+        outs.append([s if _on_host(s, o) and not bad else
+                     o.detach().to("cpu") if isinstance(o, torch.Tensor) else o
+                     for o, s, bad in zip(flat, snap, late, strict=True)])
         # Freed before the next repetition allocates its own: on the H200 a 6.4 GB GELU's
         # copies of two repetitions at once ran the worker out of its 56 GB.
         del args, clones, out, flat, snap
@@ -528,11 +550,18 @@ def _time(state: State, msg: TimeRequest) -> TimeReply:
                                 int(msg["calls"]), state.flusher, start=int(msg.get("start", 0)),
                                 keep=keep,
                                 pad_cycles=int(msg.get("pad_cycles", state.pad_cycles)),
-                                refresh=lambda j: _refresh(state, j))
+                                refresh=lambda j: _refresh(state, j), stash=_to_host)
     outputs = {j: [o.detach().to("cpu") if isinstance(o, torch.Tensor) else o
-                   for o in flatten(v)] for j, v in kept.items()}
+                   for o in v] for j, v in kept.items()}
     return {"ok": True, "event_ms": samples.event_ms, "host_ms": samples.host_ms,
             "issue_ms": samples.issue_ms, "outputs": outputs}
+
+
+def _to_host(out: Any) -> list[Any]:
+    """A kept timed call's outputs, flattened, the big ones on the host at once: several
+    kept 6 GiB outputs beside the timing sets outgrow a worker's allowance on an H100."""
+    return [o.detach().to("cpu") if isinstance(o, torch.Tensor)
+            and o.nbytes > _CLONE_MAX_BYTES else o for o in flatten(out)]
 
 
 def _refresh(state: State, j: int) -> None:

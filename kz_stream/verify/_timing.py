@@ -147,6 +147,7 @@ def timed_calls(
     flush: Callable[[], None], *, start: int = 0, keep: Collection[int] = (),
     pad_cycles: int = 0, rotate_outputs: bool = True,
     refresh: Callable[[int], None] | None = None,
+    stash: Callable[[Any], Any] | None = None,
 ) -> tuple[Samples, dict[int, Any]]:
     """Times ``n`` calls of ``fn`` rotating through ``input_sets``; returns the samples and
     the outputs of the calls whose index (counted from ``start``) is in ``keep``.
@@ -156,7 +157,11 @@ def timed_calls(
     are held, so the caching allocator gives each call a different output block, as each
     call reads a different input set: one fixed block would be one fixed placement in
     memory per process, and placement moved times by 2-4% under a reading-only flush
-    (benchmarks/bench_timing.py).
+    (benchmarks/bench_timing.py). An output past that 1 GiB is not held (it is far bigger
+    than L2; holding it ran a 6 GiB ReLU's worker out of its allowance on an H100).
+
+    ``stash``, when given, is applied to a kept output right after its call, untimed (to
+    move a big one off the device).
 
     ``refresh(j)``, when given, runs before call ``j``'s flush and untimed: it gives the
     call's inputs fresh values (``inputs.redraw_``), so no timed call sees an input an
@@ -189,11 +194,11 @@ def timed_calls(
         host_ms.append((t1 - t0) * 1e3 - float(p.elapsed_time(s)))
         issue_ms.append((t_issued - t0) * 1e3)
         if j in keep:
-            kept[j] = out
+            kept[j] = out if stash is None else stash(out)
         if rotate_outputs:
             if recent is None:
                 held = min(len(input_sets), _ROTATED_OUTPUT_BYTES // max(_held_bytes(out), 1))
-                recent = deque(maxlen=max(held, 1))
+                recent = deque(maxlen=held)
             recent.append(out)
         del out
     return Samples(ev_ms, host_ms, issue_ms), kept

@@ -4,12 +4,15 @@ honest kernel of an 8 GiB KernelBench input must fit a worker's allowance on an 
 from __future__ import annotations
 
 import asyncio
+import time
+import weakref
+from collections.abc import Sequence
 
 import pytest
 import torch
 
-from kz_stream.verify import VerifierConfig, _harness
-from kz_stream.verify._harness import _pristine, bits_equal
+from kz_stream.verify import VerifierConfig, _harness, _timing
+from kz_stream.verify._harness import _on_host, _pristine, _snapshot, bits_equal
 from kz_stream.verify._pool import Lane
 
 
@@ -86,3 +89,46 @@ async def test_a_taker_cancelled_while_waiting_gives_back_what_it_took() -> None
             pass
     finally:
         lane.close()
+
+
+def test_a_big_output_is_snapshot_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_harness, "_CLONE_MAX_BYTES", 100)
+    small, big = torch.ones(8), torch.ones(64)
+    assert _snapshot(small, cuda=True) is not small
+    assert _snapshot(big, cuda=True).device.type == "cpu"
+    assert _snapshot(big, cuda=False) is not big  # the CPU path: a clone
+    assert _snapshot(None, cuda=True) is None
+    assert not _on_host(_snapshot(big, cuda=False), big)  # not a device output
+
+
+class _HostEvent:
+    """A CUDA event's timing on the host, to run ``timed_calls``' bookkeeping here."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def test_timing_holds_no_output_past_its_rotation_budget_and_stashes_kept_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_timing, "_Event", _HostEvent)
+    monkeypatch.setattr(_timing, "_synchronize", lambda: None)
+    monkeypatch.setattr(_timing, "_ROTATED_OUTPUT_BYTES", 100)
+    alive: list[weakref.ref[torch.Tensor]] = []
+
+    def call(args: Sequence[torch.Tensor]) -> torch.Tensor:
+        assert all(r() is None for r in alive)  # no earlier output is held
+        out = args[0] * 2  # 256 bytes, past the budget
+        alive.append(weakref.ref(out))
+        return out
+
+    sets = [[torch.ones(64)], [torch.zeros(64)]]
+    samples, kept = _timing.timed_calls(call, sets, 4, lambda: None, keep={1},
+                                        stash=lambda out: ["stashed", out.sum().item()])
+    assert len(samples.event_ms) == 4
+    assert kept == {1: ["stashed", 0.0]}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kz_stream.verify import _inputs
 from kz_stream.verify._inputs import (
     InputPlan,
     InputSpec,
@@ -108,3 +110,17 @@ def test_own_inputs_are_drawn_on_the_device_and_on_the_host_when_that_fails() ->
     seen.clear()
     assert [v.device.type for v in own_inputs(host_only, 3, "meta")] == ["meta"]
     assert seen == ["meta", "cpu"]
+
+
+def test_moments_in_blocks_match_a_whole_float64_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_inputs, "_MOMENT_BLOCK", 1000)  # 37 blocks, the last one short
+    torch.manual_seed(0)
+    for v in (torch.randn(36_001) * 3 + 1e4, torch.rand(36_001), torch.tensor([2.5])):
+        mean, std, nonneg = _inputs._moments(v.to(torch.float16).float())
+        ref = v.to(torch.float16).double()
+        assert mean == pytest.approx(float(ref.mean()), rel=1e-12)
+        assert std == pytest.approx(float(ref.std()) if ref.numel() > 1 else 0.0, rel=1e-9)
+        assert nonneg is bool((ref >= 0).all())
+    v = torch.rand(5000)
+    v[4321] = float("nan")  # a NaN is not non-negative
+    assert _inputs._moments(v)[2] is False
