@@ -104,6 +104,11 @@ class ByteBudget:
         self.holders -= 1
         self._admit()
 
+    def shrink(self, nbytes: int) -> None:
+        """A holder gives back ``nbytes`` of what it holds and keeps holding the rest."""
+        self.held -= nbytes
+        self._admit()
+
     def _admit(self) -> None:
         while self._waiting:
             nbytes, turn = self._waiting[0]

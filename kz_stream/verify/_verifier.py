@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+import torch
+
 from kz_stream.verify import _astscan as astscan
 from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._build import Builder, BuildResult
@@ -79,6 +81,21 @@ def preparation_bytes(input_bytes: int, output_bytes: int | None,
     others = 5 * own  # signed, normal, heavy, odd, small: at most as large as own
     full = min(others, max(full_set_budget - own, 0))
     return 2 * (own + full + (others - full) // 8)
+
+
+def held_after_preparation(p: Prepared, share_min_bytes: int | None, candidates: int) -> int:
+    """Host bytes a prepared problem holds while its candidates run: its sets (the
+    verifier's copy: the oracle's went with its reply) and, for each of ``candidates`` in
+    their GPU stage at once, the inputs a worker is sent as bytes (those below the share
+    threshold: the others it maps) and the outputs of a run's two repetitions it sends
+    back. Far below the preparation's peak for a reduction over 8 GiB."""
+    def nbytes(values: list[Any], small_only: bool) -> int:
+        return sum(v.nbytes for v in values if isinstance(v, torch.Tensor) and not (
+            small_only and share_min_bytes is not None and v.nbytes >= share_min_bytes))
+
+    sent = max((nbytes(s["inputs"], True) for s in p.sets), default=0)
+    back = max((nbytes(s["honest"], False) for s in p.sets), default=0)
+    return p.host_bytes + candidates * (sent + 2 * back)
 
 
 def preparation_failure(message: str) -> tuple[Status, str, str]:
@@ -291,6 +308,7 @@ class Verifier:
             details["prepare_s"] = round(time.monotonic() - t0, 3)
             if isinstance(prepared, Verdict):
                 return prepared
+            self._settle(problem.key, prepared)
             if fresh:  # this verification waited for the preparation: say where it went
                 details["prepare_phases"] = prepared.phase_s
             details["problem_notes"] = prepared.notes
@@ -486,6 +504,21 @@ class Verifier:
                     del self._problems_in_use[key]
                 if entry.nbytes is not None:
                     self._host.release(entry.nbytes)
+
+    def _settle(self, key: str, p: Prepared) -> None:
+        """Gives back what the preparation's peak reserved beyond what ``p`` holds from now
+        on (``held_after_preparation``), so that the next problem is prepared while this
+        one's candidates run: on an H100 (2026-12-05) each 8 GiB reduction reserved 40 GiB
+        of a 50 GiB budget until its last candidate ended, and the mix ran one problem
+        at a time."""
+        entry = self._problems_in_use.get(key)
+        if entry is None or entry.nbytes is None:
+            return
+        after = held_after_preparation(p, self.config.input_share_min_bytes,
+                                       len(self._lanes) * self.config.candidates_per_gpu)
+        if after < entry.nbytes:
+            self._host.shrink(entry.nbytes - after)
+            entry.nbytes = after
 
     async def _preparation_bytes(self, problem: Problem) -> int:
         """Host bytes that preparing ``problem`` holds at its peak: the oracle's sets and

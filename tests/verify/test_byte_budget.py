@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from kz_stream.verify._pool import ByteBudget
 
@@ -91,3 +92,35 @@ def test_only_a_sigkill_while_the_oom_killer_worked_is_a_death_for_memory() -> N
     if now is not None:
         assert not killed_for_memory(sigkill, now)  # killed by someone else
         assert killed_for_memory(sigkill, now - 1)
+
+
+async def test_a_holder_that_shrinks_lets_the_next_one_in() -> None:
+    budget, entered, leave = ByteBudget(10), [], asyncio.Event()
+    await budget.acquire(8)  # a problem's preparation at its peak
+    waiter = asyncio.create_task(_enter(budget, 5, entered, leave))
+    await _settle()
+    assert entered == []
+    budget.shrink(6)  # prepared: it holds 2 from now on
+    await _settle()
+    assert entered == [5] and budget.held == 7 and budget.holders == 2
+    budget.release(2)
+    leave.set()
+    await waiter
+    assert budget.held == 0 and budget.holders == 0
+
+
+def test_a_prepared_reduction_holds_its_sets_and_what_its_candidates_exchange() -> None:
+    import types
+
+    from kz_stream.verify._verifier import held_after_preparation
+
+    gib = 1 << 30
+    big, small = torch.empty(2 * gib, dtype=torch.uint8), torch.empty(1000, dtype=torch.uint8)
+    own = {"inputs": [big, small, 3], "honest": [torch.empty(4096, dtype=torch.uint8)]}
+    tiny = {"inputs": [small], "honest": [torch.empty(10, dtype=torch.uint8)]}
+    p = types.SimpleNamespace(sets=[own, tiny], host_bytes=2 * gib + 5000)
+    # The 2 GiB input is mapped by the workers (shared), the rest is sent to each of 3.
+    assert held_after_preparation(p, 16 << 20, 3) == 2 * gib + 5000 + 3 * (1000 + 2 * 4096)
+    # With sharing off, every input goes to every candidate as bytes.
+    assert held_after_preparation(p, None, 3) == 2 * gib + 5000 + 3 * (2 * gib + 1000
+                                                                       + 2 * 4096)
