@@ -346,27 +346,47 @@ def _sync(state: State) -> None:
 # Earlier outputs held to see a later call return one of them (a cached result); past
 # this, outputs are not held (their room goes to the candidate's own work).
 _HELD_OUTPUT_BYTES = 4 << 30
-# A device input past this is checked for writes against the request's own host copy, not
-# a device clone: the clone doubled a KernelBench 8 GiB input's room on the device.
+# A device tensor past this is copied for the checks on the device only where the room
+# left holds three times its size (the copy, and as much again twice for the candidate's
+# output and work), else on the host: a device clone doubled a KernelBench 8 GiB input's
+# footprint, and on an H100 (2026-12-05) honest workers ran out of their allowance.
 _CLONE_MAX_BYTES = 1 << 30
+
+
+def _device_room() -> int:
+    """Bytes this worker may still allocate on its device: under its own cap (the
+    allocator's, ``KZ_GPU_MEMORY_FRACTION`` of the device) and what the device has free
+    (with this process's cached blocks). 0 when that cannot be read."""
+    try:
+        free, total = torch.cuda.mem_get_info()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        cap = float(os.environ.get("KZ_GPU_MEMORY_FRACTION", "1")) * total
+        return int(min(cap - allocated, free + reserved - allocated))
+    except Exception:  # no CUDA state to ask: copy to the host, which always works
+        return 0
+
+
+def _on_device(t: torch.Tensor, cuda: bool) -> bool:
+    """Whether the checks' copy of device tensor ``t`` stays on the device."""
+    return not cuda or t.nbytes <= _CLONE_MAX_BYTES or 3 * t.nbytes <= _device_room()
 
 
 def _pristine(arg: Any, sent: Any, cuda: bool) -> Any:
     """What ``arg`` (the device copy of ``sent``) is checked against after the call."""
     if not isinstance(arg, torch.Tensor):
         return arg
-    if cuda and isinstance(sent, torch.Tensor) and arg.nbytes > _CLONE_MAX_BYTES:
+    if isinstance(sent, torch.Tensor) and not _on_device(arg, cuda):
         return sent  # the request's host copy: a write to the device copy leaves it be
     return arg.clone()
 
 
 def _snapshot(out: Any, cuda: bool) -> Any:
     """A copy of ``out`` as it is now on the calling stream: on the device, or on the host
-    past ``_CLONE_MAX_BYTES`` (a device clone of a 6 GiB ReLU's output, beside the held
-    one, ran an honest worker out of its allowance on an H100, 2026-12-05)."""
+    where the device has no room for it (a device clone of a 6 GiB ReLU's output, beside
+    the held one, ran an honest worker out of its allowance on an H100, 2026-12-05)."""
     if not isinstance(out, torch.Tensor):
         return out
-    if cuda and out.nbytes > _CLONE_MAX_BYTES:
+    if not _on_device(out, cuda):
         return out.detach().to("cpu")
     return out.clone()
 

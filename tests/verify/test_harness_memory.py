@@ -132,3 +132,19 @@ def test_timing_holds_no_output_past_its_rotation_budget_and_stashes_kept_ones(
                                         stash=lambda out: ["stashed", out.sum().item()])
     assert len(samples.event_ms) == 4
     assert kept == {1: ["stashed", 0.0]}
+
+
+def test_a_big_tensor_is_copied_on_the_device_where_three_times_it_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_harness, "_CLONE_MAX_BYTES", 100)
+    sent = torch.ones(64)  # 256 bytes
+    monkeypatch.setattr(_harness, "_device_room", lambda: 3 * 256)
+    assert _pristine(sent.clone(), sent, cuda=True) is not sent
+    assert _snapshot(sent, cuda=True) is not sent
+    monkeypatch.setattr(_harness, "_device_room", lambda: 3 * 256 - 1)
+    assert _pristine(sent.clone(), sent, cuda=True) is sent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
+def test_no_cuda_state_means_no_room() -> None:
+    assert _harness._device_room() == 0
