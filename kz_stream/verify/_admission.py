@@ -100,6 +100,7 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
         make_inputs,
         map_init,
         nbytes,
+        own_inputs,
         small_map,
     )
     from kz_stream.verify._loader import InterfaceError
@@ -119,8 +120,9 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
         with phase("load"):  # the module, its own inputs
             ref = load_reference(source, os.getcwd())
             init = list(ref.get_init_inputs())
-            torch.manual_seed(_INPUT_SEED)
-            own = list(ref.get_inputs())
+            # On a GPU drawn there (``own_inputs``): a KernelBench generator's 6.4 GB of
+            # ``torch.rand`` took 15-25 s on the H100 host's CPU.
+            own = own_inputs(ref.get_inputs, _INPUT_SEED, device)
     except InterfaceError as e:
         return False, "interface", str(e)
 
@@ -141,8 +143,8 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
                 with phase("scaling"):  # which scaled-down shape the module runs under
                     init_a = map_init(init, attempt.size_map) if attempt.scale_init else init
                     probe = build_model(ref, init_a, _WEIGHT_SEED, device)
-                    run(probe, make_inputs(specs, attempt, _INPUT_SEED, ref.get_inputs),
-                        device)
+                    run(probe, make_inputs(specs, attempt, _INPUT_SEED, ref.get_inputs,
+                                           device=device), device)
                     del probe  # the model below is its copy: not three at once under the cap
                 plan = attempt
                 break
@@ -159,6 +161,8 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
              InputPlan("heavy", "heavy", size_map, lead_only=lead)]
     if has_nonneg_floats(own):  # a copy of a torch.rand input is no identity test
         plans.append(InputPlan("signed", "normal", size_map, signed=True, lead_only=lead))
+    n_inputs = len(own)
+    del own  # the sets below need its room (on a GPU, where it was drawn)
 
     with phase("build"):
         model = build_model(ref, scaled_init, _WEIGHT_SEED, device)
@@ -171,7 +175,7 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
         except Exception as e:
             return False, "not_checkable_here", f"no float64 copy of the module: {e}"
     with phase("inputs"):
-        sets = [make_inputs(specs, p, _INPUT_SEED + i, ref.get_inputs)
+        sets = [make_inputs(specs, p, _INPUT_SEED + i, ref.get_inputs, device=device)
                 for i, p in enumerate(plans)]
     expected, honest = [], []
     for i, inputs in enumerate(sets):
@@ -234,7 +238,7 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
             return None
         return [x.to(device=outs[0].device, dtype=outs[0].dtype)]
 
-    for k in range(len(own)):
+    for k in range(n_inputs):
         if passes_all(lambda i, k=k: identity(i, k)):
             return False, "identity", f"returning input {k} unchanged passes the check"
     if _same_shapes(honest) and passes_all(lambda i: honest[(i + 1) % len(sets)]):
