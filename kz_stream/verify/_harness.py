@@ -353,22 +353,28 @@ _HELD_OUTPUT_BYTES = 4 << 30
 _CLONE_MAX_BYTES = 1 << 30
 
 
+# This worker's share of its device (the allocator's cap, set by ``_worker`` from the same
+# variable), read once before any candidate code runs: a candidate may write os.environ.
+_MEMORY_FRACTION = float(os.environ.get("KZ_GPU_MEMORY_FRACTION", "0.45"))
+
+
 def _device_room() -> int:
-    """Bytes this worker may still allocate on its device: under its own cap (the
-    allocator's, ``KZ_GPU_MEMORY_FRACTION`` of the device) and what the device has free
-    (with this process's cached blocks). 0 when that cannot be read."""
+    """Bytes this worker may still allocate on its device: under its own cap and what the
+    device has free (with this process's cached blocks). 0 when that cannot be read."""
     try:
         free, total = torch.cuda.mem_get_info()
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        cap = float(os.environ.get("KZ_GPU_MEMORY_FRACTION", "1")) * total
-        return int(min(cap - allocated, free + reserved - allocated))
-    except Exception:  # no CUDA state to ask: copy to the host, which always works
+        return int(min(_MEMORY_FRACTION * total - allocated, free + reserved - allocated))
+    except Exception:  # no CUDA state to ask: the smaller plan, which always works
         return 0
 
 
 def _on_device(t: torch.Tensor, cuda: bool) -> bool:
-    """Whether the checks' copy of device tensor ``t`` stays on the device."""
-    return not cuda or t.nbytes <= _CLONE_MAX_BYTES or 3 * t.nbytes <= _device_room()
+    """Whether the checks' copy of ``t`` is a plain clone: always on the host (the CPU
+    path, or a host tensor a candidate returns), and on the device for a tensor up to
+    ``_CLONE_MAX_BYTES`` or where three times it fits in the room left."""
+    return (not cuda or t.device.type == "cpu" or t.nbytes <= _CLONE_MAX_BYTES
+            or 3 * t.nbytes <= _device_room())
 
 
 def _pristine(arg: Any, sent: Any, cuda: bool) -> Any:
@@ -380,21 +386,50 @@ def _pristine(arg: Any, sent: Any, cuda: bool) -> Any:
     return arg.clone()
 
 
+def block_sums(t: torch.Tensor) -> torch.Tensor:
+    """Exact sums (int64) of ``t``'s 32-bit words (bytes, where its size is no multiple of
+    four), per ``_EQUAL_BLOCK_BYTES`` block, on ``t``'s device: a reading pass at the
+    device's speed, like a clone, holding a few numbers."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    word = torch.int32 if flat.numel() % 4 == 0 else torch.uint8
+    words = flat.view(word)
+    step = _EQUAL_BLOCK_BYTES // words.element_size()
+    return torch.stack([words[i:i + step].sum(dtype=torch.int64)
+                        for i in range(0, words.numel(), step)] or
+                       [torch.zeros((), dtype=torch.int64, device=t.device)])
+
+
+class _Sums:
+    """An output's snapshot where the device has no room for its clone: its block sums.
+    A kernel still writing on another stream when they are taken changes them, unless
+    its late writes keep every block's sum, which needs the answer beforehand."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.sums = block_sums(t)
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return bool(torch.equal(self.sums, block_sums(t)))
+
+
 def _snapshot(out: Any, cuda: bool) -> Any:
-    """A copy of ``out`` as it is now on the calling stream: on the device, or on the host
-    where the device has no room for it (a device clone of a 6 GiB ReLU's output, beside
-    the held one, ran an honest worker out of its allowance on an H100, 2026-12-05)."""
+    """What ``out`` is as soon as the call returns, taken on the calling stream: a clone,
+    or its block sums where the device has no room for the clone (a device clone of a 6
+    GiB ReLU's output ran an honest worker out of its allowance on an H100, 2026-12-05; a
+    copy to the host, at PCIe speed, could be outrun by a kernel still writing)."""
     if not isinstance(out, torch.Tensor):
         return out
     if not _on_device(out, cuda):
-        return out.detach().to("cpu")
+        return _Sums(out)
     return out.clone()
 
 
-def _on_host(snap: Any, out: Any) -> bool:
-    """Whether ``snap`` is ``out``'s host snapshot (``_snapshot``), not a device clone."""
-    return (isinstance(out, torch.Tensor) and isinstance(snap, torch.Tensor)
-            and out.device.type != "cpu" and snap.device.type == "cpu")
+def _still_changing(out: Any, snap: Any) -> bool:
+    """Whether output ``out``, synchronised, differs from its snapshot ``snap``."""
+    if not isinstance(out, torch.Tensor):
+        return False
+    if isinstance(snap, _Sums):
+        return not snap.matches(out)
+    return not bits_equal(out, snap)
 
 
 def _run(state: State, msg: RunRequest) -> RunReply:
@@ -420,13 +455,10 @@ def _run(state: State, msg: RunRequest) -> RunReply:
             out = _call(state, args, key)
         flat = flatten(out)
         # Snapshot right away on the calling stream: differs from the synchronised output
-        # if the candidate left work running elsewhere. A big one goes to the host (the
-        # copy there is ordered on the same stream), where the output has to go anyway.
+        # if the candidate left work running elsewhere.
         snap = [_snapshot(o, state.cuda) for o in flat]
         _sync(state)
-        late = [isinstance(o, torch.Tensor) and not bits_equal(o, s)
-                for o, s in zip(flat, snap, strict=True)]
-        if any(late):
+        if any(_still_changing(o, s) for o, s in zip(flat, snap, strict=True)):
             flags.append("unsynchronized_output")
         for a, c in zip(args, clones, strict=True):
             if isinstance(a, torch.Tensor) and not bits_equal(a, c):
@@ -446,9 +478,7 @@ def _run(state: State, msg: RunRequest) -> RunReply:
             if size and state.held_bytes + size <= _HELD_OUTPUT_BYTES:
                 state.held.append(o)
                 state.held_bytes += size
-        outs.append([s if _on_host(s, o) and not bad else
-                     o.detach().to("cpu") if isinstance(o, torch.Tensor) else o
-                     for o, s, bad in zip(flat, snap, late, strict=True)])
+        outs.append([o.detach().to("cpu") if isinstance(o, torch.Tensor) else o for o in flat])
         # Freed before the next repetition allocates its own: on the H200 a 6.4 GB GELU's
         # copies of two repetitions at once ran the worker out of its 56 GB.
         del args, clones, out, flat, snap

@@ -87,15 +87,16 @@ def held_after_preparation(p: Prepared, share_min_bytes: int | None, candidates:
     """Host bytes a prepared problem holds while its candidates run: its sets (the
     verifier's copy: the oracle's went with its reply) and, for each of ``candidates`` in
     their GPU stage at once, the inputs a worker is sent as bytes (those below the share
-    threshold: the others it maps) and the outputs of a run's two repetitions it sends
-    back. Far below the preparation's peak for a reduction over 8 GiB."""
+    threshold: the others it maps) and four outputs' worth of what it sends back (a run's
+    two repetitions; an ablation's, one per kernel; kept timed outputs). An estimate, as
+    the peak's is: far below that peak for a reduction over 8 GiB."""
     def nbytes(values: list[Any], small_only: bool) -> int:
         return sum(v.nbytes for v in values if isinstance(v, torch.Tensor) and not (
             small_only and share_min_bytes is not None and v.nbytes >= share_min_bytes))
 
     sent = max((nbytes(s["inputs"], True) for s in p.sets), default=0)
     back = max((nbytes(s["honest"], False) for s in p.sets), default=0)
-    return p.host_bytes + candidates * (sent + 2 * back)
+    return p.host_bytes + candidates * (sent + 4 * back)
 
 
 def preparation_failure(message: str) -> tuple[Status, str, str]:
@@ -472,11 +473,13 @@ class Verifier:
             # Gigabytes copied at KernelBench's sizes: off the event loop.
             await asyncio.to_thread(prepared.share_inputs, self.config.input_share_min_bytes)
         self._prepared[key] = prepared
-        while len(self._prepared) > 1 and (
-                len(self._prepared) > self.config.problem_cache
-                or sum(p.host_bytes for p in self._prepared.values())
-                > self._problem_cache_bytes):
-            self._prepared.popitem(last=False)
+        # Least recently used first, never one being verified: its next candidate would
+        # prepare it again beside the copy its workers hold, past what it reserved.
+        idle = [k for k in self._prepared if k != key and k not in self._problems_in_use]
+        while idle and (len(self._prepared) > self.config.problem_cache
+                        or sum(p.host_bytes for p in self._prepared.values())
+                        > self._problem_cache_bytes):
+            del self._prepared[idle.pop(0)]
         return prepared
 
     @contextlib.asynccontextmanager

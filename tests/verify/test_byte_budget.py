@@ -120,7 +120,7 @@ def test_a_prepared_reduction_holds_its_sets_and_what_its_candidates_exchange() 
     tiny = {"inputs": [small], "honest": [torch.empty(10, dtype=torch.uint8)]}
     p = types.SimpleNamespace(sets=[own, tiny], host_bytes=2 * gib + 5000)
     # The 2 GiB input is mapped by the workers (shared), the rest is sent to each of 3.
-    assert held_after_preparation(p, 16 << 20, 3) == 2 * gib + 5000 + 3 * (1000 + 2 * 4096)
+    assert held_after_preparation(p, 16 << 20, 3) == 2 * gib + 5000 + 3 * (1000 + 4 * 4096)
     # With sharing off, every input goes to every candidate as bytes.
     assert held_after_preparation(p, None, 3) == 2 * gib + 5000 + 3 * (2 * gib + 1000
-                                                                       + 2 * 4096)
+                                                                       + 4 * 4096)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kz_stream.verify import VerifierConfig, _harness, _timing
-from kz_stream.verify._harness import _on_host, _pristine, _snapshot, bits_equal
+from kz_stream.verify._harness import _pristine, _snapshot, _still_changing, bits_equal
 from kz_stream.verify._pool import Lane
 
 
@@ -32,16 +32,52 @@ def test_bits_equal_compares_block_by_block(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_a_big_device_input_is_checked_against_its_host_copy(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_harness, "_CLONE_MAX_BYTES", 100)
-    sent = torch.ones(64)  # 256 bytes
+    sent = torch.ones(64)
     arg = sent.clone()  # stands in for its copy on the device
+    monkeypatch.setattr(_harness, "_on_device", lambda t, cuda: False)
     assert _pristine(arg, sent, cuda=True) is sent
-    small = torch.ones(8)
-    kept = _pristine(small, small, cuda=True)
-    assert kept is not small and torch.equal(kept, small)
-    # On the CPU path the argument may be the host tensor itself: always a clone.
-    assert _pristine(sent, sent, cuda=False) is not sent
+    monkeypatch.setattr(_harness, "_on_device", lambda t, cuda: True)
+    kept = _pristine(arg, sent, cuda=True)
+    assert kept is not arg and torch.equal(kept, arg)
     assert _pristine(3, 3, cuda=True) == 3
+
+
+def test_the_checks_copy_on_the_device_where_three_times_the_tensor_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_harness, "_CLONE_MAX_BYTES", 100)
+    device_side = torch.empty(64, device="meta")  # 256 bytes off the host
+    monkeypatch.setattr(_harness, "_device_room", lambda: 3 * 256)
+    assert _harness._on_device(device_side, cuda=True)
+    monkeypatch.setattr(_harness, "_device_room", lambda: 3 * 256 - 1)
+    assert not _harness._on_device(device_side, cuda=True)
+    assert _harness._on_device(torch.empty(8, device="meta"), cuda=True)  # small
+    # The CPU path, and a host tensor a candidate returns on a GPU: a plain clone.
+    assert _harness._on_device(device_side, cuda=False)
+    assert _harness._on_device(torch.ones(64), cuda=True)
+
+
+def test_an_output_with_no_room_for_its_clone_is_snapshot_as_block_sums(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_harness, "_EQUAL_BLOCK_BYTES", 64)
+    monkeypatch.setattr(_harness, "_on_device", lambda t, cuda: False)
+    out = torch.arange(100, dtype=torch.float32)  # 400 bytes: 7 blocks
+    snap = _snapshot(out, cuda=True)
+    assert isinstance(snap, _harness._Sums) and snap.sums.numel() == 7
+    assert not _still_changing(out, snap)
+    out[95] = -1.0  # a late write in the last block
+    assert _still_changing(out, snap)
+    odd = torch.ones(5, dtype=torch.bool)  # no multiple of 4 bytes: summed by bytes
+    assert not _still_changing(odd, _snapshot(odd, cuda=True))
+    assert not _still_changing(torch.tensor(2.5), _snapshot(torch.tensor(2.5), cuda=True))
+    assert _snapshot(None, cuda=True) is None and not _still_changing(None, None)
+
+
+def test_an_output_with_room_is_snapshot_as_a_clone() -> None:
+    out = torch.ones(8)
+    snap = _snapshot(out, cuda=False)
+    assert snap is not out and not _still_changing(out, snap)
+    out[0] = 2.0
+    assert _still_changing(out, snap)
 
 
 async def test_whole_takes_every_slot_and_two_takers_do_not_deadlock() -> None:
@@ -91,16 +127,6 @@ async def test_a_taker_cancelled_while_waiting_gives_back_what_it_took() -> None
         lane.close()
 
 
-def test_a_big_output_is_snapshot_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_harness, "_CLONE_MAX_BYTES", 100)
-    small, big = torch.ones(8), torch.ones(64)
-    assert _snapshot(small, cuda=True) is not small
-    assert _snapshot(big, cuda=True).device.type == "cpu"
-    assert _snapshot(big, cuda=False) is not big  # the CPU path: a clone
-    assert _snapshot(None, cuda=True) is None
-    assert not _on_host(_snapshot(big, cuda=False), big)  # not a device output
-
-
 class _HostEvent:
     """A CUDA event's timing on the host, to run ``timed_calls``' bookkeeping here."""
 
@@ -132,17 +158,6 @@ def test_timing_holds_no_output_past_its_rotation_budget_and_stashes_kept_ones(
                                         stash=lambda out: ["stashed", out.sum().item()])
     assert len(samples.event_ms) == 4
     assert kept == {1: ["stashed", 0.0]}
-
-
-def test_a_big_tensor_is_copied_on_the_device_where_three_times_it_fits(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_harness, "_CLONE_MAX_BYTES", 100)
-    sent = torch.ones(64)  # 256 bytes
-    monkeypatch.setattr(_harness, "_device_room", lambda: 3 * 256)
-    assert _pristine(sent.clone(), sent, cuda=True) is not sent
-    assert _snapshot(sent, cuda=True) is not sent
-    monkeypatch.setattr(_harness, "_device_room", lambda: 3 * 256 - 1)
-    assert _pristine(sent.clone(), sent, cuda=True) is sent
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
