@@ -128,8 +128,9 @@ _MOMENT_BLOCK = 1 << 26
 
 def _moments(v: torch.Tensor) -> tuple[float, float, bool]:
     """Mean, standard deviation (Bessel-corrected) and whether no value is negative (a
-    NaN counts as negative), in float64 on ``v``'s device, a block at a time: the float64 copy on the host
-    took about 15 s of an 8 GiB input's preparation on the H100 host (2026-12-05)."""
+    NaN counts as negative), in float64 on ``v``'s device, a block at a time: the float64
+    copy on the host took about 15 s of an 8 GiB input's preparation on the H100 host
+    (2026-12-05)."""
     flat = v.detach().reshape(-1)
     n = flat.numel()
     blocks = range(0, n, _MOMENT_BLOCK)
