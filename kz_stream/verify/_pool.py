@@ -175,19 +175,25 @@ class Lane:
 
     @contextlib.asynccontextmanager
     async def whole(self) -> AsyncIterator[None]:
-        """Every candidate slot of the device, so that no other candidate runs beside the
-        holder. Slots are taken one by one as they free up, under a lock: two takers never
-        each hold a part and wait for the rest."""
-        taken = 0
+        """Every candidate slot and oracle slot of the device, so that no other candidate
+        runs and no problem is prepared beside the holder. Slots are taken one by one as
+        they free up, under a lock: two takers never each hold a part and wait for the
+        rest."""
+        taken = oracles = 0
         try:
             async with self._whole:
                 while taken < self.config.candidates_per_gpu:
                     await self.slots.acquire()
                     taken += 1
+                while oracles < self.config.oracles:
+                    await self.oracle_slots.acquire()
+                    oracles += 1
             yield
         finally:
             for _ in range(taken):
                 self.slots.release()
+            for _ in range(oracles):
+                self.oracle_slots.release()
 
     def _env(self, fraction: float) -> dict[str, str]:
         env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),

@@ -89,17 +89,21 @@ async def test_whole_takes_every_slot_and_two_takers_do_not_deadlock() -> None:
         async def take(name: str) -> None:
             async with lane.whole():
                 order.append(f"{name} in")
-                assert lane.slots.locked()
+                assert lane.slots.locked() and lane.oracle_slots.locked()
                 await asyncio.sleep(0.01)
                 order.append(f"{name} out")
 
+        await lane.oracle_slots.acquire()  # a problem being prepared
         takers = [asyncio.create_task(take("a")), asyncio.create_task(take("b"))]
         await asyncio.sleep(0.05)
         assert order == []  # both wait for the candidate's slot
         lane.slots.release()
+        await asyncio.sleep(0.05)
+        assert order == []  # and for the preparation
+        lane.oracle_slots.release()
         await asyncio.wait_for(asyncio.gather(*takers), 5)
         assert order == ["a in", "a out", "b in", "b out"]
-        assert not lane.slots.locked()
+        assert not lane.slots.locked() and not lane.oracle_slots.locked()
         async with lane.slots, lane.slots:  # every slot is back
             pass
     finally:
