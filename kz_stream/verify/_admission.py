@@ -120,8 +120,8 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
         with phase("load"):  # the module, its own inputs
             ref = load_reference(source, os.getcwd())
             init = list(ref.get_init_inputs())
-            # On a GPU drawn there (``own_inputs``): a KernelBench generator's 6.4 GB of
-            # ``torch.rand`` took 15-25 s on the H100 host's CPU.
+            # On a GPU drawn there (``own_inputs``): a KernelBench generator's 8 GiB of
+            # ``torch.rand`` took 16-19 s on the H100 host's CPU (in the oracle).
             own = own_inputs(ref.get_inputs, _INPUT_SEED, device)
     except InterfaceError as e:
         return False, "interface", str(e)

@@ -316,6 +316,12 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 _EQUAL_BLOCK_BYTES = 256 << 20
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, flat. reshape(-1) first: a 0-dim tensor (a loss) cannot be viewed as
+    bytes of another size."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN payloads included) of two tensors of one dtype and shape,
     in blocks; ``b`` may be on another device (each block is moved to ``a``'s)."""
@@ -323,9 +329,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    # reshape(-1) first: a 0-dim tensor (a loss) cannot be viewed as bytes of another size.
-    x = a.contiguous().reshape(-1).view(torch.uint8)
-    y = b.contiguous().reshape(-1).view(torch.uint8)
+    x, y = _bytes(a), _bytes(b)
     for i in range(0, x.numel(), _EQUAL_BLOCK_BYTES):
         j = i + _EQUAL_BLOCK_BYTES
         if not torch.equal(x[i:j], y[i:j].to(x.device)):
@@ -390,7 +394,7 @@ def block_sums(t: torch.Tensor) -> torch.Tensor:
     """Exact sums (int64) of ``t``'s 32-bit words (bytes, where its size is no multiple of
     four), per ``_EQUAL_BLOCK_BYTES`` block, on ``t``'s device: a reading pass at the
     device's speed, like a clone, holding a few numbers."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = _bytes(t)
     word = torch.int32 if flat.numel() % 4 == 0 else torch.uint8
     words = flat.view(word)
     step = _EQUAL_BLOCK_BYTES // words.element_size()

@@ -213,10 +213,11 @@ def own_inputs(get_inputs: Callable[[], Sequence[Any]], seed: int,
     """The module's own ``get_inputs()`` under ``seed``, its tensors on ``device``.
 
     Off the CPU it runs with ``device`` as torch's default device, so the module's
-    ``torch.rand`` draws there: KernelBench's generators draw on the host, 16-25 s for an
+    ``torch.rand`` draws there: KernelBench's generators draw on the host, 16-19 s for an
     8 GiB input on the H100 host (2026-12-05), twice per problem. A generator that fails
     so is run again on the host, under the same seed.
     """
+    values: list[Any] | None = None
     if torch.device(device).type != "cpu":
         torch.manual_seed(seed)
         try:
@@ -224,12 +225,10 @@ def own_inputs(get_inputs: Callable[[], Sequence[Any]], seed: int,
                 values = list(get_inputs())
         except Exception:
             values = None
-        if values is not None:
-            return [v.contiguous().to(device) if isinstance(v, torch.Tensor) else v
-                    for v in values]
-    torch.manual_seed(seed)
-    return [v.contiguous().to(device) if isinstance(v, torch.Tensor) else v
-            for v in get_inputs()]
+    if values is None:
+        torch.manual_seed(seed)
+        values = list(get_inputs())
+    return [v.contiguous().to(device) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 def make_inputs(

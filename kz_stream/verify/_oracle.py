@@ -96,10 +96,12 @@ class Oracle:
         plan_notes: list[str] = []
         dropped: list[dict[str, str]] = []
         plans = default_plans(own, small_only=bool(msg.get("small_only")))
-        # The sets need its room on the device; later plans want its shapes alone, and the
-        # op log draws it again.
-        own = [torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
-               for v in own]
+        on_device = self.device != "cpu"
+        if on_device:
+            # The sets need its room there; later plans want its shapes alone, and the op
+            # log draws it again (milliseconds on a device; on the host it is kept).
+            own = [torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+                   for v in own]
         with_weights: set[str] = set()
         full_bytes = full_sets = 0
         for i, plan in enumerate(plans):
@@ -140,7 +142,7 @@ class Oracle:
         if not sets:
             raise RuntimeError("no input set could be evaluated: " + "; ".join(notes))
         # Ops the reference runs (for the candidate's fallback check) and its cost.
-        own_args = own_inputs(ref.get_inputs, seed, self.device)
+        own_args = own_inputs(ref.get_inputs, seed, self.device) if on_device else own
         oplog = OpLog()
         from torch.utils.flop_counter import FlopCounterMode
 

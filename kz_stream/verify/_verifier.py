@@ -26,8 +26,6 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-import torch
-
 from kz_stream.verify import _astscan as astscan
 from kz_stream.verify import _lifeline as lifeline
 from kz_stream.verify._build import Builder, BuildResult
@@ -42,7 +40,7 @@ from kz_stream.verify._checks import (
 from kz_stream.verify._config import VerifierConfig
 from kz_stream.verify._extract import InlineCall, extract_inline_calls
 from kz_stream.verify._hardware import manifest
-from kz_stream.verify._inputs import at_own_shapes
+from kz_stream.verify._inputs import at_own_shapes, nbytes
 from kz_stream.verify._ipc import ChildDied, ChildTimeout, reap_left_behind, tail
 from kz_stream.verify._messages import PrepareRequest
 from kz_stream.verify._pool import ByteBudget, Lane, host_memory_bytes
@@ -90,12 +88,12 @@ def held_after_preparation(p: Prepared, share_min_bytes: int | None, candidates:
     threshold: the others it maps) and four outputs' worth of what it sends back (a run's
     two repetitions; an ablation's, one per kernel; kept timed outputs). An estimate, as
     the peak's is: far below that peak for a reduction over 8 GiB."""
-    def nbytes(values: list[Any], small_only: bool) -> int:
-        return sum(v.nbytes for v in values if isinstance(v, torch.Tensor) and not (
-            small_only and share_min_bytes is not None and v.nbytes >= share_min_bytes))
+    def unshared(values: list[Any]) -> list[Any]:
+        return [v for v in values if share_min_bytes is None
+                or getattr(v, "nbytes", 0) < share_min_bytes]
 
-    sent = max((nbytes(s["inputs"], True) for s in p.sets), default=0)
-    back = max((nbytes(s["honest"], False) for s in p.sets), default=0)
+    sent = max((nbytes(unshared(s["inputs"])) for s in p.sets), default=0)
+    back = max((nbytes(s["honest"]) for s in p.sets), default=0)
     return p.host_bytes + candidates * (sent + 4 * back)
 
 
@@ -496,9 +494,9 @@ class Verifier:
         try:
             async with entry.admitting:
                 if entry.nbytes is None:
-                    nbytes = await self._preparation_bytes(problem)
-                    await self._host.acquire(nbytes)
-                    entry.nbytes = nbytes
+                    peak = await self._preparation_bytes(problem)
+                    await self._host.acquire(peak)
+                    entry.nbytes = peak
             yield
         finally:
             entry.users -= 1
@@ -512,8 +510,8 @@ class Verifier:
         """Gives back what the preparation's peak reserved beyond what ``p`` holds from now
         on (``held_after_preparation``), so that the next problem is prepared while this
         one's candidates run: on an H100 (2026-12-05) each 8 GiB reduction reserved 40 GiB
-        of a 50 GiB budget until its last candidate ended, and the mix ran one problem
-        at a time."""
+        (``preparation_bytes``' estimate) of a 50 GiB budget until its last candidate
+        ended, and the mix prepared each problem after the last one's candidates."""
         entry = self._problems_in_use.get(key)
         if entry is None or entry.nbytes is None:
             return
