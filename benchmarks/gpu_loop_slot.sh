@@ -12,7 +12,10 @@
 # its host and back), instead of the stores already in the run folders. Environment:
 # RUN_DIR and CONTROL_DIR (default /tmp/kz-run, /tmp/kz-control), ONLY_RUN=1 (the
 # treatment alone), STEPS_PER_TURN (each role's steps before the other's turn, default 1),
-# GUARD (seconds past T before the run is interrupted, default 170), and
+# GUARD (seconds past T before the run is interrupted, default 170), MAX_NEW_TOKENS (the
+# Coder's cap, default 1280: the warm Coder's matmul answers take up to 1,182 tokens; the
+# runs of 2026-12-01 to -05 used 1024, which cuts about one in five of them; keep one
+# value within a run), and
 # any KZ_* setting. The checkpoints stay in each folder's .kz/policies: carry them too
 # when the next slot runs on another host (the learner refuses to start without its last
 # published version). PACK=DIR writes each run's newest checkpoint of each role (what a
@@ -57,7 +60,7 @@ for i in "${!dirs[@]}"; do
     cd "${dirs[$i]}" || exit 1
     env "${lr[@]+"${lr[@]}"}" timeout -s INT -k 40 $((T + ${GUARD:-170})) \
       python3 -m kz_stream.cli run --device cuda --rounds 200 --steps-per-turn "${STEPS_PER_TURN:-1}" \
-      --group-size 4 --groups-per-step 4 --max-new-tokens 1024 --time-limit "$T" \
+      --group-size 4 --groups-per-step 4 --max-new-tokens "${MAX_NEW_TOKENS:-1280}" --time-limit "$T" \
       > "$log" 2>&1
     echo "exit $? after $(($(date +%s) - start)) s" >> "$log"
   ) &

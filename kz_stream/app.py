@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from kz_stream.config import Settings, validated_copy
+from kz_stream.config import CODER_MAX_TOKENS, Settings, validated_copy
 from kz_stream.database_url import ensure_sqlite_dir
 from kz_stream.events import WorkRedelivered, new_event
 from kz_stream.logging import configure_logging, get_logger
@@ -244,8 +244,9 @@ class RunOptions:
     set):
 
     - The size below (``kz run``'s own options) replaces the settings' values: proposals
-      per prompt, group size, groups per step, steps per turn, rounds, order, and both
-      generators' ``max_tokens`` (and ``temperature`` and ``device`` when given).
+      per prompt, group size, groups per step, steps per turn, rounds, order, each
+      generator's ``max_tokens``, and both generators' ``temperature`` and ``device`` when
+      given.
     - The learner needs values of its own for a short CPU run (``learner_defaults``:
       learning rate 1e-4 and LoRA rank 8, so one step moves the policy; one completion per
       micro-batch with gradient checkpointing, so a step fits in memory). Each is used
@@ -261,7 +262,16 @@ class RunOptions:
     group_size: int = 2
     groups_per_step: int = 2
     proposals_per_prompt: int = 2
-    max_new_tokens: int = 640  # most warm-Coder kernels fit (p50 504 tokens); CPU time
+    # The Coder's completion cap (the settings' default). The warm Coder learned the
+    # teacher's answers: for 400 synthesized modules (seed 0) those take 273-556 tokens
+    # without a matmul and 658-1,182 with one (median 914), so this run's earlier cap of
+    # 640 cut every matmul answer (42% of the modules) into a syntax error, and 1,024 cut
+    # 31 of 400.
+    max_new_tokens: int = CODER_MAX_TOKENS
+    # The Proposer's: its answers are modules, at most 274 tokens (median 184) for 400
+    # synthesized sets; a row
+    # that degenerates into repetition runs to the cap, and its call waits for it.
+    proposer_max_new_tokens: int = 640
     # Both generators' (and so the learner's) sampling temperature; None: the settings'.
     temperature: float | None = None
     # Where both generators' models run (cpu, cuda, cuda:1); None: the settings'. The
@@ -329,7 +339,7 @@ class RunOptions:
         """The settings of a one-process run of this size (the verifier on the CPU path
         unless a GPU is visible); see the class docstring for what changes."""
         s = settings
-        llm: dict[str, Any] = {"max_tokens": self.max_new_tokens}
+        llm: dict[str, Any] = {}
         if self.temperature is not None:
             llm["temperature"] = self.temperature
         if self.device is not None:
@@ -347,12 +357,14 @@ class RunOptions:
                 "proposer": validated_copy(
                     s.proposer, proposals_per_prompt=self.proposals_per_prompt,
                     llm=validated_copy(s.proposer.llm, **llm,
+                                       max_tokens=self.proposer_max_new_tokens,
                                        **fill(s.proposer.llm, "proposer.llm")),
                     **fill(s.proposer, "proposer"),
                 ),
                 "coder": validated_copy(
                     s.coder, group_size=self.group_size,
-                    llm=validated_copy(s.coder.llm, **llm, **fill(s.coder.llm, "coder.llm")),
+                    llm=validated_copy(s.coder.llm, **llm, max_tokens=self.max_new_tokens,
+                                       **fill(s.coder.llm, "coder.llm")),
                     **fill(s.coder, "coder"),
                 ),
                 "learner": validated_copy(

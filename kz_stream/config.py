@@ -201,10 +201,15 @@ class ProposerSettings(_Section):
     )
 
 
+# The Coder's completion cap: the warm Coder learned the teacher's answers, which take up
+# to 1,182 tokens for a synthesized module with a matmul (tests/warmstart/test_teacher.py).
+CODER_MAX_TOKENS = 1280
+
+
 class CoderSettings(_Section):
     """``[coder]``: what ``kz_stream.producers.coder.CoderService`` takes as it is."""
 
-    llm: LLMConfig = Field(default_factory=LLMConfig)
+    llm: LLMConfig = Field(default_factory=lambda: LLMConfig(max_tokens=CODER_MAX_TOKENS))
     group_size: int = Field(default=4, ge=1)
     backends: tuple[Backend, ...] = ("triton",)
     max_staleness: int = Field(default=1, ge=0)

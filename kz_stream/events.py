@@ -143,6 +143,11 @@ class KernelGenerated(Payload):
     module_sha256: str = ""  # "" in kernels generated before v3
     generation_s: float | None = Field(default=None, ge=0)  # None before v4
 
+    @property
+    def cut_at_token_limit(self) -> bool:
+        """Whether the completion stopped at its token limit, not at its end."""
+        return self.completion is not None and self.completion.finish_reason == "length"
+
 
 class KernelVerified(Payload):
     """A verdict on a kernel. Past the kernel's ids, the fields are those of the verify
@@ -170,14 +175,22 @@ class KernelVerified(Payload):
 
     @classmethod
     def from_verdict(cls, verdict: Verdict, kernel: KernelGenerated) -> KernelVerified:
-        """The payload of ``verdict`` on ``kernel``: the one verdict-to-event conversion."""
+        """The payload of ``verdict`` on ``kernel``: the one verdict-to-event conversion.
+        A failed kernel whose completion stopped at its token limit says so in its reason
+        (a cut answer reads as a syntax error otherwise)."""
+        fields = verdict.to_dict()
+        if kernel.cut_at_token_limit and not verdict.correct:
+            cap = kernel.sampling.get("max_tokens")
+            limit = f"its limit of {cap} tokens" if cap else "its token limit"
+            fields["reason"] = (f"{fields.get('reason') or verdict.status.value} (the "
+                                f"completion stopped at {limit})")
         return cls.model_validate(
             {
                 "kernel_id": kernel.kernel_id,
                 "module_id": kernel.module_id,
                 "group_id": kernel.group_id,
                 "policy_version": kernel.policy_version,
-                **verdict.to_dict(),
+                **fields,
             }
         )
 

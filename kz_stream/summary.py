@@ -111,6 +111,7 @@ class RunSummary:
     kernels: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)  # newest verdict per kernel
     unverified: int = 0
+    cut: int = 0  # kernels whose completion stopped at the token limit
     coder: RoleSummary = field(default_factory=lambda: RoleSummary("coder"))
     proposer: RoleSummary = field(default_factory=lambda: RoleSummary("proposer"))
     audit_kernel: str | None = None  # a kernel stream worth a look (``kz audit``)
@@ -185,6 +186,7 @@ def summarize_run(
         kernels=len(state.kernels),
         verdicts=verdicts,
         unverified=len(state.kernels) - len(statuses),
+        cut=sum(k.generated.cut_at_token_limit for k in state.kernels.values()),
         coder=_role(state, "coder", steps["coder"], published["coder"], cfg, packaged_uris),
         proposer=_role(
             state, "proposer", steps["proposer"], published["proposer"], cfg, packaged_uris
@@ -374,6 +376,8 @@ def render_summary(summary: RunSummary, commands: Sequence[tuple[str, str]] = ()
     counts = ", ".join(f"{k} {v}" for k, v in s.verdicts.items()) or "no verdicts"
     if s.unverified:
         counts += f", unverified {s.unverified}"
+    if s.cut:
+        counts += (f"; {s.cut} cut at the token limit (raise --max-new-tokens)")
     row("kernels", f"{s.kernels} generated: {counts}")
     c, p = s.coder, s.proposer
     seeds = f"; {s.seed_modules} seed module{'s' if s.seed_modules != 1 else ''}"

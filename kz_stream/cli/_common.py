@@ -33,11 +33,11 @@ def _option(loc: tuple[int | str, ...]) -> str:
     return _OPTION_OF_FIELD.get(field, "--" + field.replace("_", "-"))
 
 
-def _bad_option(e: ValidationError) -> ConfigError:
-    """The first invalid setting, named as its command-line option."""
-    return ConfigError(
-        describe_validation_error(e, lambda _loc: "command line", key=_option)
-    )
+def _bad_option(e: ValidationError, option: str | None = None) -> ConfigError:
+    """The first invalid setting, named as its command-line option (``option``, where the
+    field's name alone does not tell which option set it)."""
+    return ConfigError(describe_validation_error(
+        e, lambda _loc: "command line", key=_option if option is None else lambda _loc: option))
 
 
 def _settings(config: Path | None, *, quiet: bool = False) -> Settings:

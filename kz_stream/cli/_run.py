@@ -96,7 +96,16 @@ def run_loop(
     steps_per_turn: Annotated[int, typer.Option(help="Training steps per role per round.")] = 1,
     group_size: Annotated[int, typer.Option(help="Kernels sampled per module (G).")] = 2,
     groups_per_step: Annotated[int, typer.Option(help="Complete groups per training step.")] = 2,
-    max_new_tokens: Annotated[int, typer.Option(help="Completion length cap.")] = 640,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(help="The Coder's completion length cap (its kernels), in tokens; "
+                          "default 1280, which the warm Coder's longest answers fit."),
+    ] = None,
+    proposer_max_new_tokens: Annotated[
+        int | None,
+        typer.Option(help="The Proposer's completion length cap (its modules), in tokens; "
+                          "default 640."),
+    ] = None,
     temperature: Annotated[
         float | None,
         typer.Option(help="Sampling temperature of both generators (and so of the learner's "
@@ -119,11 +128,18 @@ def run_loop(
         steps_per_turn=steps_per_turn,
         group_size=group_size,
         groups_per_step=groups_per_step,
-        max_new_tokens=max_new_tokens,
         temperature=temperature,
         device=device,
         time_limit_s=time_limit,
     )
+    if max_new_tokens is not None:
+        options = replace(options, max_new_tokens=max_new_tokens)
+    if proposer_max_new_tokens is not None:
+        options = replace(options, proposer_max_new_tokens=proposer_max_new_tokens)
+    try:  # both generators' caps are ``max_tokens``: the Proposer's is named here
+        validated_copy(settings.proposer.llm, max_tokens=options.proposer_max_new_tokens)
+    except ValidationError as e:
+        raise _bad_option(e, "--proposer-max-new-tokens") from None
     try:
         options.apply(settings)  # refused here, before anything starts, if impossible
     except ValidationError as e:
@@ -192,7 +208,9 @@ def _rerun_command(options: RunOptions, config: Path | None) -> str:
     parts = ["kz run"] + ([f"--config {config}"] if config else [])
     for name, flag in (("rounds", "--rounds"), ("steps_per_turn", "--steps-per-turn"),
                        ("group_size", "--group-size"), ("groups_per_step", "--groups-per-step"),
-                       ("max_new_tokens", "--max-new-tokens"), ("temperature", "--temperature"),
+                       ("max_new_tokens", "--max-new-tokens"),
+                       ("proposer_max_new_tokens", "--proposer-max-new-tokens"),
+                       ("temperature", "--temperature"),
                        ("device", "--device"), ("time_limit_s", "--time-limit")):
         value = getattr(options, name)
         if value != getattr(default, name):

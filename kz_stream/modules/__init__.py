@@ -24,7 +24,7 @@ from kz_stream.modules._catalog import (
     mine_files,
     package_files,
 )
-from kz_stream.modules._extraction import extract_code, normalized_hash
+from kz_stream.modules._extraction import extract_code, fence_code, normalized_hash
 from kz_stream.modules._fingerprint import InputSpec, ModuleFingerprint
 from kz_stream.modules._prompts import (
     CODER_EXAMPLE_MODULE,
@@ -60,6 +60,7 @@ __all__ = [
     "coder_messages",
     "default_catalog",
     "extract_code",
+    "fence_code",
     "find_api_calls",
     "fingerprint_modules",
     "is_neutral",

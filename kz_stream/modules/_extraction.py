@@ -1,4 +1,5 @@
-"""Pulling the code out of an LLM reply, and a normalized hash of a module for dedup."""
+"""An LLM reply's code: written into the reply's form, pulled out of a reply; and a
+normalized hash of a module for dedup."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import ast
 import hashlib
 import re
 
-__all__ = ["extract_code", "normalized_hash"]
+__all__ = ["extract_code", "fence_code", "normalized_hash"]
 
 # An opening fence with an optional language tag, then the body up to a closing fence or
 # the end of the text (replies cut by max_tokens often lack the closing fence).
@@ -18,6 +19,11 @@ _FENCE = re.compile(
 _CODE_LANGS = {"", "python", "py", "python3", "py3"}
 _CODE_START = re.compile(r"^(import |from |class |def |@|#|[A-Za-z_]\w* *=)")
 _THINK = re.compile(r"<think>.*?(</think>|\Z)", re.DOTALL)
+
+
+def fence_code(code: str) -> str:
+    """``code`` as an answer is written (a ```python fence), what ``extract_code`` reads."""
+    return f"```python\n{code.rstrip()}\n```"
 
 
 def _parses(code: str) -> bool:

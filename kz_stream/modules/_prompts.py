@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 
 from kz_stream.llm import ChatMessage
+from kz_stream.modules._extraction import fence_code
 from kz_stream.verify import Backend
 
 __all__ = [
@@ -255,17 +256,13 @@ class ModelNew(nn.Module):
 CODER_EXAMPLES: dict[Backend, str] = {"cuda": _CODER_EXAMPLE_CUDA, "triton": _CODER_EXAMPLE_TRITON}
 
 
-def _fence(code: str) -> str:
-    return f"```python\n{code.rstrip()}\n```"
-
-
 def proposer_messages(api_set: Sequence[str], *, few_shot: bool = True) -> list[ChatMessage]:
     """The Proposer's chat: system rules, worked examples, then the requested API set."""
     messages: list[ChatMessage] = [{"role": "system", "content": PROPOSER_SYSTEM}]
     if few_shot:
         for apis, module in PROPOSER_EXAMPLES:
             messages.append({"role": "user", "content": PROPOSER_USER.format(apis=", ".join(apis))})
-            messages.append({"role": "assistant", "content": _fence(module)})
+            messages.append({"role": "assistant", "content": fence_code(module)})
     messages.append({"role": "user", "content": PROPOSER_USER.format(apis=", ".join(api_set))})
     return messages
 
@@ -288,7 +285,7 @@ def coder_messages(
                 "content": CODER_USER.format(module=CODER_EXAMPLE_MODULE, backend=label),
             }
         )
-        messages.append({"role": "assistant", "content": _fence(CODER_EXAMPLES[backend])})
+        messages.append({"role": "assistant", "content": fence_code(CODER_EXAMPLES[backend])})
     module = module_source if module_source.endswith("\n") else module_source + "\n"
     messages.append({"role": "user", "content": CODER_USER.format(module=module, backend=label)})
     return messages

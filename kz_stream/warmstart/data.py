@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kz_stream.modules import proposer_messages, validate_module
+from kz_stream.modules import fence_code, proposer_messages, validate_module
 from kz_stream.warmstart.synth import Synthesizer, SynthModule, is_held_out
 
 __all__ = [
@@ -142,14 +142,10 @@ def synthesize_suite(
     )
 
 
-def _fence(code: str) -> str:
-    return f"```python\n{code.rstrip()}\n```"
-
-
 def sft_example(prompt: list[dict[str, str]], answer_code: str, **meta: Any) -> dict[str, Any]:
     """One row in TRL's conversational prompt-completion form."""
-    return {"prompt": prompt, "completion": [{"role": "assistant", "content": _fence(answer_code)}],
-            **meta}
+    return {"prompt": prompt,
+            "completion": [{"role": "assistant", "content": fence_code(answer_code)}], **meta}
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:

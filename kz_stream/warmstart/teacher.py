@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kz_stream.llm import LLMBackend, Prompt, Sample, SamplingParams
-from kz_stream.modules import extract_code
+from kz_stream.modules import extract_code, fence_code
 from kz_stream.warmstart.ops import OPS, Op
 
 __all__ = ["TeacherBackend", "TeacherError", "lower"]
@@ -317,7 +317,7 @@ class TeacherBackend(LLMBackend):
         out: list[list[Sample]] = []
         for prompt in prompts:
             try:
-                text = f"```python\n{lower(_module_of(prompt)).rstrip()}\n```"
+                text = fence_code(lower(_module_of(prompt)))
             except TeacherError as e:
                 text = f"The teacher has no kernel for this module: {e}."
             out.append([Sample(text, [], [], "stop", 0) for _ in range(n)])

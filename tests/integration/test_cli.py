@@ -182,6 +182,7 @@ def test_infra_up_status_down_manage_local_postgres_and_broker() -> None:
     (["run", "--rounds", "0"], "--rounds"),
     (["run", "--groups-per-step", "0"], "--groups-per-step"),
     (["run", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["run", "--proposer-max-new-tokens", "0"], "--proposer-max-new-tokens"),
     (["run", "--temperature", "-1"], "--temperature"),
 ])
 def test_an_impossible_setting_is_one_error_naming_the_option_before_anything_starts(

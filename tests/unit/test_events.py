@@ -141,6 +141,21 @@ def test_a_verdict_becomes_its_event_payload_with_the_kernel_it_judges() -> None
     assert set(KernelVerified.model_fields) == kernel_fields | set(verdict.to_dict())
 
 
+def test_a_failed_kernel_whose_completion_hit_its_token_limit_says_so() -> None:
+    cut = kernel_generated().model_copy(update={
+        "sampling": {"max_tokens": 640},
+        "completion": Completion(text="x", token_ids=[1, 2], finish_reason="length")})
+    syntax = Verdict(VerdictStatus.COMPILE_ERROR, reason="does not parse: invalid syntax",
+                     check="python_syntax")
+    payload = KernelVerified.from_verdict(syntax, cut)
+    assert payload.reason == ("does not parse: invalid syntax (the completion stopped at its "
+                              "limit of 640 tokens)")
+    assert payload.check == "python_syntax"
+    assert KernelVerified.from_verdict(Verdict(VerdictStatus.CORRECT), cut).reason is None
+    ended = cut.model_copy(update={"completion": Completion(text="x", finish_reason="stop")})
+    assert KernelVerified.from_verdict(syntax, ended).reason == syntax.reason
+
+
 def test_an_unknown_event_type_is_rejected_naming_the_type() -> None:
     event = new_event(kernel_generated(), stream_id="s", stream_version=0)
     obj = orjson.loads(encode_event(event))

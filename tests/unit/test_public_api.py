@@ -33,7 +33,7 @@ PUBLIC = {
         "ARITHMETIC_OPS", "CATALOG_FORMAT", "CODER_EXAMPLES", "CODER_EXAMPLE_MODULE",
         "DEFAULT_SOURCES", "LAYOUT_OPS", "PROPOSER_EXAMPLES", "ApiCatalog", "ApiSetSampler",
         "ApiUse", "Frontier", "InputSpec", "ModuleFingerprint", "canonical_api",
-        "coder_messages", "default_catalog", "extract_code", "find_api_calls",
+        "coder_messages", "default_catalog", "extract_code", "fence_code", "find_api_calls",
         "fingerprint_modules", "is_neutral", "mine_catalog", "mine_files",
         "normalized_hash", "package_files", "parse_pair_key", "prompt_text",
         "proposer_messages", "static_apis", "tensor_methods", "validate_module",

@@ -59,10 +59,12 @@ class Trail:
             validation=ModuleValidation(valid=valid, reason=None if valid else "crash"),
         ), f"module-{mid}", run)
 
-    def kernel(self, kid: str, group: str, *, run: str = "run-a", version: int = 0) -> Event:
+    def kernel(self, kid: str, group: str, *, run: str = "run-a", version: int = 0,
+               finish: str | None = None) -> Event:
         return self.event(KernelGenerated(
             kernel_id=kid, module_id="m1", group_id=group, group_size=2, backend="triton",
             source=f"kernel {kid}", policy_version=version,
+            completion=Completion(text=f"kernel {kid}", finish_reason=finish),
         ), f"kernel-{kid}", run)
 
     def verdict(self, kid: str, group: str, status: str, *, run: str = "run-a") -> Event:
@@ -259,13 +261,32 @@ def test_summarize_run_takes_records_in_any_mix() -> None:
     assert "coder base model (no version published)" in shown
 
 
+def test_kernels_cut_at_the_token_limit_are_counted_with_the_option_that_lifts_it() -> None:
+    t = Trail()
+    now = datetime.now(UTC)
+    events = [t.kernel("k1", "g1", finish="length"), t.kernel("k2", "g1", finish="stop"),
+              t.verdict("k1", "g1", "compile_error"), t.verdict("k2", "g1", "correct")]
+    s = summarize_run([RecordedEvent(i, now, e) for i, e in enumerate(events, start=1)],
+                      run_id="run-a", outcome="finished")
+    assert (s.kernels, s.cut) == (2, 1)
+    assert ("2 generated: correct 1, compile_error 1; 1 cut at the token limit (raise "
+            "--max-new-tokens)") in text(s, [])
+
+
 def test_rerun_command_repeats_the_options_that_differ_from_the_defaults() -> None:
     assert _rerun_command(RunOptions(), None) == "kz run"
-    options = RunOptions(rounds=2, groups_per_step=1, max_new_tokens=32, temperature=0.5,
-                         time_limit_s=900.0)
+    options = RunOptions(rounds=2, groups_per_step=1, max_new_tokens=32,
+                         proposer_max_new_tokens=300, temperature=0.5, time_limit_s=900.0)
     assert _rerun_command(options, Path("my.toml")) == (
         "kz run --config my.toml --rounds 2 --groups-per-step 1 --max-new-tokens 32 "
-        "--temperature 0.5 --time-limit 900")
+        "--proposer-max-new-tokens 300 --temperature 0.5 --time-limit 900")
+
+
+def test_each_generator_gets_its_own_token_cap() -> None:
+    from kz_stream.config import Settings
+
+    settings = RunOptions(max_new_tokens=1000, proposer_max_new_tokens=300).apply(Settings())
+    assert (settings.coder.llm.max_tokens, settings.proposer.llm.max_tokens) == (1000, 300)
 
 
 def test_the_run_temperature_is_both_generators_and_so_the_learners() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kz_stream.llm import SamplingParams
-from kz_stream.modules import coder_messages, extract_code
+from kz_stream.modules import coder_messages, extract_code, fence_code
 from kz_stream.warmstart.ops import OPS
 from kz_stream.warmstart.synth import Synthesizer, synthesize
 from kz_stream.warmstart.teacher import TeacherBackend, TeacherError, lower
@@ -115,3 +115,26 @@ def test_the_teacher_answers_coder_prompts_as_a_policy() -> None:
 def test_synthesizer_sources_are_written_in_the_teachers_form(tmp_path: Path) -> None:
     for module in Synthesizer(seed=4).modules(100):
         lower(module.source)  # raises if any module falls outside the teacher's form
+
+
+def test_kz_runs_token_caps_hold_the_answers_the_warm_models_learned() -> None:
+    """The Coder's cap holds the teacher's answer to every synthesized module (with a
+    matmul it takes up to about 1,200 tokens: a cap of 640 cut every one of them into a
+    syntax error), and the Proposer's cap every synthesized module."""
+    from transformers import AutoTokenizer
+
+    from kz_stream.app import RunOptions
+    from kz_stream.config import Settings
+    from kz_stream.llm import smollm2_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir()))
+
+    def tokens(code: str) -> int:  # the SFT rows' answer form, and its end token
+        return len(tokenizer(fence_code(code))["input_ids"]) + 1
+
+    kernels = [tokens(lower(m.source)) for m in Synthesizer(seed=0).modules(200)]
+    modules = [tokens(m.source) for m in Synthesizer(seed=0, teachable=False).modules(200)]
+    options = RunOptions()
+    assert 640 < max(kernels) <= options.max_new_tokens
+    assert max(kernels) <= Settings().coder.llm.max_tokens  # kz serve, kz eval run
+    assert max(modules) <= options.proposer_max_new_tokens
