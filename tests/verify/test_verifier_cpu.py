@@ -280,6 +280,20 @@ async def test_problems_that_do_not_fit_the_host_together_are_not_prepared_toget
         assert "error" not in second, second
 
 
+def test_a_write_to_the_input_on_the_second_call_only_is_flagged(
+        cpu_verifier_runtime_only: Verifier) -> None:
+    """The repetitions of an input set share one upload; every call's inputs are checked
+    against the copy taken before the first call."""
+    later = TRITON_HONEST["relu"].replace(
+        "        return y",
+        "        self.calls = getattr(self, 'calls', 0) + 1\n"
+        "        if self.calls == 2:\n"
+        "            x.mul_(1.0000001)\n"
+        "        return y")
+    v = cpu_verifier_runtime_only.verify_sync(Problem(PROBLEMS["relu"]), Candidate(later, "triton"))
+    assert v.status is not Status.CORRECT and v.check == "input_mutation", (v.check, v.reason)
+
+
 # The name of the mapping that holds a tensor's bytes, from the worker's /proc/self/maps.
 _MAPPING_OF = """
 def _mapping_of(t):
