@@ -38,7 +38,7 @@ from kz_stream.verify._inputs import (
     own_inputs,
     small_map,
 )
-from kz_stream.verify._ipc import error_reply, requests, send
+from kz_stream.verify._ipc import error_reply, requests, sealed_copy, send
 from kz_stream.verify._messages import (
     InputSet,
     PrepareReply,
@@ -61,8 +61,11 @@ from kz_stream.verify._reference import (
 class Oracle:
     """Evaluates reference problems: input sets, float64 expected outputs, tolerances."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, *, sealed: bool = False) -> None:
         self.device = device
+        # Whether the replies' big tensors are made as sealed files (``_ipc.sealed_copy``):
+        # only for a verifier that takes files from this process (``KZ_SPILL_DIR`` set).
+        self.sealed = sealed
         # Seconds per phase of the preparation in progress (``phase_s`` of the reply):
         # where a problem's preparation goes, summed over its input sets.
         self._phase = PhaseTimer(device)
@@ -169,6 +172,11 @@ class Oracle:
                 "init_args": init, "own_model_key": repr(list(init)), "notes": notes,
                 "plan_notes": plan_notes, "dropped": dropped, "device_peak_bytes": peak}
 
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the host, as the reply sends it: a big one straight into a sealed file
+        (from the device, one copy where a host copy and the reply's write made two)."""
+        return sealed_copy(t) if self.sealed else t.to("cpu")
+
     def _free(self) -> None:
         if self.device != "cpu":
             torch.cuda.empty_cache()
@@ -204,10 +212,10 @@ class Oracle:
         with self._phase("inputs"):
             inputs = make_inputs(specs, plan, seed, ref.get_inputs, device=self.device)
         with self._phase("honest"):
-            honest = [h.to("cpu") if isinstance(h, torch.Tensor) else torch.as_tensor(h)
+            honest = [self._to_host(torch.as_tensor(h))
                       for h in self._outputs(model, inputs, None, plan.label, notes)]
         with self._phase("float64"):
-            expected = [e.to("cpu") if isinstance(e, torch.Tensor) else torch.as_tensor(e)
+            expected = [self._to_host(torch.as_tensor(e))
                         for e in self._outputs(float64_copy(model), inputs, torch.float64,
                                                plan.label, notes)]
         if len(honest) != len(expected):
@@ -222,7 +230,8 @@ class Oracle:
         elif plan.signed and not all_finite(expected):
             drop = "the reference is not defined on inputs of both signs (non-finite outputs)"
         with self._phase("inputs_to_host"):
-            cpu_inputs = [v.to("cpu") if isinstance(v, torch.Tensor) else v for v in inputs]
+            cpu_inputs = [self._to_host(v) if isinstance(v, torch.Tensor) else v
+                          for v in inputs]
         del inputs
         return {
             "label": plan.label,
@@ -265,7 +274,7 @@ def main() -> None:
           channels=frozenset({conn.fileno()}),
           write_roots=(os.environ.get("KZ_PRIVATE_DIR", os.getcwd()), "/dev/shm",
                        *([spill] if spill else []))).install()
-    oracle = Oracle(device)
+    oracle = Oracle(device, sealed=spill is not None)
     # Each takes its request (``_messages``) and returns its reply.
     handlers: dict[str, Callable[[Any], Mapping[str, Any]]] = {
         "prepare": oracle.prepare,
@@ -285,6 +294,9 @@ def main() -> None:
                 os._exit(3)
         forget_built_models()  # the host copy of this problem's model: the next is another
         send(conn, reply, spill)
+        # Its sealed files are the verifier's now: this process's mappings and descriptors
+        # go here, not with the next reply.
+        del reply
     os._exit(0)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import pickle
@@ -628,6 +629,34 @@ def test_small_and_non_cpu_values_are_not_shared() -> None:
     assert every.data_ptr() in ipc._SHARED
     on_meta = torch.ones(1 << 20, device="meta")
     assert ipc.share(on_meta, SMALL) is on_meta
+
+
+def test_a_sealed_copy_is_one_copy_into_a_sealed_file_that_send_passes(
+        pair: tuple[Connection, Connection]) -> None:
+    """The oracle's way to the host: the tensor's bytes go once into a sealed file, and the
+    reply passes the file (whatever the dtype, shape or layout)."""
+    for t in (torch.randn(300, 500, dtype=torch.float64).t(), torch.rand(40000) > 0.5,
+              torch.arange(6000, dtype=torch.int64).reshape(2, 3, 1000)):
+        copy = ipc.sealed_copy(t, SMALL)
+        assert torch.equal(copy, t) and (copy.dtype, copy.shape) == (t.dtype, t.shape)
+        assert mapped_from(copy).startswith("/memfd:kz-sealed")
+        seals = fcntl.fcntl(ipc._SHARED[copy.data_ptr()][0], fcntl.F_GET_SEALS)
+        assert seals & ipc._SEALS == ipc._SEALS
+        got = shared_trip(pair, {"x": copy})["x"]
+        assert torch.equal(got, t) and mapped_from(got).startswith("/memfd:kz-sealed")
+    small = ipc.sealed_copy(torch.ones(8), SMALL)
+    assert torch.equal(small, torch.ones(8)) and small.data_ptr() not in ipc._SHARED
+
+
+def test_a_sealed_copy_without_a_file_is_a_plain_host_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memfd(*_: object) -> int:
+        raise OSError(errno.ENOSYS, "no memfd here")
+
+    monkeypatch.setattr(os, "memfd_create", no_memfd)
+    t = torch.arange(4096, dtype=torch.float32)
+    copy = ipc.sealed_copy(t, SMALL)
+    assert torch.equal(copy, t) and copy.data_ptr() not in ipc._SHARED
 
 
 def test_sharing_stops_short_of_the_descriptor_limit(
