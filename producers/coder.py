@@ -179,6 +179,9 @@ class CoderService(Service):
         self.unjudged = Backlog()
         self._store_position = 0
         self.waiting_for_verifier = False
+        # At a stop, give up the calls in flight instead of finishing them (their modules
+        # come again at the next start): ``kz run`` does once its schedule is done.
+        self.give_up_in_flight = False
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -195,10 +198,12 @@ class CoderService(Service):
         )
         self.log.info("coder_started", replica=self.replica, backends=self.config.backends)
         await self.stopping.wait()
-        # A call in flight finishes and commits; one waiting for the verifier is given up
-        # (cancelled, not committed: its modules come again, from the broker or, on the
-        # embedded bus, from the store at the next start).
-        await sub.stop(grace=0 if self.waiting_for_verifier else None)
+        # A call in flight finishes and commits; one waiting for the verifier, or any once
+        # ``give_up_in_flight`` is set, is given up (cancelled, not committed: its modules
+        # come again, from the broker or, on the embedded bus, from the store at the next
+        # start).
+        await sub.stop(grace=0 if self.waiting_for_verifier or self.give_up_in_flight
+                       else None)
         await policy_sub.stop()
 
     async def handle_modules(self, batch: Sequence[BusMessage]) -> None:

@@ -107,6 +107,9 @@ class ProposerService(Service):
         self.uncoded = Backlog()
         self._coded = asyncio.Event()
         self._waiting_logged = False
+        # At a stop, give up the prompts in flight instead of finishing them: ``kz run``
+        # does once its schedule is done (nothing will train on them).
+        self.give_up_in_flight = False
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -139,7 +142,11 @@ class ProposerService(Service):
             stop = asyncio.create_task(self.stopping.wait())
             await asyncio.wait([stop, *workers], return_when=asyncio.FIRST_COMPLETED)
             stop.cancel()
-            # Finish the prompts in flight (graceful), unless asked to stop twice.
+            # Finish the prompts in flight (graceful), unless asked to stop twice or to
+            # give them up.
+            if self.give_up_in_flight:
+                for w in workers:
+                    w.cancel()
             results = await asyncio.gather(*workers, return_exceptions=True)
             for r in results:
                 if isinstance(r, Exception):

@@ -166,10 +166,11 @@ def run_loop(
             )
             if report.stopping and not stop_told:
                 stop_told.append(True)
-                why = "schedule done" if report.finished else "time limit reached"
                 progress.console.print(
-                    f"{why}: stopping (the Coder and the Proposer finish the calls they have "
-                    "in flight and their results are stored)")
+                    "schedule done: stopping (the calls the Coder and the Proposer have in "
+                    "flight are given up: no step would train on them)" if report.finished
+                    else "time limit reached: stopping (the Coder and the Proposer finish "
+                    "the calls they have in flight and their results are stored)")
             for rnd in sorted({s["round"] for s in report.steps}):
                 done = [s for s in report.steps if s["round"] == rnd]
                 if rnd not in shown_rounds and len(done) == steps_per_turn * len(options.order):

@@ -533,3 +533,33 @@ async def test_the_coder_waits_while_max_unjudged_kernels_have_no_verdict(
     finally:
         await stop_all(services, tasks)
         await backend.close()
+
+
+async def test_a_coder_told_to_give_up_its_calls_stops_without_finishing_them(
+    ctx: ServiceContext,
+) -> None:
+    """``kz run`` gives up what the generators are sampling once its schedule is done:
+    the call in flight is not waited for and nothing of it is published (its module comes
+    again at a next start)."""
+    backend = TransformersBackend.from_pretrained(smollm2_dir())
+    llm = LLMConfig(max_tokens=4000, temperature=1.0, seed=0)  # minutes on the CPU
+    coder = CoderService(ctx, backend, CoderSettings(group_size=2, llm=llm))
+    services = [Recorder(ctx), coder]
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    try:
+        await ctx.bus.publish(ctx.settings.topics.modules, _module_event("first", 0))
+        for _ in range(600):
+            if backend._model_lock.locked():  # held while a call generates
+                break
+            assert not tasks[1].done(), tasks[1].exception()
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the Coder's call did not begin within 60 s")
+        coder.give_up_in_flight = True
+        coder.request_stop()
+        await asyncio.wait_for(tasks[1], 30)
+        assert tasks[1].exception() is None
+        assert await events_of(ctx, "KernelGenerated") == []
+    finally:
+        await stop_all(services, tasks)
+        await backend.close()
