@@ -151,13 +151,29 @@ class LLMConfig(_Section):
 PROPOSER_TEMPERATURE = 0.5
 
 
+def _role_default(llm: LLMConfig, key: str, value: Any) -> LLMConfig:
+    """``llm`` with ``value`` for ``key`` where the user set none (a ``[ROLE.llm]`` table
+    or ``KZ_ROLE__LLM__*`` variables without it included), still counted as a default:
+    ``kz run`` warns only where its options replace what the user set."""
+    if key in llm.model_fields_set:
+        return llm
+    values = {name: getattr(llm, name) for name in LLMConfig.model_fields}
+    return LLMConfig.model_construct(set(llm.model_fields_set), **{**values, key: value})
+
+
 class ProposerSettings(_Section):
     """``[proposer]``: what ``kz_stream.producers.proposer.ProposerService`` takes as it is."""
 
     # Temperature 0.5: the warm Proposer writes a valid module for 53% of sampled API sets
     # there and 36% at 1.0 (96 sets, H200, docs/warmstart.md); an invalid proposal earns -1
     # and no signal, and the API sets, drawn afresh for every prompt, keep the variety.
-    llm: LLMConfig = Field(default_factory=lambda: LLMConfig(temperature=PROPOSER_TEMPERATURE))
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+
+    @model_validator(mode="after")
+    def _proposer_temperature(self) -> Self:
+        self.llm = _role_default(self.llm, "temperature", PROPOSER_TEMPERATURE)
+        return self
+
     proposals_per_prompt: int = Field(default=4, ge=1)
     concurrency: int = Field(default=2, ge=1)
     max_modules: int | None = Field(
@@ -209,7 +225,13 @@ CODER_MAX_TOKENS = 1280
 class CoderSettings(_Section):
     """``[coder]``: what ``kz_stream.producers.coder.CoderService`` takes as it is."""
 
-    llm: LLMConfig = Field(default_factory=lambda: LLMConfig(max_tokens=CODER_MAX_TOKENS))
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+
+    @model_validator(mode="after")
+    def _coder_max_tokens(self) -> Self:
+        self.llm = _role_default(self.llm, "max_tokens", CODER_MAX_TOKENS)
+        return self
+
     group_size: int = Field(default=4, ge=1)
     backends: tuple[Backend, ...] = ("triton",)
     max_staleness: int = Field(default=1, ge=0)

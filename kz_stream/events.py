@@ -149,6 +149,12 @@ class KernelGenerated(Payload):
         return self.completion is not None and self.completion.finish_reason == "length"
 
 
+# The verdicts a completion cut at its token limit can explain (not the verifier's own
+# failures, nor what it could not check here).
+_CUT_SHOWS = frozenset({VerdictStatus.COMPILE_ERROR, VerdictStatus.RUNTIME_ERROR,
+                        VerdictStatus.INCORRECT, VerdictStatus.HACK})
+
+
 class KernelVerified(Payload):
     """A verdict on a kernel. Past the kernel's ids, the fields are those of the verify
     core's ``Verdict`` (a dataclass: the core runs without pydantic); ``from_verdict``
@@ -179,7 +185,7 @@ class KernelVerified(Payload):
         A failed kernel whose completion stopped at its token limit says so in its reason
         (a cut answer reads as a syntax error otherwise)."""
         fields = verdict.to_dict()
-        if kernel.cut_at_token_limit and not verdict.correct:
+        if kernel.cut_at_token_limit and verdict.status in _CUT_SHOWS:
             cap = kernel.sampling.get("max_tokens")
             limit = f"its limit of {cap} tokens" if cap else "its token limit"
             fields["reason"] = (f"{fields.get('reason') or verdict.status.value} (the "

@@ -377,7 +377,8 @@ def render_summary(summary: RunSummary, commands: Sequence[tuple[str, str]] = ()
     if s.unverified:
         counts += f", unverified {s.unverified}"
     if s.cut:
-        counts += (f"; {s.cut} cut at the token limit (raise --max-new-tokens)")
+        counts += (f"; {s.cut} cut at the Coder's token limit (its max_tokens; kz run "
+                   "--max-new-tokens)")
     row("kernels", f"{s.kernels} generated: {counts}")
     c, p = s.coder, s.proposer
     seeds = f"; {s.seed_modules} seed module{'s' if s.seed_modules != 1 else ''}"

@@ -204,6 +204,8 @@ class CoderService(Service):
         # start).
         await sub.stop(grace=0 if self.waiting_for_verifier or self.give_up_in_flight
                        else None)
+        if self.give_up_in_flight:
+            await self.backend.close()  # the engine stops decoding what nobody awaits now
         await policy_sub.stop()
 
     async def handle_modules(self, batch: Sequence[BusMessage]) -> None:

@@ -147,6 +147,7 @@ class ProposerService(Service):
             if self.give_up_in_flight:
                 for w in workers:
                     w.cancel()
+                await self.backend.close()  # its engine stops decoding the given-up prompts
             results = await asyncio.gather(*workers, return_exceptions=True)
             for r in results:
                 if isinstance(r, Exception):

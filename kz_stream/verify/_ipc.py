@@ -365,6 +365,9 @@ def sealed_copy(t: Any, min_bytes: int = SHARE_MIN_BYTES) -> Any:
     except (OSError, RuntimeError):  # no room in the file's memory; a device fault
         os.close(fd)
         return t.detach().to("cpu")
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         view = _mapped(fd, t.nbytes, keep=True)  # closes ``fd`` if it cannot map it
     except MemoryError:

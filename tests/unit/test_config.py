@@ -215,6 +215,21 @@ def test_the_proposer_samples_cooler_than_the_coder_unless_told_otherwise() -> N
     assert told.proposer.llm.temperature == 0.9
 
 
+def test_each_roles_own_defaults_hold_where_its_llm_settings_leave_them_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Proposer's temperature 0.5 and the Coder's cap of 1280 tokens are defaults: an
+    ``llm`` table or variable that sets something else keeps them, and they do not count
+    as the user's (``kz run`` warns only where it replaces the user's values)."""
+    monkeypatch.setenv("KZ_CODER__LLM__TEMPERATURE", "0.7")
+    settings = Settings.model_validate({"proposer": {"llm": {"max_tokens": 300}}})
+    assert (settings.proposer.llm.temperature, settings.proposer.llm.max_tokens) == (0.5, 300)
+    assert settings.coder.llm.max_tokens == 1280 and settings.coder.llm.temperature == 0.7
+    assert "temperature" not in settings.proposer.llm.model_fields_set
+    assert "max_tokens" not in settings.coder.llm.model_fields_set
+    assert Settings.model_validate(
+        {"coder": {"llm": {"max_tokens": 99}}}).coder.llm.max_tokens == 99
+
+
 def test_cpus_is_a_list_of_cores_and_ranges() -> None:
     assert Settings(cpus="0-2,5").cpu_set == {0, 1, 2, 5}
     assert Settings(cpus="3").cpu_set == {3}

@@ -152,6 +152,8 @@ def test_a_failed_kernel_whose_completion_hit_its_token_limit_says_so() -> None:
                               "limit of 640 tokens)")
     assert payload.check == "python_syntax"
     assert KernelVerified.from_verdict(Verdict(VerdictStatus.CORRECT), cut).reason is None
+    own = Verdict(VerdictStatus.INFRA_ERROR, reason="the verifier ran out of memory")
+    assert KernelVerified.from_verdict(own, cut).reason == own.reason  # not the cut's doing
     ended = cut.model_copy(update={"completion": Completion(text="x", finish_reason="stop")})
     assert KernelVerified.from_verdict(syntax, ended).reason == syntax.reason
 

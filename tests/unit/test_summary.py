@@ -269,8 +269,8 @@ def test_kernels_cut_at_the_token_limit_are_counted_with_the_option_that_lifts_i
     s = summarize_run([RecordedEvent(i, now, e) for i, e in enumerate(events, start=1)],
                       run_id="run-a", outcome="finished")
     assert (s.kernels, s.cut) == (2, 1)
-    assert ("2 generated: correct 1, compile_error 1; 1 cut at the token limit (raise "
-            "--max-new-tokens)") in text(s, [])
+    assert ("2 generated: correct 1, compile_error 1; 1 cut at the Coder's token limit "
+            "(its max_tokens; kz run --max-new-tokens)") in text(s, [])
 
 
 def test_rerun_command_repeats_the_options_that_differ_from_the_defaults() -> None:
