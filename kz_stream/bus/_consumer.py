@@ -362,7 +362,9 @@ class ConsumerCore(ABC):
             outage.cancel()
         if run not in done:
             if self.outage is None:
-                log.warning(
+                # A grace of 0 gives the batch up on purpose (kz run once its schedule is
+                # done): said, not warned.
+                (log.info if grace == 0 else log.warning)(
                     "group %s: batch still running after %ss; cancelled, its records will "
                     "be redelivered", self.group, grace,
                 )
