@@ -32,7 +32,8 @@ def test_one_round_leaves_the_full_event_trail_and_ends_with_its_summary(
     # Checkpoints go to .kz/policies under the working directory.
     run = subprocess.run(
         [sys.executable, "-m", "kz_stream.cli", "run", "--groups-per-step", "1",
-         "--max-new-tokens", "32", "--time-limit", "900"],
+         "--max-new-tokens", "32", "--proposer-max-new-tokens", "32",
+         "--time-limit", "900"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1500,
     )
     assert run.returncode == 0, run.stdout + run.stderr
