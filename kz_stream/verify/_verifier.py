@@ -451,6 +451,19 @@ class Verifier:
                 t0 = time.monotonic()
                 r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
                 call_s = time.monotonic() - t0
+            full = "" if r.get("ok") else str(r.get("message"))
+            if device_was_full(full):
+                # Others' memory filled the device (candidates of other problems, idle
+                # reference workers), not the problem: once more with the device to
+                # itself, as a candidate's device_memory failure is retried. On an H100
+                # (2026-12-06) an 8 GiB argmax was prepared beside three candidates of
+                # 8 GiB problems, and its first sample got infra_error for it.
+                async with lane.whole():
+                    await lane.drop_references(all_idle=True)
+                    async with lane.gpu.reader_lock:
+                        t0 = time.monotonic()
+                        r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
+                        call_s = time.monotonic() - t0
         except ChildDied as e:
             if killed_for_memory(e, kills_before):
                 # The host's memory, not the problem: the learner ignores it, the next
@@ -464,9 +477,14 @@ class Verifier:
                                  f"evaluated ({e})", check="problem")
         if not r.get("ok"):
             status, reason, check = preparation_failure(str(r.get("message")))
+            if full:
+                reason += " (on its second try too, with the device to itself)"
             return self._verdict(status, reason, check=check)
         prepared = Prepared.from_reply(key, problem.source, seed,
                                        astscan.reference_ops(problem.source), r, call_s)
+        if full:
+            prepared.notes.append("prepared on a second try, with the device to itself: "
+                                  f"the first found it full ({tail(full, 300)})")
         if self.config.input_share_min_bytes is not None:
             # Gigabytes copied at KernelBench's sizes: off the event loop.
             await asyncio.to_thread(prepared.share_inputs, self.config.input_share_min_bytes)

@@ -3,7 +3,9 @@ the candidate's own (its process reached its memory cap)."""
 
 from __future__ import annotations
 
-from kz_stream.verify import Status
+from kz_stream.testing.corpus.problems import PROBLEMS
+from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
+from kz_stream.verify import Candidate, Problem, Status, Verdict, Verifier, VerifierConfig
 from kz_stream.verify._checks import device_was_full
 from kz_stream.verify._verifier import preparation_failure
 
@@ -42,3 +44,39 @@ def test_a_preparation_on_a_full_device_is_an_infrastructure_failure() -> None:
     status, reason, check = preparation_failure("ValueError: shapes do not match")
     assert (status, check) == (Status.UNCHECKED, "problem")
     assert reason == "problem: ValueError: shapes do not match"
+
+
+# A problem whose preparation finds the device full: as the H100 worded it for an 8 GiB
+# argmax prepared beside three candidates of 8 GiB problems (2026-12-06). The flag on the
+# torch module lives as long as the oracle's process: ``once`` fails the first try alone.
+def _filled_device_problem(*, once: bool) -> Problem:
+    message = ("CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a total capacity "
+               "of 79.18 GiB of which 7.15 GiB is free.")
+    guard = "not getattr(torch, '_kz_test_device_full', False)" if once else "True"
+    return Problem(PROBLEMS["relu"].replace(
+        "def get_inputs():\n",
+        f"def get_inputs():\n    if {guard}:\n        torch._kz_test_device_full = True\n"
+        f"        raise torch.OutOfMemoryError({message!r})\n"))
+
+
+def _verified(problem: Problem) -> Verdict:
+    """An honest ReLU against ``problem``, by a verifier with one oracle (one process)."""
+    v = Verifier(VerifierConfig(devices=[], prewarm=0, oracles=1))
+    try:
+        return v.verify_sync(problem, Candidate(TRITON_HONEST["relu"], "triton"))
+    finally:
+        v.close_sync()
+
+
+def test_a_preparation_that_found_the_device_full_is_tried_again_with_the_device_to_itself(
+) -> None:
+    verdict = _verified(_filled_device_problem(once=True))
+    assert verdict.status is Status.CORRECT, verdict.reason
+    notes = verdict.details["problem_notes"]
+    assert any("second try" in n and "7.15 GiB is free" in n for n in notes), notes
+
+
+def test_a_device_full_on_both_tries_is_an_infrastructure_failure_that_says_so() -> None:
+    verdict = _verified(_filled_device_problem(once=False))
+    assert (verdict.status, verdict.check) == (Status.INFRA_ERROR, "device_memory")
+    assert "second try too" in verdict.reason
