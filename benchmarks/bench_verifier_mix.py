@@ -72,9 +72,11 @@ async def verify_mix(jobs: list[tuple[str, str, str]], time_limit: float,
                          "done_s": round(time.monotonic() - t0, 2),
                          # where the time went: the preparation's phases (shared by a
                          # problem's samples) and the candidate's stages
-                         **{k: d.details.get(k) for k in ("seconds", "prepare_s",
-                                                          "gpu_wait_s", "timing_s",
-                                                          "prepare_phases", "stage_s")}})
+                         **{k: d.details.get(k) for k in ("seconds", "reference_facts_s",
+                                                          "host_wait_s", "prepare_s",
+                                                          "gpu_wait_s", "retry_wait_s",
+                                                          "timing_s", "prepare_phases",
+                                                          "stage_s")}})
             print(f"  {name}: {d.status.value} {d.check or ''} {d.speedup} "
                   f"at {rows[-1]['done_s']} s", flush=True)
             save({"verifier_rows": rows})
