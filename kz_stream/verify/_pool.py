@@ -195,6 +195,14 @@ class Lane:
             for _ in range(oracles):
                 self.oracle_slots.release()
 
+    @contextlib.asynccontextmanager
+    async def alone(self) -> AsyncIterator[None]:
+        """The device to the holder: ``whole``, then every idle reference timing worker
+        stopped. A failure that others' memory caused is retried under it."""
+        async with self.whole():
+            await self.drop_references(all_idle=True)
+            yield
+
     def _env(self, fraction: float) -> dict[str, str]:
         env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),
                "KZ_ORACLE_MEMORY_FRACTION": str(fraction)}

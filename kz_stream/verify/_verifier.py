@@ -330,9 +330,8 @@ class Verifier:
                 # problem at once each got this, and a retry beside the others again.
                 details["retried"] = verdict.reason
                 t0 = time.monotonic()
-                async with lane.whole():
+                async with lane.alone():
                     details["retry_wait_s"] = round(time.monotonic() - t0, 3)
-                    await lane.drop_references(all_idle=True)
                     verdict = await self._gpu_stage(lane, prepared, candidate, builds,
                                                     list(own_names), details)
             return verdict
@@ -458,12 +457,10 @@ class Verifier:
                 # itself, as a candidate's device_memory failure is retried. On an H100
                 # (2026-12-06) an 8 GiB argmax was prepared beside three candidates of
                 # 8 GiB problems, and its first sample got infra_error for it.
-                async with lane.whole():
-                    await lane.drop_references(all_idle=True)
-                    async with lane.gpu.reader_lock:
-                        t0 = time.monotonic()
-                        r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
-                        call_s = time.monotonic() - t0
+                async with lane.alone(), lane.gpu.reader_lock:
+                    t0 = time.monotonic()
+                    r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
+                    call_s = time.monotonic() - t0
         except ChildDied as e:
             if killed_for_memory(e, kills_before):
                 # The host's memory, not the problem: the learner ignores it, the next
