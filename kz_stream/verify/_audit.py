@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kz_stream.verify._admission import admission_check
+from kz_stream.verify._timing import physical_floor_ms
 from kz_stream.verify._types import VERIFIER_VERSION, Problem, source_sha256
 from kz_stream.verify._verifier import Verifier
 
@@ -46,6 +47,7 @@ class ProblemAudit:
     input_gb: float = 0.0
     host_bytes: int = 0  # what its prepared sets hold on the host (inputs, outputs)
     reserved_bytes: int = 0  # what the host's memory budget held for it (0 on the CPU path)
+    floor_ms: float = 0.0  # the physical floor: the bytes it must move and its FLOPs at peak
     prepare_s: float = 0.0
     phase_s: dict[str, float] = field(default_factory=dict)  # where prepare_s went
 
@@ -144,5 +146,7 @@ async def _audit_one(f: Path, verifier: Verifier, *, admission: bool, admission_
     row.input_gb = round(int(info.get("input_bytes", 0)) / 2**30, 3)
     row.host_bytes = int(info.get("host_bytes", 0))
     row.reserved_bytes = int(info.get("reserved_bytes", 0))
+    row.floor_ms = round(physical_floor_ms(int(info.get("moved_bytes", 0)),
+                                           float(info.get("flops", 0))), 5)
     row.phase_s = dict(info.get("phase_s") or {})
     return row

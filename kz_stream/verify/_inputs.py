@@ -340,3 +340,17 @@ def nbytes(values: Sequence[Any]) -> int:
                 seen.add(key)
                 total += v.untyped_storage().nbytes()
     return total
+
+
+def moved_bytes(values: Sequence[Any]) -> int:
+    """Bytes a kernel must read or write for the tensors in ``values``: their elements,
+    each storage at most once. Not ``nbytes``: a reduction's 0-dim result may be a view of
+    its elementwise buffer (``F.smooth_l1_loss``'s mean is the first element of a
+    ``numel``-sized storage), which holds that buffer but moves one element."""
+    per_storage: dict[int, list[int]] = {}
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            held = per_storage.setdefault(st.data_ptr(), [st.nbytes(), 0])
+            held[1] += v.numel() * v.element_size()
+    return sum(min(held, elements) for held, elements in per_storage.values())

@@ -34,6 +34,7 @@ from kz_stream.verify._inputs import (
     fallbacks,
     make_inputs,
     map_init,
+    moved_bytes,
     nbytes,
     own_inputs,
     small_map,
@@ -160,7 +161,8 @@ class Oracle:
             except Exception:
                 out = model(*own_args)
         input_bytes = nbytes(own_args)
-        moved = input_bytes + nbytes(flatten(out))
+        # The physical floor's bytes: what an honest kernel must move (``moved_bytes``).
+        moved = moved_bytes(own_args) + moved_bytes(flatten(out))
         del own_args, out, model
         self._free()  # the oracle shares the device with the candidates: keep no cache
         peak = torch.cuda.max_memory_allocated() if self.device != "cpu" else 0

@@ -13,7 +13,9 @@ from typing import Any, Literal
 # the memory plan and the input-set policy (verdicts can flip from 1.1: re-score).
 # 1.3: random tensor creation (parameter initialisation) is no torch fallback; on the CPU
 # path, an error the host's Triton interpreter also raises on its self-check is infra_error.
-VERIFIER_VERSION = "kzv-1.3"
+# 1.4: the physical floor counts the elements a kernel moves, not a reduction result's
+# buffer (a mean loss's 0-dim view of its elementwise storage made honest losses `hack`).
+VERIFIER_VERSION = "kzv-1.4"
 
 Backend = Literal["cuda", "triton"]
 

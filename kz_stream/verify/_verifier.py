@@ -342,8 +342,9 @@ class Verifier:
         """Prepares ``problem`` as a verification of it would, and says how: the input
         sets used (label, shapes), those dropped and why, the memory plan, the oracle's
         peak device memory, what its sets hold on the host and what the host's memory
-        budget reserved for it, and the time; or, under "error", why it cannot be a
-        problem here. Every failure is an answer, not an exception."""
+        budget reserved for it, the bytes and FLOPs of its physical floor, and the time;
+        or, under "error", why it cannot be a problem here. Every failure is an answer,
+        not an exception."""
         self._ensure()
         lane = min(self._lanes, key=lambda ln: ln.busy)
         t0 = time.monotonic()
@@ -362,6 +363,7 @@ class Verifier:
                 "oracle_peak_bytes": prepared.device_peak_bytes,
                 "phase_s": prepared.phase_s,
                 "host_bytes": prepared.host_bytes, "input_bytes": prepared.input_bytes,
+                "moved_bytes": prepared.bytes, "flops": prepared.flops,
                 "reserved_bytes": await self._preparation_bytes(problem),
                 "seconds": seconds}
 

@@ -50,6 +50,8 @@ def test_audit_suite_reports_every_problem(tmp_path: Path) -> None:
     assert 0 < parts <= phases["oracle"] + 0.01 <= rows["1_ReLU"]["prepare_s"] + 0.02
     # What the sets hold on the host; the CPU path's small sets reserve none of the budget.
     assert rows["1_ReLU"]["host_bytes"] > 0 and rows["1_ReLU"]["reserved_bytes"] == 0
+    # The physical floor: its bytes (an input and an output) at the H200's bandwidth.
+    assert rows["1_ReLU"]["floor_ms"] > 0
     assert [d["label"] for d in rows["3_Picky"]["dropped"]] == ["small-heavy"]
     assert rows["10_Broken"]["admitted"] is False and rows["10_Broken"]["reason"] == "interface"
     assert rows["10_Broken"]["error"]

@@ -13,6 +13,8 @@ from kz_stream.verify._inputs import (
     default_plans,
     fallbacks,
     make_inputs,
+    moved_bytes,
+    nbytes,
     odd_map,
     own_inputs,
     redraw_,
@@ -124,3 +126,18 @@ def test_moments_in_blocks_match_a_whole_float64_copy(monkeypatch: pytest.Monkey
     v = torch.rand(5000)
     v[4321] = float("nan")  # a NaN is not non-negative
     assert _inputs._moments(v)[2] is False
+
+
+def test_moved_bytes_count_elements_not_the_buffer_a_loss_views() -> None:
+    p, t = torch.rand(64, 32), torch.rand(64, 32)
+    loss = torch.nn.functional.smooth_l1_loss(p, t)
+    assert nbytes([loss]) >= p.nbytes  # it holds the elementwise buffer...
+    assert moved_bytes([loss]) == 4  # ...and moves one float
+    assert moved_bytes([p, t, loss]) == 2 * p.nbytes + 4
+
+
+def test_moved_bytes_count_each_storage_at_most_once() -> None:
+    x = torch.rand(16, 16)
+    assert moved_bytes([x, x]) == x.nbytes
+    assert moved_bytes([x[:8], x[8:]]) == x.nbytes
+    assert moved_bytes([x[:, :1]]) == 16 * 4

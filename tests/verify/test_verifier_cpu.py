@@ -17,7 +17,7 @@ from kz_stream.testing.corpus.cheats import CHEATS, RUNTIME_CHECKS
 from kz_stream.testing.corpus.cuda_honest import CUDA_HONEST
 from kz_stream.testing.corpus.problems import PROBLEMS
 from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
-from kz_stream.verify import Candidate, Problem, Status, Verifier
+from kz_stream.verify import Candidate, Problem, Status, Verifier, VerifierConfig
 from kz_stream.verify._checks import interpreter_fault
 
 # Every cheat the CPU path can catch (statically, or at run time through the interpreter).
@@ -332,3 +332,15 @@ def test_shared_inputs_reach_each_worker_as_the_prepared_bytes() -> None:
         assert honest.status is Status.CORRECT, (honest.check, honest.reason)
     finally:
         v.close_sync()
+
+
+async def test_a_loss_floor_counts_its_inputs_and_one_element() -> None:
+    """The physical floor's bytes are what a kernel must move: a mean loss's result is a
+    view of its elementwise buffer, which an honest fused kernel never writes (counting
+    it judged an honest Huber loss `hack` / `physical_floor` on the H200)."""
+    from kz_stream.testing.corpus.full_size import FULL_SIZE_PROBLEMS
+
+    async with Verifier(VerifierConfig(devices=[])) as v:
+        info = await v.inspect_problem(Problem(FULL_SIZE_PROBLEMS["huber_loss"].source(False)))
+    assert "error" not in info, info
+    assert info["moved_bytes"] == info["input_bytes"] + 4, info
