@@ -81,6 +81,9 @@ def test_honest_full_on_gpu(gpu_verifier: Verifier, name: str) -> None:
     v = _verify(gpu_verifier, name, FULL_SIZE_HONEST[name], full=True)
     print(f"\nRESULT full {name}: {v.status.value} speedup={v.speedup} ci={v.speedup_ci} "
           f"rel={v.max_rel_error} t={v.details.get('seconds')}")
+    # Where the time went (a 6.4 GB activation took 130-170 s on the H200, 2026-12-06).
+    print(f"STAGES full {name}: {v.details.get('stage_s')} "
+          f"prepare={v.details.get('prepare_phases')}")
     assert v.status is Status.CORRECT, _show(v)
     assert v.speedup is not None and v.speedup > 0
 
