@@ -13,6 +13,14 @@ without a budget was killed by three ReLU and three softmax candidates (2026-12-
 Run: ``python -m benchmarks.bench_host_memory [--problems relu softmax] [--candidates 3]
 [--oracles 2] [--small]``. ``--variant budget|none`` runs one variant in this process
 (what the parent starts).
+
+``--prepare-only`` measures what the host budget reserves for a problem's preparation
+(``preparation_bytes``, the baseline) against what preparing it takes: each problem is
+prepared alone (``Verifier.inspect_problem``) in a child of its own, after the same
+problem at CPU size has started the oracle, while the child samples the host's
+``MemAvailable`` every 0.05 s; the drop from before is the preparation's use (the
+oracle's sets and the verifier's view of them; the sealed files they share count once,
+which ``tree_memory`` would count twice). Run it on a quiet host.
 """
 
 from __future__ import annotations
@@ -71,6 +79,79 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     return asyncio.run(go())
 
 
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return 1024 * int(line.split()[1])
+    return 0
+
+
+def prepare_one(args: argparse.Namespace) -> dict[str, Any]:
+    """Prepares the one problem of ``--problems`` in this process; returns the drop in
+    the host's available memory while it did, and what the budget reserved for it."""
+    from kz_stream.testing.corpus.full_size import FULL_SIZE_PROBLEMS
+    from kz_stream.verify import Problem, Verifier, VerifierConfig
+
+    name = args.problems[0]
+    config = VerifierConfig(devices=[] if args.small else None, oracles=1, prewarm=0)
+
+    async def go() -> dict[str, Any]:
+        async with Verifier(config) as v:
+            # The oracle starts (imports, CUDA context) on a problem of CPU size first.
+            warm = await v.inspect_problem(Problem(FULL_SIZE_PROBLEMS[name].source(False)))
+            before = low = _mem_available()
+            done = threading.Event()
+
+            def sample() -> None:
+                nonlocal low
+                while not done.is_set():
+                    low = min(low, _mem_available())
+                    done.wait(0.05)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            t0 = time.monotonic()
+            info = await v.inspect_problem(
+                Problem(FULL_SIZE_PROBLEMS[name].source(not args.small), name))
+            done.set()
+            sampler.join()
+        return {"problem": name, "used_bytes": before - low, "seconds": time.monotonic() - t0,
+                "reserved_bytes": int(info.get("reserved_bytes", 0)),
+                "host_bytes": int(info.get("host_bytes", 0)),
+                "input_bytes": int(info.get("input_bytes", 0)),
+                "error": info.get("error") or warm.get("error")}
+
+    return asyncio.run(go())
+
+
+def prepare_only(args: argparse.Namespace) -> None:
+    """Each problem's preparation in a child of its own: used against reserved."""
+    metrics: dict[str, dict[str, Any]] = {}
+    rows = []
+    for name in args.problems:
+        cmd = [sys.executable, "-m", "benchmarks.bench_host_memory", "--prepare-one",
+               "--problems", name, *(["--small"] if args.small else [])]
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=False)
+        if proc.returncode:
+            row: dict[str, Any] = {"problem": name, "returncode": proc.returncode}
+        else:
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            reserved = row["reserved_bytes"] / 2**30
+            metrics[f"{name}: host memory its preparation used"] = metric(
+                row["used_bytes"] / 2**30, "GiB", reserved or None)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    command = "python -m benchmarks.bench_host_memory " + " ".join(sys.argv[1:])
+    notes = ("Each problem prepared alone at its published size, one oracle; value: the "
+             "drop in the host's MemAvailable while it was prepared; baseline: what the "
+             "host budget reserves for it (preparation_bytes). Rows: "
+             + "; ".join(json.dumps(r) for r in rows))
+    if not args.small and metrics:
+        write_result("preparation_memory", command, metrics, notes=notes,
+                     out_dir=args.out_dir)
+
+
 def measure(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     """Runs one variant in a child process and samples its tree's memory."""
     cmd = [sys.executable, "-m", "benchmarks.bench_host_memory", "--variant", variant,
@@ -108,10 +189,19 @@ def main() -> None:
     parser.add_argument("--small", action="store_true",
                         help="CPU sizes on the CPU path (checks the mechanics only)")
     parser.add_argument("--variant", choices=["budget", "none"])
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="each problem's preparation alone: used against reserved")
+    parser.add_argument("--prepare-one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args)), flush=True)
+        return
+    if args.prepare_one:
+        print(json.dumps(prepare_one(args)), flush=True)
+        return
+    if args.prepare_only:
+        prepare_only(args)
         return
     rows = {v: measure(args, v) for v in ("budget", "none")}
     b, n = rows["budget"], rows["none"]
