@@ -24,7 +24,8 @@ for line in open(sys.argv[1]):
         print(f"--deselect=tests/verify/test_full_size_corpus.py::test_{kind}_full_on_gpu[{m[2]}]")
 EOF
 )
-echo "=== slot $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null); ${#deselect[@]} done before" >> "$LOG"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+echo "=== slot $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null) ${gpu:-no GPU}; ${#deselect[@]} done before" >> "$LOG"
 timeout -s INT "$T" python3 -m pytest -m gpu tests/verify/test_full_size_corpus.py -k full_on_gpu \
   "${deselect[@]}" -s -rA -p no:cacheprovider --timeout 420 >> "$LOG" 2>&1
 rc=$?

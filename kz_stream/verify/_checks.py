@@ -175,17 +175,28 @@ class Stage:
         """The lane's shared GPU lock for one request, unless timing holds it exclusive."""
         return contextlib.nullcontext() if self.exclusive else self.lane.gpu.reader_lock
 
+    def _spent(self, stage: str, started: float) -> None:
+        """Adds the seconds since ``started`` to ``stage`` in ``details["stage_s"]``."""
+        spent = self.details.setdefault("stage_s", {})
+        spent[stage] = round(spent.get(stage, 0.0) + time.monotonic() - started, 3)
+
     async def compare(self, out: list[Any], exp: list[Any], hon: list[Any],
                       tols: list[Tolerance]) -> Comparison:
         """``compare_outputs`` on the lane's device, off the event loop; on the host when
-        the device has no room for it (the smaller memory plan)."""
-        async with self._shared():
-            try:
-                return await asyncio.to_thread(compare_outputs, out, exp, hon, tols, self.dev)
-            except torch.OutOfMemoryError:
-                self.details["compared_on_host"] = True
-        torch.cuda.empty_cache()
-        return await asyncio.to_thread(compare_outputs, out, exp, hon, tols, "cpu")
+        the device has no room for it (the smaller memory plan). Its time adds to
+        ``stage_s["compare"]``: a 6.4 GB output's comparisons are a third of a verdict."""
+        started = time.monotonic()
+        try:
+            async with self._shared():
+                try:
+                    return await asyncio.to_thread(compare_outputs, out, exp, hon, tols,
+                                                   self.dev)
+                except torch.OutOfMemoryError:
+                    self.details["compared_on_host"] = True
+            torch.cuda.empty_cache()
+            return await asyncio.to_thread(compare_outputs, out, exp, hon, tols, "cpu")
+        finally:
+            self._spent("compare", started)
 
     def reject(self, status: Status, reason: str, check: str, **kw: Any) -> Reject:
         return Reject(Ruling(status, reason, {"check": check, **kw}))
@@ -222,8 +233,7 @@ class Stage:
                 status = Status.OUT_OF_MEMORY
             raise self.reject(status, crashed, stage) from e
         finally:  # where a candidate's time goes, per worker request kind
-            spent = self.details.setdefault("stage_s", {})
-            spent[stage] = round(spent.get(stage, 0.0) + time.monotonic() - started, 3)
+            self._spent(stage, started)
         if r.get("violations"):
             raise self.reject(Status.HACK, f"forbidden action: {r['violations'][0]}", "forbidden")
         if r.get("ok"):
@@ -354,9 +364,11 @@ class Stage:
                 stage=f"run on input set {i} ({s['label']})")
             launches = r.get("launches", launches)
             if i == 0:  # KernelBench's rule, beside ours (on its own inputs on a GPU)
+                started = time.monotonic()
                 self.details["kernelbench_rule"] = await asyncio.to_thread(
                     kernelbench_allclose, r["outputs"][0], s["honest"])
                 self.details["kernelbench_rule_set"] = s["label"]
+                self._spent("kernelbench_rule", started)
             for flag in r.get("flags", []):
                 raise self.reject(Status.HACK, _FLAG_TEXT.get(flag, flag), flag, input_index=i)
             results: list[Comparison] = []

@@ -70,15 +70,27 @@ class _InUse:
 def preparation_bytes(input_bytes: int, output_bytes: int | None,
                       full_set_budget: int) -> int:
     """Host bytes a problem's preparation holds at its peak, from its own inputs' and
-    outputs' sizes: each set holds its inputs, honest outputs and float64 outputs (three
-    times a float32 output); sets at the module's own shapes hold ``full_set_budget``
-    together, the own set always, the others past it run at about an eighth of the shapes
-    (the memory plan, ``_inputs``); the oracle holds them all while the verifier reads its
-    copy. An unknown output counts as large as the inputs. An upper bound: sets shrink."""
+    outputs' sizes, as the oracle's memory plan makes its sets (``Oracle.prepare``): each
+    set holds its inputs, honest outputs and float64 outputs (three times a float32
+    output). The own set is always at full size; each later set at the module's own
+    shapes (signed, normal, heavy, odd) is too while the full-size sets together stay
+    within ``full_set_budget`` (0: no bound), and runs at about an eighth of the shapes
+    past it, as the small set does. An unknown output counts as large as the inputs.
+
+    One copy: the verifier maps the oracle's sealed host files rather than copying them.
+    On an H100 host (2026-12-06, ``bench_host_memory --prepare-only``) the 6 GiB ReLU
+    and softmax took 25.8 and 26.3 GiB to prepare and the 8 GiB argmax 8.2 GiB, against
+    39.0 and 13.0 GiB by this bound (78 and 40 GiB by its earlier form, which counted two
+    copies and budgeted partial sets)."""
     own = input_bytes + 3 * (input_bytes if output_bytes is None else output_bytes)
-    others = 5 * own  # signed, normal, heavy, odd, small: at most as large as own
-    full = min(others, max(full_set_budget - own, 0))
-    return 2 * (own + full + (others - full) // 8)
+    held, full_sets = own, 1
+    for _ in range(4):  # signed, normal, heavy, odd
+        if full_set_budget and own * (full_sets + 1) > full_set_budget:
+            held += own // 8
+        else:
+            held += own
+            full_sets += 1
+    return held + own // 8  # the small set
 
 
 def held_after_preparation(p: Prepared, share_min_bytes: int | None, candidates: int) -> int:

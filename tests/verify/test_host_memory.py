@@ -95,17 +95,29 @@ def test_one_child_tells_the_init_arguments_and_the_footprint() -> None:
     assert reference_facts(RELU_FULL) == ([], 4096 * 393216 * 4, 4096 * 393216 * 4)
 
 
-def test_a_small_problem_holds_six_full_sets_twice() -> None:
-    own = 1_000 + 3 * 1_000
-    assert preparation_bytes(1_000, 1_000, 16 * GB) == 2 * 6 * own
+def test_a_small_problem_holds_five_full_sets_and_a_small_one_once() -> None:
+    own = 1_000 + 3 * 1_000  # inputs, honest and float64 outputs
+    assert preparation_bytes(1_000, 1_000, 16 * GB) == 5 * own + own // 8
+    assert preparation_bytes(1_000, 1_000, 0) == 5 * own + own // 8  # 0: no bound
 
 
 def test_past_the_budget_the_other_sets_count_an_eighth() -> None:
-    # The ReLU's own set (input, honest and float64 output) is 25.8 GB: over the 16 GB
-    # budget alone, so the five others run at an eighth of the shapes.
+    # The ReLU's own set (input, honest and float64 output) is 25.8 GB: a second full
+    # set would pass the 16 GiB budget, so the oracle runs the five others at an eighth
+    # of the shapes. Prepared alone on an H100 host it took 25.8 GiB (2026-12-06).
     relu = 4096 * 393216 * 4
     own = 4 * relu
-    assert preparation_bytes(relu, relu, 16 * 2**30) == 2 * (own + 5 * own // 8)
+    assert preparation_bytes(relu, relu, 16 * 2**30) == own + 5 * (own // 8)
+    assert preparation_bytes(relu, relu, 16 * 2**30) == 39 * 2**30
+
+
+def test_whole_sets_join_the_own_one_while_they_fit_the_budget() -> None:
+    # As the oracle adds them: a set at the module's shapes is full size only if all the
+    # full-size sets, it included, stay within the budget; the rest and the small set
+    # are at an eighth.
+    own = 4 * 1_000
+    assert preparation_bytes(1_000, 1_000, 3 * own) == 3 * own + 3 * (own // 8)
+    assert preparation_bytes(1_000, 1_000, 3 * own - 1) == 2 * own + 4 * (own // 8)
 
 
 def test_an_unknown_output_counts_as_large_as_the_inputs() -> None:

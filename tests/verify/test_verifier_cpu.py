@@ -141,6 +141,17 @@ def test_verdict_payload_fields(cpu_verifier: Verifier) -> None:
                                    **v.to_dict()})
 
 
+def test_stage_times_count_the_comparisons_and_kernelbench_rule(
+        cpu_verifier: Verifier) -> None:
+    v = cpu_verifier.verify_sync(
+        Problem(PROBLEMS["relu"]), Candidate(TRITON_HONEST["relu"], "triton")
+    )
+    stages = v.details["stage_s"]
+    # Outside the worker's requests, and a third of a 6.4 GB output's verdict on a GPU.
+    assert stages["compare"] > 0 and stages["kernelbench_rule"] >= 0, stages
+    assert v.details["kernelbench_rule"] is True
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_compile_checked_without_gpu(cpu_verifier: Verifier) -> None:
