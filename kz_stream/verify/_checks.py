@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -149,6 +149,8 @@ class HostMemoryWatch:
                 f"is {limit} (the prepared problem's inputs and outputs and a margin)")
 
 
+_T = TypeVar("_T")
+
 class Stage:
     """The GPU (or CPU-interpreter) stage for one candidate in one worker: load,
     correctness, launch evidence, timing and integrity checks. A failed check raises
@@ -180,23 +182,36 @@ class Stage:
         spent = self.details.setdefault("stage_s", {})
         spent[stage] = round(spent.get(stage, 0.0) + time.monotonic() - started, 3)
 
+    async def _device_or_host(self, fn: Callable[[str], _T]) -> _T:
+        """``fn(device)`` on the lane's device, off the event loop; on the host when the
+        device has no room for it (the smaller memory plan)."""
+        async with self._shared():
+            try:
+                return await asyncio.to_thread(fn, self.dev)
+            except torch.OutOfMemoryError:
+                self.details["compared_on_host"] = True
+        torch.cuda.empty_cache()
+        return await asyncio.to_thread(fn, "cpu")
+
     async def compare(self, out: list[Any], exp: list[Any], hon: list[Any],
                       tols: list[Tolerance]) -> Comparison:
-        """``compare_outputs`` on the lane's device, off the event loop; on the host when
-        the device has no room for it (the smaller memory plan). Its time adds to
-        ``stage_s["compare"]``: a 6.4 GB output's comparisons are a third of a verdict."""
+        """``compare_outputs`` on the lane's device (or the host). Its time adds to
+        ``stage_s["compare"]``: a 6.4 GB output's comparisons are a sixth of a verdict."""
         started = time.monotonic()
         try:
-            async with self._shared():
-                try:
-                    return await asyncio.to_thread(compare_outputs, out, exp, hon, tols,
-                                                   self.dev)
-                except torch.OutOfMemoryError:
-                    self.details["compared_on_host"] = True
-            torch.cuda.empty_cache()
-            return await asyncio.to_thread(compare_outputs, out, exp, hon, tols, "cpu")
+            return await self._device_or_host(
+                lambda dev: compare_outputs(out, exp, hon, tols, dev))
         finally:
             self._spent("compare", started)
+
+    async def _kernelbench_rule(self, out: list[Any], honest: list[Any]) -> bool:
+        """``kernelbench_allclose`` on the lane's device (or the host)."""
+        started = time.monotonic()
+        try:
+            return await self._device_or_host(
+                lambda dev: kernelbench_allclose(out, honest, device=dev))
+        finally:
+            self._spent("kernelbench_rule", started)
 
     def reject(self, status: Status, reason: str, check: str, **kw: Any) -> Reject:
         return Reject(Ruling(status, reason, {"check": check, **kw}))
@@ -364,11 +379,9 @@ class Stage:
                 stage=f"run on input set {i} ({s['label']})")
             launches = r.get("launches", launches)
             if i == 0:  # KernelBench's rule, beside ours (on its own inputs on a GPU)
-                started = time.monotonic()
-                self.details["kernelbench_rule"] = await asyncio.to_thread(
-                    kernelbench_allclose, r["outputs"][0], s["honest"])
+                self.details["kernelbench_rule"] = await self._kernelbench_rule(
+                    r["outputs"][0], s["honest"])
                 self.details["kernelbench_rule_set"] = s["label"]
-                self._spent("kernelbench_rule", started)
             for flag in r.get("flags", []):
                 raise self.reject(Status.HACK, _FLAG_TEXT.get(flag, flag), flag, input_index=i)
             results: list[Comparison] = []

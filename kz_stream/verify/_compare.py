@@ -209,10 +209,12 @@ def compare_tensor(
 
 
 def kernelbench_allclose(cand: list[Any], reference: list[Any], *, atol: float = 1e-2,
-                         rtol: float = 1e-2) -> bool:
+                         rtol: float = 1e-2, device: str | torch.device = "cpu") -> bool:
     """KernelBench's own rule: every output has the reference's shape and
     ``torch.allclose(reference, cand, atol, rtol)`` (NaN never equal), the reference run
-    in its own precision. Looser than ``compare_outputs``: the evaluation reports both."""
+    in its own precision. Looser than ``compare_outputs``: the evaluation reports both.
+    The arithmetic runs on ``device``, block by block (on the host, a 6.4 GB output took
+    10.5 s of a 103 s verdict on an H100 host)."""
     if len(cand) != len(reference):
         return False
     for c, r in zip(cand, reference, strict=True):
@@ -223,7 +225,7 @@ def kernelbench_allclose(cand: list[Any], reference: list[Any], *, atol: float =
         r = torch.as_tensor(r)
         if tuple(c.shape) != tuple(r.shape):
             return False
-        for cb, rb in _blocks(torch.device("cpu"), c, r):
+        for cb, rb in _blocks(torch.device(device), c, r):
             if not torch.allclose(cb, rb, atol=atol, rtol=rtol):
                 return False
     return True

@@ -125,6 +125,15 @@ def test_kernelbench_rule_is_looser_than_ours() -> None:
     assert not kernelbench_allclose([honest[:1]], [honest])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernelbench_rule_on_a_device_rules_as_on_the_host() -> None:
+    _, _, _, honest = _matmul_case()
+    for cand in (honest * (1 + 1e-4), honest + 1.0, honest.clone().fill_(float("nan"))):
+        assert kernelbench_allclose([cand], [honest], device="cuda") == kernelbench_allclose(
+            [cand], [honest])
+
+
 def test_kernelbench_rule_calls_an_output_that_is_not_a_tensor_wrong() -> None:
     _, _, _, honest = _matmul_case()
     for junk in (None, "tensor", object()):
