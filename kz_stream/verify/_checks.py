@@ -213,6 +213,13 @@ class Stage:
         finally:
             self._spent("kernelbench_rule", started)
 
+    def _reference_failed(self, message: str) -> Reject:
+        """The reference's timing failed: no verdict on the candidate (``unchecked``), and
+        where others' memory filled the device, an infrastructure failure that the
+        verifier retries with the device to itself (in a KernelBench mix on an H100, an
+        8 GiB reduction's reference found 0.6 GiB free beside other problems' workers)."""
+        return self.reject(*problem_failure(message, "reference timing"))
+
     def reject(self, status: Status, reason: str, check: str, **kw: Any) -> Reject:
         return Reject(Ruling(status, reason, {"check": check, **kw}))
 
@@ -349,8 +356,7 @@ class Stage:
                 self.ref = await self.lane.reference_timer(
                     self.p, self.n_sets, self.timing_seed, cfg.load_timeout_s)
             except (ChildDied, ChildTimeout, RuntimeError) as e:
-                raise self.reject(Status.UNCHECKED, f"reference timing failed: {e}",
-                                  "problem") from e
+                raise self._reference_failed(str(e)) from e
         if self.gpu and checks:
             await self._profile()
         else:
@@ -485,15 +491,11 @@ class Stage:
         none runs now; their harness warm-up (host work, microsecond kernels) may."""
         cfg, p = self.config, self.p
 
-        def ref_failed(message: str) -> Reject:
-            return self.reject(Status.UNCHECKED, f"reference timing failed: {message}",
-                               "problem")
-
         async def candidate_round(ask: TimeRequest) -> TimeReply:
             r: TimeReply = await self.call(_padded(ask, ref.pad_cycles), stage="timing")
             return r
 
-        base = Side(child_round(ref.child, cfg.call_timeout_s, ref_failed))
+        base = Side(child_round(ref.child, cfg.call_timeout_s, self._reference_failed))
         cand = Side(candidate_round)
         res = await interleave(cfg, p.seed, base, cand, ref.pad_ms)
         med_c, med_r = cand.median_ms(), base.median_ms()
@@ -783,6 +785,22 @@ def killed_for_memory(e: ChildDied, kills_before: int | None) -> bool:
     enough: a candidate can kill its own process group too."""
     killed = e.returncode is not None and e.returncode in (-9, 137)
     return killed and (kills_before is None or oom_kills() != kills_before)
+
+
+def problem_failure(message: str, stage: str) -> tuple[Status, str, str]:
+    """Status, reason and check of a failure on the problem's side (its preparation, its
+    reference's timing) with ``message``, at ``stage``.
+
+    A device that others' memory filled (``device_was_full``) says nothing about the
+    problem: on the H200, two generation processes beside the verifier held 126 GB and
+    two problems came back ``unchecked`` for it. That is an infrastructure failure, which
+    the learner ignores, the verifier tries once more with the device to itself, and an
+    evaluation's resume verifies again; anything else is the problem's own failure.
+    """
+    if device_was_full(message):
+        return (Status.INFRA_ERROR, f"{stage}: the device had no room (other processes "
+                f"held it): {message}", "device_memory")
+    return Status.UNCHECKED, f"{stage}: {message}", "problem"
 
 
 def device_was_full(message: str) -> bool:

@@ -36,6 +36,7 @@ from kz_stream.verify._checks import (
     device_was_full,
     killed_for_memory,
     oom_kills,
+    problem_failure,
 )
 from kz_stream.verify._config import VerifierConfig
 from kz_stream.verify._extract import InlineCall, extract_inline_calls
@@ -107,21 +108,6 @@ def held_after_preparation(p: Prepared, share_min_bytes: int | None, candidates:
     sent = max((nbytes(unshared(s["inputs"])) for s in p.sets), default=0)
     back = max((nbytes(s["honest"]) for s in p.sets), default=0)
     return p.host_bytes + candidates * (sent + 4 * back)
-
-
-def preparation_failure(message: str) -> tuple[Status, str, str]:
-    """Status, reason and check of a problem whose preparation failed with ``message``.
-
-    A device that others' memory filled (``device_was_full``) says nothing about the
-    problem: on the H200, two generation processes beside the verifier held 126 GB and
-    two problems came back ``unchecked`` for it. That is an infrastructure failure, which
-    the learner ignores and an evaluation's resume verifies again; anything else is the
-    problem's own failure.
-    """
-    if device_was_full(message):
-        return (Status.INFRA_ERROR, f"problem: the device had no room (other processes "
-                f"held it): {message}", "device_memory")
-    return Status.UNCHECKED, f"problem: {message}", "problem"
 
 
 class Verifier:
@@ -487,7 +473,7 @@ class Verifier:
             return self._verdict(Status.UNCHECKED, f"problem: the reference could not be "
                                  f"evaluated ({e})", check="problem")
         if not r.get("ok"):
-            status, reason, check = preparation_failure(str(r.get("message")))
+            status, reason, check = problem_failure(str(r.get("message")), "problem")
             if full:
                 reason += " (on its second try too, with the device to itself)"
             return self._verdict(status, reason, check=check)

@@ -6,8 +6,7 @@ from __future__ import annotations
 from kz_stream.testing.corpus.problems import PROBLEMS
 from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
 from kz_stream.verify import Candidate, Problem, Status, Verdict, Verifier, VerifierConfig
-from kz_stream.verify._checks import device_was_full
-from kz_stream.verify._verifier import preparation_failure
+from kz_stream.verify._checks import device_was_full, problem_failure
 
 # As the H200 worded it for a 6.4 GB ReLU while the verifier's other processes held the
 # device (2026-11-30).
@@ -38,12 +37,25 @@ PREPARE_FULL = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4
 
 
 def test_a_preparation_on_a_full_device_is_an_infrastructure_failure() -> None:
-    status, reason, check = preparation_failure(PREPARE_FULL)
+    status, reason, check = problem_failure(PREPARE_FULL, "problem")
     assert (status, check) == (Status.INFRA_ERROR, "device_memory")
     assert "4.00 GiB" in reason
-    status, reason, check = preparation_failure("ValueError: shapes do not match")
+    status, reason, check = problem_failure("ValueError: shapes do not match", "problem")
     assert (status, check) == (Status.UNCHECKED, "problem")
     assert reason == "problem: ValueError: shapes do not match"
+
+
+# The reference's timing worker of an 8 GiB sum in a KernelBench mix on an H100, beside
+# other problems' workers (2026-12-06): it was ``unchecked``, a wrong verdict.
+REFERENCE_FULL = ("reference timing worker: torch.OutOfMemoryError: CUDA out of memory. "
+                  "Tried to allocate 8.00 GiB. GPU 0 has a total capacity of 79.18 GiB of "
+                  "which 662.81 MiB is free.")
+
+
+def test_a_reference_timing_on_a_full_device_is_an_infrastructure_failure() -> None:
+    status, reason, check = problem_failure(REFERENCE_FULL, "reference timing")
+    assert (status, check) == (Status.INFRA_ERROR, "device_memory")
+    assert reason.startswith("reference timing: the device had no room")
 
 
 # A problem whose preparation finds the device full: as the H100 worded it for an 8 GiB
