@@ -607,7 +607,12 @@ def _raw_strings(source: str) -> list[str]:
 
 
 class _LoopThread:
-    """An event loop on a daemon thread, for the synchronous wrapper."""
+    """An event loop on a daemon thread, for the synchronous wrapper.
+
+    A call interrupted while it waits (Ctrl-C, a test's time limit) cancels its task, and
+    ``stop`` cancels what is left and lets it clean up on the running loop, as
+    ``asyncio.run`` does: a task left pending was destroyed at exit instead, and its
+    clean-up (killing its worker) failed with a screenful of tracebacks."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -615,7 +620,23 @@ class _LoopThread:
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # a no-op once it is done
+            raise
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
+        async def cancel_the_rest() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_the_rest(), self.loop).result(timeout_s)
+        except (TimeoutError, RuntimeError):  # stopping goes on: the thread is a daemon
+            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout_s)
