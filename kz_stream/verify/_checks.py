@@ -151,6 +151,7 @@ class HostMemoryWatch:
 
 _T = TypeVar("_T")
 
+
 class Stage:
     """The GPU (or CPU-interpreter) stage for one candidate in one worker: load,
     correctness, launch evidence, timing and integrity checks. A failed check raises
