@@ -47,9 +47,10 @@ def reference_init_args(source: str) -> list[Any]:
     return list(load_reference(source, os.getcwd()).get_init_inputs())
 
 
-def reference_footprint(source: str) -> tuple[int, int | None]:
-    """Bytes of the reference's own inputs and of its outputs on them (None where the
-    forward cannot run on the meta device), found on the meta device: no memory, no
+def reference_footprint(source: str) -> tuple[int, int | None, int]:
+    """Bytes of the reference's own inputs, of its outputs on them (None where the
+    forward cannot run on the meta device) and of its model's weights (parameters and
+    buffers; 0 where it cannot be built there), found on the meta device: no memory, no
     kernel (run in a sandboxed child). What a preparation will hold, before it runs."""
     import torch
 
@@ -66,17 +67,23 @@ def reference_footprint(source: str) -> tuple[int, int | None]:
         inputs = list(ref.get_inputs())
         init = list(ref.get_init_inputs())
         try:
-            with torch.no_grad():
-                out = flatten(ref.model_cls(*init)(*inputs))
+            model = ref.model_cls(*init)
+            weights = size(list(model.state_dict().values()))
         except Exception:
-            return size(inputs), None
-    return size(inputs), size(out)
+            return size(inputs), None, 0
+        try:
+            with torch.no_grad():
+                out = flatten(model(*inputs))
+        except Exception:
+            return size(inputs), None, weights
+    return size(inputs), size(out), weights
 
 
-def reference_facts(source: str) -> tuple[list[Any], int, int | None]:
+def reference_facts(source: str) -> tuple[list[Any], int, int | None, int]:
     """The reference's ``get_init_inputs()`` (``reference_init_args``) and the bytes of
-    its inputs and outputs (``reference_footprint``): what the preflight and the host's
-    memory budget need to know of a problem, from one sandboxed child (run in one)."""
+    its inputs, outputs and weights (``reference_footprint``): what the preflight and the
+    host's memory budget need to know of a problem, from one sandboxed child (run in
+    one)."""
     return (reference_init_args(source), *reference_footprint(source))
 
 

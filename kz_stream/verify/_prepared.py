@@ -19,6 +19,13 @@ __all__ = ["Prepared"]
 _DEVICE_CACHED_OUTPUT_BYTES = 256 << 20
 
 
+def _held_bytes(sets: list[InputSet]) -> int:
+    """What prepared ``sets`` hold on the host: each set's inputs and outputs, and the
+    weights its model comes with (once per distinct model: a level-3 MLP's 2.7 GB)."""
+    weights = sum(nbytes(list((s.get("state_dict") or {}).values())) for s in sets)
+    return sum(int(s.get("bytes", 0)) for s in sets) + weights
+
+
 @dataclass
 class Prepared:
     """A problem as the oracle prepared it (CPU tensors), cached by the parent."""
@@ -66,7 +73,7 @@ class Prepared:
             init_args=list(r["init_args"]), notes=list(r["notes"]),
             plan_notes=list(r.get("plan_notes", [])), dropped=list(r.get("dropped", [])),
             device_peak_bytes=int(r.get("device_peak_bytes", 0)),
-            host_bytes=sum(int(s.get("bytes", 0)) for s in r["sets"]), phase_s=phases)
+            host_bytes=_held_bytes(r["sets"]), phase_s=phases)
 
     def share_inputs(self, min_bytes: int) -> None:
         """Moves each set's inputs of ``min_bytes`` and up into sealed memory files

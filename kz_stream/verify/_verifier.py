@@ -69,7 +69,7 @@ class _InUse:
 
 
 def preparation_bytes(input_bytes: int, output_bytes: int | None,
-                      full_set_budget: int) -> int:
+                      full_set_budget: int, weight_bytes: int = 0) -> int:
     """Host bytes a problem's preparation holds at its peak, from its own inputs' and
     outputs' sizes, as the oracle's memory plan makes its sets (``Oracle.prepare``): each
     set holds its inputs, honest outputs and float64 outputs (three times a float32
@@ -77,6 +77,8 @@ def preparation_bytes(input_bytes: int, output_bytes: int | None,
     shapes (signed, normal, heavy, odd) is too while the full-size sets together stay
     within ``full_set_budget`` (0: no bound), and runs at about an eighth of the shapes
     past it, as the small set does. An unknown output counts as large as the inputs.
+    The sets carry their models' weights once per distinct model: the own model's, the
+    odd set's (its init arguments one less) and the scaled-down sets' (at an eighth).
 
     One copy: the verifier maps the oracle's sealed host files rather than copying them.
     On an H100 host (2026-12-06, ``bench_host_memory --prepare-only``) the 6 GiB ReLU
@@ -91,7 +93,8 @@ def preparation_bytes(input_bytes: int, output_bytes: int | None,
         else:
             held += own
             full_sets += 1
-    return held + own // 8  # the small set
+    weights = 2 * weight_bytes + weight_bytes // 8
+    return held + own // 8 + weights  # own // 8: the small set
 
 
 def held_after_preparation(p: Prepared, share_min_bytes: int | None, candidates: int) -> int:
@@ -547,8 +550,8 @@ class Verifier:
         budget = self.config.full_set_budget_bytes
         if not got.ok:
             return 2 * budget
-        _, input_bytes, output_bytes = got.value
-        return preparation_bytes(input_bytes, output_bytes, budget)
+        _, input_bytes, output_bytes, weight_bytes = got.value
+        return preparation_bytes(input_bytes, output_bytes, budget, weight_bytes)
 
     async def _reference_facts(self, problem: Problem) -> SandboxOutcome:
         """``reference_facts`` of ``problem``, from one sandboxed child per problem shared

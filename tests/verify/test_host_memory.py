@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kz_stream.verify._preflight import reference_facts, reference_footprint
+from kz_stream.verify._prepared import _held_bytes
 from kz_stream.verify._verifier import preparation_bytes
 
 GB = 10**9
@@ -60,12 +62,12 @@ def _in_a_scratch_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_the_footprint_comes_from_the_meta_device_without_memory() -> None:
-    assert reference_footprint(RELU_FULL) == (4096 * 393216 * 4, 4096 * 393216 * 4)
-    assert reference_footprint(MSE_FULL) == (2 * 32768 * 32768 * 4, 4)
+    assert reference_footprint(RELU_FULL) == (4096 * 393216 * 4, 4096 * 393216 * 4, 0)
+    assert reference_footprint(MSE_FULL) == (2 * 32768 * 32768 * 4, 4, 0)
 
 
 def test_an_output_the_meta_device_cannot_give_is_unknown() -> None:
-    assert reference_footprint(READS_A_VALUE) == (4096 * 393216 * 4, None)
+    assert reference_footprint(READS_A_VALUE) == (4096 * 393216 * 4, None, 0)
 
 
 LINEAR = '''import torch
@@ -91,8 +93,15 @@ def get_init_inputs():
 
 
 def test_one_child_tells_the_init_arguments_and_the_footprint() -> None:
-    assert reference_facts(LINEAR) == ([64, 32], 8 * 64 * 4, 8 * 32 * 4)
-    assert reference_facts(RELU_FULL) == ([], 4096 * 393216 * 4, 4096 * 393216 * 4)
+    assert reference_facts(LINEAR) == ([64, 32], 8 * 64 * 4, 8 * 32 * 4, (64 * 32 + 32) * 4)
+    assert reference_facts(RELU_FULL) == ([], 4096 * 393216 * 4, 4096 * 393216 * 4, 0)
+
+
+def test_the_footprint_counts_the_models_weights_on_the_meta_device() -> None:
+    # KernelBench level 3's MLP at width 16384 is 671M parameters: 2.7 GB a model.
+    wide = LINEAR.replace("return [64, 32]", "return [16384, 16384]").replace(
+        "torch.rand(8, 64)", "torch.rand(8, 16384)")
+    assert reference_footprint(wide)[2] == (16384 * 16384 + 16384) * 4
 
 
 def test_a_small_problem_holds_five_full_sets_and_a_small_one_once() -> None:
@@ -118,6 +127,19 @@ def test_whole_sets_join_the_own_one_while_they_fit_the_budget() -> None:
     own = 4 * 1_000
     assert preparation_bytes(1_000, 1_000, 3 * own) == 3 * own + 3 * (own // 8)
     assert preparation_bytes(1_000, 1_000, 3 * own - 1) == 2 * own + 4 * (own // 8)
+
+
+def test_weights_count_for_the_own_model_the_odd_one_and_an_eighth_for_the_small() -> None:
+    weights = 8 * 10**9
+    assert preparation_bytes(1_000, 1_000, 16 * GB, weights) == (
+        preparation_bytes(1_000, 1_000, 16 * GB) + 2 * weights + weights // 8)
+
+
+def test_prepared_sets_hold_their_models_weights_once_per_model() -> None:
+    w = {"weight": torch.zeros(1000), "bias": torch.zeros(10)}  # 4,040 bytes
+    sets = [{"bytes": 100, "state_dict": w}, {"bytes": 100, "state_dict": None},
+            {"bytes": 10, "state_dict": {"weight": torch.zeros(100)}}]
+    assert _held_bytes(sets) == 210 + 4_040 + 400  # type: ignore[arg-type]
 
 
 def test_an_unknown_output_counts_as_large_as_the_inputs() -> None:
