@@ -48,10 +48,14 @@ def reference_init_args(source: str) -> list[Any]:
 
 
 def reference_footprint(source: str) -> tuple[int, int | None, int]:
-    """Bytes of the reference's own inputs, of its outputs on them (None where the
-    forward cannot run on the meta device) and of its model's weights (parameters and
-    buffers; 0 where it cannot be built there), found on the meta device: no memory, no
-    kernel (run in a sandboxed child). What a preparation will hold, before it runs."""
+    """Bytes of the reference's own inputs, of what a set keeps of its outputs on them
+    (None where the forward cannot run on the meta device) and of its model's weights
+    (parameters and buffers; 0 where it cannot be built there), found on the meta device:
+    no memory, no kernel (run in a sandboxed child). What a preparation will hold, before
+    it runs. A set keeps each output twice (``Oracle._one_set``): as the reference returns
+    it and as its float64 run does, which is 8 bytes an element for a floating output
+    (a float16 one grows fivefold, a float32 one threefold) and the same dtype otherwise
+    (an argmax's int64, a mask's bool)."""
     import torch
 
     from kz_stream.verify._compare import flatten
@@ -61,6 +65,11 @@ def reference_footprint(source: str) -> tuple[int, int | None, int]:
         # Meta tensors have no storage to tell shared ones apart: count each view.
         return sum(v.numel() * v.element_size() for v in values
                    if isinstance(v, torch.Tensor))
+
+    def kept(values: list[Any]) -> int:  # honest and float64 outputs
+        return sum(v.numel() * (v.element_size() + (8 if v.is_floating_point()
+                                                    else v.element_size()))
+                   for v in values if isinstance(v, torch.Tensor))
 
     ref = load_reference(source, os.getcwd())
     with torch.device("meta"):
@@ -76,7 +85,7 @@ def reference_footprint(source: str) -> tuple[int, int | None, int]:
                 out = flatten(model(*inputs))
         except Exception:
             return size(inputs), None, weights
-    return size(inputs), size(out), weights
+    return size(inputs), kept(out), weights
 
 
 def reference_facts(source: str) -> tuple[list[Any], int, int | None, int]:

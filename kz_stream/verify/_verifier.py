@@ -70,13 +70,15 @@ class _InUse:
 
 def preparation_bytes(input_bytes: int, output_bytes: int | None,
                       full_set_budget: int, weight_bytes: int = 0) -> int:
-    """Host bytes a problem's preparation holds at its peak, from its own inputs' and
-    outputs' sizes, as the oracle's memory plan makes its sets (``Oracle.prepare``): each
-    set holds its inputs, honest outputs and float64 outputs (three times a float32
-    output). The own set is always at full size; each later set at the module's own
-    shapes (signed, normal, heavy, odd) is too while the full-size sets together stay
-    within ``full_set_budget`` (0: no bound), and runs at about an eighth of the shapes
-    past it, as the small set does. An unknown output counts as large as the inputs.
+    """Host bytes a problem's preparation holds at its peak, from its own inputs' sizes
+    and what a set keeps of its outputs (``output_bytes``: honest and float64, as
+    ``reference_footprint`` counts them), as the oracle's memory plan makes its sets
+    (``Oracle.prepare``): each set holds its inputs and those outputs. The own set is
+    always at full size; each later set at the module's own shapes (signed, normal,
+    heavy, odd) is too while the full-size sets together stay within ``full_set_budget``
+    (0: no bound), and runs at about an eighth of the shapes past it, as the small set
+    does. An unknown output counts as a float32 one as large
+    as the inputs (three times their bytes).
     The sets carry their models' weights once per distinct model: the own model's, the
     odd set's (its init arguments one less) and the scaled-down sets' (at an eighth).
 
@@ -85,7 +87,7 @@ def preparation_bytes(input_bytes: int, output_bytes: int | None,
     and softmax took 25.8 and 26.3 GiB to prepare and the 8 GiB argmax 8.2 GiB, against
     39.0 and 13.0 GiB by this bound (78 and 40 GiB by its earlier form, which counted two
     copies and budgeted partial sets)."""
-    own = input_bytes + 3 * (input_bytes if output_bytes is None else output_bytes)
+    own = input_bytes + (3 * input_bytes if output_bytes is None else output_bytes)
     held, full_sets = own, 1
     for _ in range(4):  # signed, normal, heavy, odd
         if full_set_budget and own * (full_sets + 1) > full_set_budget:
@@ -540,8 +542,8 @@ class Verifier:
             entry.nbytes = after
 
     async def _preparation_bytes(self, problem: Problem) -> int:
-        """Host bytes that preparing ``problem`` holds at its peak: the oracle's sets and
-        the verifier's copy of them (``preparation_bytes``), from the reference's sizes
+        """Host bytes that preparing ``problem`` holds at its peak: the oracle's sets, of
+        which the verifier maps one copy (``preparation_bytes``), from the reference's sizes
         on the meta device; twice the full-size budget where those cannot be found. The
         CPU path prepares small sets only: 0."""
         if not self.gpu:

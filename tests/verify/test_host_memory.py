@@ -62,8 +62,22 @@ def _in_a_scratch_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_the_footprint_comes_from_the_meta_device_without_memory() -> None:
-    assert reference_footprint(RELU_FULL) == (4096 * 393216 * 4, 4096 * 393216 * 4, 0)
-    assert reference_footprint(MSE_FULL) == (2 * 32768 * 32768 * 4, 4, 0)
+    # A float32 output is kept as returned (4 bytes an element) and in float64 (8).
+    assert reference_footprint(RELU_FULL) == (4096 * 393216 * 4, 4096 * 393216 * 12, 0)
+    assert reference_footprint(MSE_FULL) == (2 * 32768 * 32768 * 4, 12, 0)
+
+
+def test_the_outputs_kept_follow_their_dtype() -> None:
+    # float16 grows fivefold (2 + 8 bytes); an int64 argmax and a bool mask are kept in
+    # their own dtype by the float64 run too.
+    half = RELU_FULL.replace("torch.rand(4096, 393216)", "torch.rand(64, 64).half()")
+    argmax = RELU_FULL.replace("torch.relu(x)", "torch.argmax(x, dim=1)").replace(
+        "torch.rand(4096, 393216)", "torch.rand(64, 64)")
+    mask = RELU_FULL.replace("torch.relu(x)", "x > 0.5").replace(
+        "torch.rand(4096, 393216)", "torch.rand(64, 64)")
+    assert reference_footprint(half)[1] == 64 * 64 * (2 + 8)
+    assert reference_footprint(argmax)[1] == 64 * (8 + 8)
+    assert reference_footprint(mask)[1] == 64 * 64 * (1 + 1)
 
 
 def test_an_output_the_meta_device_cannot_give_is_unknown() -> None:
@@ -93,8 +107,9 @@ def get_init_inputs():
 
 
 def test_one_child_tells_the_init_arguments_and_the_footprint() -> None:
-    assert reference_facts(LINEAR) == ([64, 32], 8 * 64 * 4, 8 * 32 * 4, (64 * 32 + 32) * 4)
-    assert reference_facts(RELU_FULL) == ([], 4096 * 393216 * 4, 4096 * 393216 * 4, 0)
+    assert reference_facts(LINEAR) == ([64, 32], 8 * 64 * 4, 8 * 32 * 12,
+                                       (64 * 32 + 32) * 4)
+    assert reference_facts(RELU_FULL) == ([], 4096 * 393216 * 4, 4096 * 393216 * 12, 0)
 
 
 def test_the_footprint_counts_the_models_weights_on_the_meta_device() -> None:
@@ -105,9 +120,9 @@ def test_the_footprint_counts_the_models_weights_on_the_meta_device() -> None:
 
 
 def test_a_small_problem_holds_five_full_sets_and_a_small_one_once() -> None:
-    own = 1_000 + 3 * 1_000  # inputs, honest and float64 outputs
-    assert preparation_bytes(1_000, 1_000, 16 * GB) == 5 * own + own // 8
-    assert preparation_bytes(1_000, 1_000, 0) == 5 * own + own // 8  # 0: no bound
+    own = 1_000 + 3_000  # inputs, honest and float64 outputs (float32)
+    assert preparation_bytes(1_000, 3_000, 16 * GB) == 5 * own + own // 8
+    assert preparation_bytes(1_000, 3_000, 0) == 5 * own + own // 8  # 0: no bound
 
 
 def test_past_the_budget_the_other_sets_count_an_eighth() -> None:
@@ -116,8 +131,8 @@ def test_past_the_budget_the_other_sets_count_an_eighth() -> None:
     # of the shapes. Prepared alone on an H100 host it took 25.8 GiB (2026-12-06).
     relu = 4096 * 393216 * 4
     own = 4 * relu
-    assert preparation_bytes(relu, relu, 16 * 2**30) == own + 5 * (own // 8)
-    assert preparation_bytes(relu, relu, 16 * 2**30) == 39 * 2**30
+    assert preparation_bytes(relu, 3 * relu, 16 * 2**30) == own + 5 * (own // 8)
+    assert preparation_bytes(relu, 3 * relu, 16 * 2**30) == 39 * 2**30
 
 
 def test_whole_sets_join_the_own_one_while_they_fit_the_budget() -> None:
@@ -125,14 +140,14 @@ def test_whole_sets_join_the_own_one_while_they_fit_the_budget() -> None:
     # full-size sets, it included, stay within the budget; the rest and the small set
     # are at an eighth.
     own = 4 * 1_000
-    assert preparation_bytes(1_000, 1_000, 3 * own) == 3 * own + 3 * (own // 8)
-    assert preparation_bytes(1_000, 1_000, 3 * own - 1) == 2 * own + 4 * (own // 8)
+    assert preparation_bytes(1_000, 3_000, 3 * own) == 3 * own + 3 * (own // 8)
+    assert preparation_bytes(1_000, 3_000, 3 * own - 1) == 2 * own + 4 * (own // 8)
 
 
 def test_weights_count_for_the_own_model_the_odd_one_and_an_eighth_for_the_small() -> None:
     weights = 8 * 10**9
-    assert preparation_bytes(1_000, 1_000, 16 * GB, weights) == (
-        preparation_bytes(1_000, 1_000, 16 * GB) + 2 * weights + weights // 8)
+    assert preparation_bytes(1_000, 3_000, 16 * GB, weights) == (
+        preparation_bytes(1_000, 3_000, 16 * GB) + 2 * weights + weights // 8)
 
 
 def test_prepared_sets_hold_their_models_weights_once_per_model() -> None:
@@ -142,5 +157,5 @@ def test_prepared_sets_hold_their_models_weights_once_per_model() -> None:
     assert _held_bytes(sets) == 210 + 4_040 + 400  # type: ignore[arg-type]
 
 
-def test_an_unknown_output_counts_as_large_as_the_inputs() -> None:
-    assert preparation_bytes(10, None, 10**6) == preparation_bytes(10, 10, 10**6)
+def test_an_unknown_output_counts_as_a_float32_one_as_large_as_the_inputs() -> None:
+    assert preparation_bytes(10, None, 10**6) == preparation_bytes(10, 30, 10**6)
