@@ -242,7 +242,10 @@ class Oracle:
             "honest": honest, "tolerances": [asdict(t) for t in tols],
             "init_args": init_i,
             "model_key": repr(list(init_i)),
-            "state_dict": {k: v.detach().to("cpu") for k, v in model.state_dict().items()},
+            # Straight into sealed files where big, as the inputs: one host copy of a
+            # level-3 MLP's 2.7 GB of weights, not a pageable one and then the reply's.
+            "state_dict": {k: self._to_host(v.detach())
+                           for k, v in model.state_dict().items()},
             "out_specs": [(list(h.shape), str(h.dtype).removeprefix("torch.")) for h in honest],
             "shapes": [list(v.shape) for v in cpu_inputs if isinstance(v, torch.Tensor)],
             "bytes": nbytes(cpu_inputs) + nbytes(expected) + nbytes(honest),

@@ -408,6 +408,43 @@ def test_the_oracle_replies_through_sealed_files(monkeypatch: pytest.MonkeyPatch
     assert not os.path.exists(spill_dir)
 
 
+LINEAR = """
+import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2100, 2048)  # a 17.2 MB weight
+
+    def forward(self, x):
+        return self.fc(x)
+
+def get_inputs():
+    return [torch.randn(4, 2100)]
+
+def get_init_inputs():
+    return []
+"""
+
+
+@JAIL
+def test_the_oracle_replies_with_big_weights_in_sealed_files() -> None:
+    """A model's big weights come as sealed files, as its big inputs do: each candidate's
+    worker is then handed the file, not the bytes (``held_after_preparation`` counts no
+    weights per candidate)."""
+    lane = Lane(VerifierConfig(devices=[], oracle_spill=True), None)
+    try:
+        reply = asyncio.run(lane.oracle_call(
+            {**PREPARE, "source": LINEAR, "key": "linear-weights" * 3}, 300))
+        assert reply["ok"], reply
+        own = next(s for s in reply["sets"] if s["label"] == "own")
+        assert mapped_from(own["state_dict"]["fc.weight"]).startswith("/memfd:kz-sealed")
+        assert own["state_dict"]["fc.bias"].numel() == 2048  # small: plain bytes
+    finally:
+        lane.close()
+
+
 @pytest.mark.parametrize("config", [
     # Unjailed workers share the verifier's uid and /dev/shm: spilled answers would be
     # theirs to read.
