@@ -24,7 +24,8 @@ __all__ = ["Admission", "admission_check"]
 # ``preload``): a stream of checks (a Proposer validating each proposal, an audit) then
 # finds torch imported, which a fresh child spends seconds on.
 IMPORTS = ("torch", "kz_stream.verify._admission", "kz_stream.verify._compare",
-           "kz_stream.verify._inputs", "kz_stream.verify._reference")
+           "kz_stream.verify._inputs", "kz_stream.verify._preflight",
+           "kz_stream.verify._reference")
 
 _WEIGHT_SEED = 1234
 _INPUT_SEED = 98765
@@ -34,9 +35,19 @@ _INPUT_SEED = 98765
 # On a GPU it is memory: admission holds every set's inputs, outputs and float64 outputs
 # at once (by arithmetic, 4 sets of inputs, outputs and float64 outputs: about 16 times the
 # inputs where outputs are as large), so KernelBench's 6.4 GB inputs (over 100 GB) would
-# not fit beside the verifier's other processes, and an H100 has 80 GB.
+# not fit beside the verifier's other processes, and an H100 has 80 GB. Outputs count as
+# inputs three times their size would (a float32 output is kept as returned and in
+# float64): a 1 GB convolution input has 8.5 GB of output (KernelBench level 1, 63), and
+# on an H100 its admission at full size did not fit (2026-12-06).
 _MAX_INPUT_BYTES = {"cpu": 4 << 20, "cuda": 1 << 30}
 _UNSCALED_MAX_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
+
+
+def _held_per_set(input_bytes: int, output_bytes: int | None) -> int:
+    """What a set holds, in input bytes: its inputs, and its outputs (honest and float64,
+    as ``module_footprint`` counts them) a third, as a float32 output of an input's size
+    counts once; an output the meta device cannot give counts as that."""
+    return input_bytes + (input_bytes if output_bytes is None else output_bytes // 3)
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
         small_map,
     )
     from kz_stream.verify._loader import InterfaceError
+    from kz_stream.verify._preflight import module_footprint
     from kz_stream.verify._reference import (
         build_model,
         float64_copy,
@@ -134,10 +146,11 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
     specs = [InputSpec.of(v) for v in own]
     plan = InputPlan("own", "own")
     kind = "cpu" if device == "cpu" else "cuda"
-    if nbytes(own) > _MAX_INPUT_BYTES[kind]:
+    held = _held_per_set(nbytes(own), module_footprint(ref)[1])
+    if held > _MAX_INPUT_BYTES[kind]:
         base = InputPlan("own", "own", small_map(own))
         tried: list[str] = []
-        unscaled = [plan] if nbytes(own) <= _UNSCALED_MAX_BYTES[kind] else []
+        unscaled = [plan] if held <= _UNSCALED_MAX_BYTES[kind] else []
         for attempt in [base, *fallbacks(base, own), *unscaled]:
             try:
                 with phase("scaling"):  # which scaled-down shape the module runs under

@@ -170,7 +170,7 @@ def draw_tensor(
             del w
         x.mul_(scale)
         if spec.nonneg and not signed:
-            x.abs_()
+            positive_(x, dtype)
         return x.to(dtype).contiguous()
     if dtype == torch.bool:
         return (torch.rand(shape, generator=gen, device=device) < 0.5).contiguous()
@@ -178,6 +178,15 @@ def draw_tensor(
         return torch.randn(shape, generator=gen, dtype=dtype, device=device).contiguous()
     return torch.randint(spec.lo, spec.hi + 1, shape, generator=gen, dtype=torch.int64,
                          device=device).to(dtype).contiguous()
+
+
+def positive_(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` made positive in place: its absolute values, zeros raised to the smallest
+    normal number of ``dtype`` (default ``x``'s). A non-negative input is drawn positive:
+    CUDA's ``randn`` gives an exact 0 about once in 2**24 draws (its uniform's top value
+    rounds to 1.0), and KernelBench's KL divergence takes the log of its input (a softmax,
+    never 0): on the H100 its admission found the loss infinite on the drawn set."""
+    return x.abs_().clamp_min_(torch.finfo(dtype or x.dtype).tiny)
 
 
 def _scale(spec: InputSpec) -> float:
@@ -201,7 +210,7 @@ def redraw_(values: Sequence[Any], specs: Sequence[InputSpec], seed: int) -> Non
         if v.dtype.is_floating_point:
             v.normal_(0.0, _scale(spec), generator=gen)
             if spec.nonneg:
-                v.abs_()
+                positive_(v)
         elif v.dtype == torch.bool or v.dtype.is_complex:
             v.copy_(draw_tensor(spec, tuple(v.shape), "normal", gen, v.device))
         else:

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kz_stream.verify._reference import ReferenceModule
 
 __all__ = [
     "IMPORTS",
     "Finding",
     "candidate_preflight",
+    "module_footprint",
     "reference_facts",
     "reference_footprint",
     "reference_init_args",
@@ -48,18 +52,24 @@ def reference_init_args(source: str) -> list[Any]:
 
 
 def reference_footprint(source: str) -> tuple[int, int | None, int]:
-    """Bytes of the reference's own inputs, of what a set keeps of its outputs on them
+    """``module_footprint`` of the reference in ``source`` (run in a sandboxed child)."""
+    from kz_stream.verify._reference import load_reference
+
+    return module_footprint(load_reference(source, os.getcwd()))
+
+
+def module_footprint(ref: ReferenceModule) -> tuple[int, int | None, int]:
+    """Bytes of a reference's own inputs, of what a set keeps of its outputs on them
     (None where the forward cannot run on the meta device) and of its model's weights
     (parameters and buffers; 0 where it cannot be built there), found on the meta device:
-    no memory, no kernel (run in a sandboxed child). What a preparation will hold, before
-    it runs. A set keeps each output twice (``Oracle._one_set``): as the reference returns
-    it and as its float64 run does, which is 8 bytes an element for a floating output
-    (a float16 one grows fivefold, a float32 one threefold) and the same dtype otherwise
-    (an argmax's int64, a mask's bool)."""
+    no memory, no kernel. What a preparation will hold, before it runs. A set keeps each
+    output twice (``Oracle._one_set``): as the reference returns it and as its float64
+    run does, which is 8 bytes an element for a floating output (a float16 one grows
+    fivefold, a float32 one threefold) and the same dtype otherwise (an argmax's int64, a
+    mask's bool)."""
     import torch
 
     from kz_stream.verify._compare import flatten
-    from kz_stream.verify._reference import load_reference
 
     def size(values: list[Any]) -> int:
         # Meta tensors have no storage to tell shared ones apart: count each view.
@@ -71,7 +81,6 @@ def reference_footprint(source: str) -> tuple[int, int | None, int]:
                                                     else v.element_size()))
                    for v in values if isinstance(v, torch.Tensor))
 
-    ref = load_reference(source, os.getcwd())
     with torch.device("meta"):
         inputs = list(ref.get_inputs())
         init = list(ref.get_init_inputs())

@@ -108,6 +108,46 @@ def test_a_module_past_the_devices_bound_is_checked_at_scaled_down_shapes() -> N
     assert result.detail.endswith("on cuda at scaled-down shapes"), result.detail
 
 
+OUTER = """import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, a, b):
+        return torch.outer(a, b)
+
+
+def get_inputs():
+    return [torch.randn(2048), torch.randn(2048)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_module_whose_outputs_pass_the_bound_is_checked_at_scaled_down_shapes() -> None:
+    # 16 KB of inputs, 16 MB of output (48 MB kept with its float64 copy): it is the
+    # outputs that fill the device (KernelBench level 1, 63: 1 GB in, 8.5 GB out).
+    result = admission_check(OUTER, timeout_s=120)
+    assert result.admitted, (result.reason, result.detail)
+    assert result.detail.endswith("at scaled-down shapes"), result.detail
+
+
+@pytest.mark.gpu
+def test_a_convolution_with_large_outputs_is_admitted_on_the_gpu() -> None:
+    # KernelBench level 1, 63, at its published size: 1 GB in, 8.5 GB out. At full size
+    # its admission needed more than an H100's 80 GB (2026-12-06).
+    conv = GROUP_NORM.replace("self.norm(x)", "self.conv(x)").replace(
+        "self.norm = nn.GroupNorm(groups, channels)",
+        "self.conv = nn.Conv2d(channels, groups, 3)").replace(
+        "torch.rand(64, 64, 32, 32)", "torch.rand(16, 16, 1024, 1024)").replace(
+        "return [64, 8]", "return [16, 128]")
+    result = admission_check(conv, device="cuda", timeout_s=300)
+    assert result.admitted, (result.reason, result.detail)
+    assert result.detail.endswith("on cuda at scaled-down shapes"), result.detail
+
+
 def test_a_module_without_float64_cannot_be_checked_here() -> None:
     result = admission_check(FLOAT32_INSIDE, timeout_s=120)
     assert not result.admitted and result.reason == "not_checkable_here", result.detail

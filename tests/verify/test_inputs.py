@@ -17,6 +17,7 @@ from kz_stream.verify._inputs import (
     nbytes,
     odd_map,
     own_inputs,
+    positive_,
     redraw_,
 )
 
@@ -141,3 +142,14 @@ def test_moved_bytes_count_each_storage_at_most_once() -> None:
     assert moved_bytes([x, x]) == x.nbytes
     assert moved_bytes([x[:8], x[8:]]) == x.nbytes
     assert moved_bytes([x[:, :1]]) == 16 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_non_negative_input_is_drawn_positive_even_where_the_generator_gives_zero(
+        dtype: torch.dtype) -> None:
+    # The log of a drawn 0 made KernelBench's KL divergence infinite on the GPU.
+    x = torch.tensor([-0.5, 0.0, -0.0, 2.0, 1e-30])
+    positive_(x, dtype)
+    assert (x.to(dtype) > 0).all()
+    assert x[0] == 0.5 and x[3] == 2.0
+    assert x[1] == torch.finfo(dtype).tiny
