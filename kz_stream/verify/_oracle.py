@@ -176,8 +176,13 @@ class Oracle:
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the host, as the reply sends it: a big one straight into a sealed file
-        (from the device, one copy where a host copy and the reply's write made two)."""
-        return sealed_copy(t) if self.sealed else t.to("cpu")
+        (from the device, one copy where a host copy and the reply's write made two), and
+        never a view of a bigger buffer: a loss's 0-dim output run on the host views its
+        elementwise buffer (8 GiB in float64 for KernelBench's Huber loss, which the
+        memory plan then counted as a second input set's worth and ran the other sets at
+        an eighth of the shapes; H100 audit, 2026-12-06)."""
+        out = sealed_copy(t) if self.sealed else t.to("cpu")
+        return out.clone() if out.untyped_storage().nbytes() > out.nbytes else out
 
     def _free(self) -> None:
         if self.device != "cpu":

@@ -445,6 +445,27 @@ def test_the_oracle_replies_with_big_weights_in_sealed_files() -> None:
         lane.close()
 
 
+def test_a_loss_run_on_the_host_keeps_its_value_not_its_elementwise_buffer() -> None:
+    # smooth_l1_loss's 0-dim output views a buffer as large as its inputs; a set holding
+    # it counted (and held) that buffer too, and the memory plan shrank the other sets.
+    loss = RELU.replace("return torch.relu(x)",
+                        "return torch.nn.functional.smooth_l1_loss(x, y)").replace(
+        "def forward(self, x):", "def forward(self, x, y):").replace(
+        "return [torch.randn(2048, 2100)]",
+        "return [torch.randn(2048, 2100), torch.randn(2048, 2100)]")
+    lane = Lane(VerifierConfig(devices=[]), None)
+    try:
+        reply = asyncio.run(lane.oracle_call(
+            {**PREPARE, "source": loss, "key": "loss-buffer" * 4}, 300))
+        assert reply["ok"], reply
+        own = next(s for s in reply["sets"] if s["label"] == "own")
+        inputs = 2 * 2048 * 2100 * 4
+        assert own["expected"][0].dim() == 0
+        assert own["bytes"] == inputs + 8 + 4  # the float64 and the honest value
+    finally:
+        lane.close()
+
+
 @pytest.mark.parametrize("config", [
     # Unjailed workers share the verifier's uid and /dev/shm: spilled answers would be
     # theirs to read.
