@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--expected", type=int, nargs="*", default=[100, 100, 50],
                     help="problems in each level, in the order given")
     ap.add_argument("--machine", default=None)
+    ap.add_argument("--note", default="", help="Appended to the notes (when the rows were made).")
     ap.add_argument("--command", default="kz verify audit-suite KernelBench/levelN --json "
                     "benchmarks/results/raw/audit_levelN.json --resume --time-limit T --jobs 2")
     args = ap.parse_args()
@@ -78,7 +79,8 @@ def main() -> None:
             + (f"; errors: {f['errors']}" if f["errors"] else "")
             + f"; admission and preparation {f['total_s'] / 60:.1f} min in all, "
             f"max {f['max_s']:.1f} s a problem.")
-    write_result("kernelbench_audit", args.command, metrics, notes=" ".join(notes),
+    write_result("kernelbench_audit", args.command, metrics,
+                 notes=" ".join([*notes, args.note]).strip(),
                  machine=args.machine)
 
 
