@@ -146,7 +146,11 @@ def _checks(source: str, device: str, phase: PhaseTimer) -> tuple[bool, str | No
     specs = [InputSpec.of(v) for v in own]
     plan = InputPlan("own", "own")
     kind = "cpu" if device == "cpu" else "cuda"
-    held = _held_per_set(nbytes(own), module_footprint(ref)[1])
+    try:
+        output_bytes = module_footprint(ref)[1]
+    except Exception:  # a generator the meta device cannot run: the outputs are unknown
+        output_bytes = None
+    held = _held_per_set(nbytes(own), output_bytes)
     if held > _MAX_INPUT_BYTES[kind]:
         base = InputPlan("own", "own", small_map(own))
         tried: list[str] = []

@@ -134,6 +134,15 @@ def test_a_module_whose_outputs_pass_the_bound_is_checked_at_scaled_down_shapes(
     assert result.detail.endswith("at scaled-down shapes"), result.detail
 
 
+def test_a_generator_the_meta_device_cannot_run_is_still_checked() -> None:
+    # Its outputs' size is unknown (counted as a float32 output as large as the inputs).
+    reads = OUTER.replace("return [torch.randn(2048), torch.randn(2048)]",
+                          "n = int(torch.randint(2040, 2048, ()).item())\n"
+                          "    return [torch.randn(n), torch.randn(n)]")
+    result = admission_check(reads, timeout_s=120)
+    assert result.admitted, (result.reason, result.detail)
+
+
 @pytest.mark.gpu
 def test_a_convolution_with_large_outputs_is_admitted_on_the_gpu() -> None:
     # KernelBench level 1, 63, at its published size: 1 GB in, 8.5 GB out. At full size
