@@ -33,8 +33,8 @@ __all__ = [
 
 # What this module's functions import: the children that run them import these before
 # their call arrives (``run_in_sandbox(preload=IMPORTS)``).
-IMPORTS = ("torch", "kz_stream.verify._compare", "kz_stream.verify._ipc",
-           "kz_stream.verify._loader", "kz_stream.verify._reference")
+IMPORTS = ("torch", "kz_stream.verify._compare", "kz_stream.verify._inputs",
+           "kz_stream.verify._ipc", "kz_stream.verify._loader", "kz_stream.verify._reference")
 
 # (stage, "Type: message") of a decisive failure, or None.
 Finding = tuple[str, str] | None
@@ -97,12 +97,25 @@ def module_footprint(ref: ReferenceModule) -> tuple[int, int | None, int]:
     return size(inputs), kept(out), weights
 
 
-def reference_facts(source: str) -> tuple[list[Any], int, int | None, int]:
-    """The reference's ``get_init_inputs()`` (``reference_init_args``) and the bytes of
-    its inputs, outputs and weights (``reference_footprint``): what the preflight and the
+def reference_facts(source: str) -> tuple[list[Any], int, int | None, int, float]:
+    """The reference's ``get_init_inputs()`` (``reference_init_args``), the bytes of its
+    inputs, outputs and weights (``module_footprint``) and the largest share of them a set
+    at an eighth of the shapes keeps (``small_set_share``): what the preflight and the
     host's memory budget need to know of a problem, from one sandboxed child (run in
     one)."""
-    return (reference_init_args(source), *reference_footprint(source))
+    import torch
+
+    from kz_stream.verify._inputs import small_set_share
+    from kz_stream.verify._reference import load_reference
+
+    ref = load_reference(source, os.getcwd())
+    init = list(ref.get_init_inputs())
+    try:
+        with torch.device("meta"):
+            share = small_set_share(list(ref.get_inputs()))
+    except Exception:  # a generator the meta device cannot run
+        share = 1.0
+    return (init, *module_footprint(ref), share)
 
 
 def _decisive_at_load(e: BaseException) -> bool:

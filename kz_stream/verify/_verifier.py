@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import math
 import secrets
 import threading
 import time
@@ -69,7 +70,8 @@ class _InUse:
 
 
 def preparation_bytes(input_bytes: int, output_bytes: int | None,
-                      full_set_budget: int, weight_bytes: int = 0) -> int:
+                      full_set_budget: int, weight_bytes: int = 0,
+                      small_share: float = 1 / 8) -> int:
     """Host bytes a problem's preparation holds at its peak, from its own inputs' sizes
     and what a set keeps of its outputs (``output_bytes``: honest and float64, as
     ``reference_footprint`` counts them), as the oracle's memory plan makes its sets
@@ -77,7 +79,8 @@ def preparation_bytes(input_bytes: int, output_bytes: int | None,
     always at full size; each later set at the module's own shapes (signed, normal,
     heavy, odd) is too while the full-size sets together stay within ``full_set_budget``
     (0: no bound), and runs at about an eighth of the shapes past it, as the small set
-    does. An unknown output counts as a float32 one as large
+    does: each such set holds at most ``small_share`` of the own one
+    (``small_set_share``). An unknown output counts as a float32 one as large
     as the inputs (three times their bytes).
     The sets carry their models' weights once per distinct model: the own model's, the
     odd set's (its init arguments one less) and the scaled-down sets' (at an eighth).
@@ -88,15 +91,16 @@ def preparation_bytes(input_bytes: int, output_bytes: int | None,
     39.0 and 13.0 GiB by this bound (78 and 40 GiB by its earlier form, which counted two
     copies and budgeted partial sets)."""
     own = input_bytes + (3 * input_bytes if output_bytes is None else output_bytes)
+    small = math.ceil(own * small_share)
     held, full_sets = own, 1
     for _ in range(4):  # signed, normal, heavy, odd
         if full_set_budget and own * (full_sets + 1) > full_set_budget:
-            held += own // 8
+            held += small
         else:
             held += own
             full_sets += 1
     weights = 2 * weight_bytes + weight_bytes // 8
-    return held + own // 8 + weights  # own // 8: the small set
+    return held + small + weights  # + small: the small set
 
 
 def held_after_preparation(p: Prepared, share_min_bytes: int | None, candidates: int) -> int:
@@ -552,8 +556,8 @@ class Verifier:
         budget = self.config.full_set_budget_bytes
         if not got.ok:
             return 2 * budget
-        _, input_bytes, output_bytes, weight_bytes = got.value
-        return preparation_bytes(input_bytes, output_bytes, budget, weight_bytes)
+        _, input_bytes, output_bytes, weight_bytes, share = got.value
+        return preparation_bytes(input_bytes, output_bytes, budget, weight_bytes, share)
 
     async def _reference_facts(self, problem: Problem) -> SandboxOutcome:
         """``reference_facts`` of ``problem``, from one sandboxed child per problem shared

@@ -3,11 +3,13 @@ sizes on the meta device, and the memory plan's arithmetic."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from kz_stream.verify._inputs import small_set_share
 from kz_stream.verify._preflight import reference_facts, reference_footprint
 from kz_stream.verify._prepared import _held_bytes
 from kz_stream.verify._verifier import preparation_bytes
@@ -107,9 +109,11 @@ def get_init_inputs():
 
 
 def test_one_child_tells_the_init_arguments_and_the_footprint() -> None:
+    # The last value: the share of the own set a set at an eighth keeps (batch 8 -> 1).
     assert reference_facts(LINEAR) == ([64, 32], 8 * 64 * 4, 8 * 32 * 12,
-                                       (64 * 32 + 32) * 4)
-    assert reference_facts(RELU_FULL) == ([], 4096 * 393216 * 4, 4096 * 393216 * 12, 0)
+                                       (64 * 32 + 32) * 4, 1 / 8)
+    assert reference_facts(RELU_FULL) == ([], 4096 * 393216 * 4, 4096 * 393216 * 12, 0,
+                                          513 / 4096)
 
 
 def test_the_footprint_counts_the_models_weights_on_the_meta_device() -> None:
@@ -159,3 +163,16 @@ def test_prepared_sets_hold_their_models_weights_once_per_model() -> None:
 
 def test_an_unknown_output_counts_as_a_float32_one_as_large_as_the_inputs() -> None:
     assert preparation_bytes(10, None, 10**6) == preparation_bytes(10, 30, 10**6)
+
+
+def test_a_set_at_an_eighth_can_keep_more_than_an_eighth_of_a_small_batch() -> None:
+    # Its last fallback scales the leading dim alone, to an odd size: KernelBench's group
+    # norm (batch 112) kept 15/112 and held 3% more than an eighth's bound (H100 audit,
+    # 2026-12-06); a batch of 2 keeps one row, half of it.
+    assert small_set_share([torch.empty(112, 64, 4, 4)]) == 15 / 112
+    assert small_set_share([torch.empty(2, 1000), torch.empty(())]) == pytest.approx(
+        (2 * 1000 * 4 / 2 + 4) / (2 * 1000 * 4 + 4))
+    assert small_set_share([3]) == 1 / 8  # no tensor: the plain eighth
+    own = 1_000 + 3_000
+    assert preparation_bytes(1_000, 3_000, own, 0, 15 / 112) == own + 5 * math.ceil(
+        own * 15 / 112)
