@@ -27,8 +27,6 @@ __all__ = [
     "candidate_preflight",
     "module_footprint",
     "reference_facts",
-    "reference_footprint",
-    "reference_init_args",
 ]
 
 # What this module's functions import: the children that run them import these before
@@ -42,20 +40,6 @@ Finding = tuple[str, str] | None
 # What a TypeError says when a constructor is called with arguments that do not fit it.
 _SIGNATURE = re.compile(r"__init__\(\) (missing \d+ required|takes \d+ positional|takes from "
                         r"\d+ to \d+ positional|got an unexpected keyword|got multiple values)")
-
-
-def reference_init_args(source: str) -> list[Any]:
-    """The reference's ``get_init_inputs()`` (run in a sandboxed child)."""
-    from kz_stream.verify._reference import load_reference
-
-    return list(load_reference(source, os.getcwd()).get_init_inputs())
-
-
-def reference_footprint(source: str) -> tuple[int, int | None, int]:
-    """``module_footprint`` of the reference in ``source`` (run in a sandboxed child)."""
-    from kz_stream.verify._reference import load_reference
-
-    return module_footprint(load_reference(source, os.getcwd()))
 
 
 def module_footprint(ref: ReferenceModule) -> tuple[int, int | None, int]:
@@ -98,7 +82,7 @@ def module_footprint(ref: ReferenceModule) -> tuple[int, int | None, int]:
 
 
 def reference_facts(source: str) -> tuple[list[Any], int, int | None, int, float]:
-    """The reference's ``get_init_inputs()`` (``reference_init_args``), the bytes of its
+    """The reference's ``get_init_inputs()``, the bytes of its
     inputs, outputs and weights (``module_footprint``) and the largest share of them a set
     at an eighth of the shapes keeps (``small_set_share``): what the preflight and the
     host's memory budget need to know of a problem, from one sandboxed child (run in

@@ -74,7 +74,7 @@ def preparation_bytes(input_bytes: int, output_bytes: int | None,
                       small_share: float = 1 / 8) -> int:
     """Host bytes a problem's preparation holds at its peak, from its own inputs' sizes
     and what a set keeps of its outputs (``output_bytes``: honest and float64, as
-    ``reference_footprint`` counts them), as the oracle's memory plan makes its sets
+    ``module_footprint`` counts them), as the oracle's memory plan makes its sets
     (``Oracle.prepare``): each set holds its inputs and those outputs. The own set is
     always at full size; each later set at the module's own shapes (signed, normal,
     heavy, odd) is too while the full-size sets together stay within ``full_set_budget``

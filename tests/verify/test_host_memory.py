@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kz_stream.verify._inputs import small_set_share
-from kz_stream.verify._preflight import reference_facts, reference_footprint
+from kz_stream.verify._preflight import module_footprint, reference_facts
 from kz_stream.verify._prepared import _held_bytes
+from kz_stream.verify._reference import load_reference
 from kz_stream.verify._verifier import preparation_bytes
 
 GB = 10**9
@@ -55,6 +56,10 @@ def get_init_inputs():
 # A forward the meta device cannot run (it reads a value).
 READS_A_VALUE = RELU_FULL.replace("return torch.relu(x)",
                                   "return x * float(x.sum())")
+
+
+def reference_footprint(source: str) -> tuple[int, int | None, int]:
+    return module_footprint(load_reference(source, str(Path.cwd())))
 
 
 @pytest.fixture(autouse=True)

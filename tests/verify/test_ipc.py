@@ -408,24 +408,16 @@ def test_the_oracle_replies_through_sealed_files(monkeypatch: pytest.MonkeyPatch
     assert not os.path.exists(spill_dir)
 
 
-LINEAR = """
-import torch
-import torch.nn as nn
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(2100, 2048)  # a 17.2 MB weight
-
-    def forward(self, x):
-        return self.fc(x)
-
-def get_inputs():
-    return [torch.randn(4, 2100)]
-
-def get_init_inputs():
-    return []
-"""
+def prepared_own_set(config: VerifierConfig, source: str, key: str) -> dict[str, Any]:
+    """The own input set of ``source`` as a real oracle child prepares it."""
+    lane = Lane(config, None)
+    try:
+        reply = asyncio.run(lane.oracle_call({**PREPARE, "source": source, "key": key}, 300))
+        assert reply["ok"], reply
+        own: dict[str, Any] = next(s for s in reply["sets"] if s["label"] == "own")
+        return own
+    finally:
+        lane.close()
 
 
 @JAIL
@@ -433,16 +425,15 @@ def test_the_oracle_replies_with_big_weights_in_sealed_files() -> None:
     """A model's big weights come as sealed files, as its big inputs do: each candidate's
     worker is then handed the file, not the bytes (``held_after_preparation`` counts no
     weights per candidate)."""
-    lane = Lane(VerifierConfig(devices=[], oracle_spill=True), None)
-    try:
-        reply = asyncio.run(lane.oracle_call(
-            {**PREPARE, "source": LINEAR, "key": "linear-weights" * 3}, 300))
-        assert reply["ok"], reply
-        own = next(s for s in reply["sets"] if s["label"] == "own")
-        assert mapped_from(own["state_dict"]["fc.weight"]).startswith("/memfd:kz-sealed")
-        assert own["state_dict"]["fc.bias"].numel() == 2048  # small: plain bytes
-    finally:
-        lane.close()
+    linear = RELU.replace("return torch.relu(x)", "return self.fc(x)").replace(
+        "class Model(nn.Module):\n", "class Model(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(2100, 2048)  # a 17.2 MB weight\n").replace(
+        "torch.randn(2048, 2100)", "torch.randn(4, 2100)")
+    own = prepared_own_set(VerifierConfig(devices=[], oracle_spill=True), linear,
+                           "linear-weights" * 3)
+    assert mapped_from(own["state_dict"]["fc.weight"]).startswith("/memfd:kz-sealed")
+    assert own["state_dict"]["fc.bias"].numel() == 2048  # small: plain bytes
 
 
 def test_a_loss_run_on_the_host_keeps_its_value_not_its_elementwise_buffer() -> None:
@@ -453,17 +444,9 @@ def test_a_loss_run_on_the_host_keeps_its_value_not_its_elementwise_buffer() -> 
         "def forward(self, x):", "def forward(self, x, y):").replace(
         "return [torch.randn(2048, 2100)]",
         "return [torch.randn(2048, 2100), torch.randn(2048, 2100)]")
-    lane = Lane(VerifierConfig(devices=[]), None)
-    try:
-        reply = asyncio.run(lane.oracle_call(
-            {**PREPARE, "source": loss, "key": "loss-buffer" * 4}, 300))
-        assert reply["ok"], reply
-        own = next(s for s in reply["sets"] if s["label"] == "own")
-        inputs = 2 * 2048 * 2100 * 4
-        assert own["expected"][0].dim() == 0
-        assert own["bytes"] == inputs + 8 + 4  # the float64 and the honest value
-    finally:
-        lane.close()
+    own = prepared_own_set(VerifierConfig(devices=[]), loss, "loss-buffer" * 4)
+    assert own["expected"][0].dim() == 0
+    assert own["bytes"] == 2 * 2048 * 2100 * 4 + 8 + 4  # inputs, the float64 and honest value
 
 
 @pytest.mark.parametrize("config", [
