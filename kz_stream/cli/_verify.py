@@ -107,16 +107,6 @@ def verify_audit_suite(
                                              time_limit_s=time_limit):
                     row.machine = machine
                     rows[row.name] = row
-                    adm = ("-" if row.admitted is None else
-                           ("yes" if row.admitted else f"no: {row.reason}")
-                           + f", {row.admission_s:.1f} s ({_slowest(row.admission_phase_s)})")
-                    table.add_row(
-                        row.name, adm, row.error or ", ".join(row.input_sets),
-                        "; ".join(f"{d['label']}: {d['reason'][:60]}" for d in row.dropped)
-                        or "-", str(len(row.memory_plan)) if row.memory_plan else "-",
-                        f"{row.oracle_peak_gb:.1f}", f"{row.input_gb:.2f}",
-                        f"{row.host_bytes / 2**30:.2f} ({row.reserved_bytes / 2**30:.1f})",
-                        f"{row.prepare_s:.1f}", _slowest(row.phase_s))
                     bar.advance(task, 1)
                     write_rows()
         finally:
@@ -124,6 +114,19 @@ def verify_audit_suite(
 
     _run(go())
     write_rows()
+    # Rows arrive as problems finish; the table lists this run's in the suite's order.
+    for row in sorted((r for r in rows.values() if r.name not in kept),
+                      key=lambda r: order[r.name]):
+        adm = ("-" if row.admitted is None else
+               ("yes" if row.admitted else f"no: {row.reason}")
+               + f", {row.admission_s:.1f} s ({_slowest(row.admission_phase_s)})")
+        table.add_row(
+            row.name, adm, row.error or ", ".join(row.input_sets),
+            "; ".join(f"{d['label']}: {d['reason'][:60]}" for d in row.dropped) or "-",
+            str(len(row.memory_plan)) if row.memory_plan else "-",
+            f"{row.oracle_peak_gb:.1f}", f"{row.input_gb:.2f}",
+            f"{row.host_bytes / 2**30:.2f} ({row.reserved_bytes / 2**30:.1f})",
+            f"{row.prepare_s:.1f}", _slowest(row.phase_s))
     console.print(table)
     left = len(files) - len(rows)
     failed = sum(1 for r in rows.values() if r.error)

@@ -96,10 +96,12 @@ async def audit_suite(
     admission_device: str = "cpu", admission_timeout_s: float = 600, jobs: int = 1,
     time_limit_s: float | None = None,
 ) -> AsyncIterator[ProblemAudit]:
-    """Audits each file, ``jobs`` at a time, and yields the rows in the files' order. The
-    verifier prepares as many at once as it has oracles (``VerifierConfig.oracles``).
-    With ``time_limit_s``, no problem starts after that many seconds: those begun finish,
-    the rest are left for a resumed audit (no row)."""
+    """Audits each file, ``jobs`` at a time, and yields each row as its problem is done
+    (not in the files' order: a level-3 model that takes minutes to build would hold back
+    the rows finished after it, and a slot cut short would lose them). The verifier
+    prepares as many at once as it has oracles (``VerifierConfig.oracles``). With
+    ``time_limit_s``, no problem starts after that many seconds: those begun finish, the
+    rest are left for a resumed audit (no row)."""
     gate = asyncio.Semaphore(jobs)
     deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
 
@@ -113,8 +115,8 @@ async def audit_suite(
 
     tasks = [asyncio.ensure_future(one(f)) for f in files]
     try:
-        for task in tasks:
-            row = await task
+        for done in asyncio.as_completed(tasks):
+            row = await done
             if row is not None:
                 yield row
     finally:

@@ -4,16 +4,28 @@ stop the audit."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import pytest
+
 from kz_stream.testing.corpus.problems import PROBLEMS
-from kz_stream.verify import VERIFIER_VERSION, ProblemAudit, still_to_audit
+from kz_stream.verify import (
+    VERIFIER_VERSION,
+    ProblemAudit,
+    Verifier,
+    VerifierConfig,
+    audit_suite,
+    still_to_audit,
+)
 from tests.verify.test_output_kinds import HINGE, PICKY
+from tests.verify.test_verifier_cpu import _waits_for
 
 
 def test_audit_suite_reports_every_problem(tmp_path: Path) -> None:
@@ -137,3 +149,21 @@ def test_still_to_audit_takes_rows_of_another_verifier_version_as_missing(
     assert still_to_audit([b], [current]) == ([b], {})
     # Keys written by another version of the row are left out when it is read back.
     assert ProblemAudit.from_dict({**current.to_dict(), "new_field": 1}) == current
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
+async def test_a_row_comes_as_its_problem_is_done_not_behind_a_slower_one(
+        tmp_path: Path) -> None:
+    # The first problem waits until the second's row has come: a cut slot keeps it.
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as marks:
+        os.chmod(marks, 0o777)
+        (tmp_path / "1_Waits.py").write_text(_waits_for(marks, "waits", "go"))
+        (tmp_path / "2_ReLU.py").write_text(PROBLEMS["relu_rand"])
+        files = [tmp_path / "1_Waits.py", tmp_path / "2_ReLU.py"]
+        names = []
+        async with Verifier(VerifierConfig(devices=[], oracles=2)) as v:
+            async for row in audit_suite(files, v, admission=False, jobs=2):
+                names.append(row.name)
+                assert row.error is None, row
+                await asyncio.to_thread((Path(marks) / "go").touch)
+    assert names == ["2_ReLU", "1_Waits"]
