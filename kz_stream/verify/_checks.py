@@ -27,6 +27,7 @@ from kz_stream.verify._compare import (
     kernelbench_allclose,
 )
 from kz_stream.verify._config import VerifierConfig
+from kz_stream.verify._inputs import nbytes
 from kz_stream.verify._ipc import Child, ChildDied, ChildTimeout, tail, tree_memory
 from kz_stream.verify._messages import (
     AblateReply,
@@ -151,6 +152,18 @@ class HostMemoryWatch:
 
 _T = TypeVar("_T")
 
+# Checks of outputs up to this many bytes in all (the candidate's, the expected and the
+# honest ones) run on the host, off the lane's shared lock: on a GPU such a check waited
+# there for other candidates' exclusive timing (3 s for a reduction's kilobytes in a
+# KernelBench mix on an H100, 2026-12-06) to do milliseconds of work.
+_HOST_CHECK_MAX_BYTES = 16 << 20
+
+
+def check_device(size: int, device: str) -> str:
+    """Where a check of ``size`` bytes of outputs runs: the host when small, else
+    ``device``."""
+    return "cpu" if size <= _HOST_CHECK_MAX_BYTES else device
+
 
 class Stage:
     """The GPU (or CPU-interpreter) stage for one candidate in one worker: load,
@@ -183,25 +196,34 @@ class Stage:
         spent = self.details.setdefault("stage_s", {})
         spent[stage] = round(spent.get(stage, 0.0) + time.monotonic() - started, 3)
 
-    async def _device_or_host(self, fn: Callable[[str], _T]) -> _T:
-        """``fn(device)`` on the lane's device, off the event loop; on the host when the
-        device has no room for it (the smaller memory plan)."""
+    def _where(self, *groups: Sequence[Any]) -> str:
+        """Where a check of these outputs runs (``check_device``)."""
+        return check_device(sum(nbytes(g) for g in groups), self.dev)
+
+    async def _device_or_host(self, fn: Callable[[str], _T], dev: str) -> _T:
+        """``fn(dev)`` off the event loop: on the host as it is; on the lane's device under
+        its shared lock, or on the host when the device has no room for it (the smaller
+        memory plan)."""
+        if dev == "cpu":
+            return await asyncio.to_thread(fn, "cpu")
         async with self._shared():
             try:
-                return await asyncio.to_thread(fn, self.dev)
+                return await asyncio.to_thread(fn, dev)
             except torch.OutOfMemoryError:
                 self.details["compared_on_host"] = True
         torch.cuda.empty_cache()
         return await asyncio.to_thread(fn, "cpu")
 
     async def compare(self, out: list[Any], exp: list[Any], hon: list[Any],
-                      tols: list[Tolerance]) -> Comparison:
-        """``compare_outputs`` on the lane's device (or the host). Its time adds to
-        ``stage_s["compare"]``: a 6.4 GB output's comparisons are a sixth of a verdict."""
+                      tols: list[Tolerance], dev: str | None = None) -> Comparison:
+        """``compare_outputs`` on ``dev`` (default: where ``_where`` puts these outputs). Its
+        time adds to ``stage_s["compare"]``: a 6.4 GB output's comparisons are a sixth of a
+        verdict."""
         started = time.monotonic()
+        where = dev or self._where(out, exp, hon)
         try:
             return await self._device_or_host(
-                lambda dev: compare_outputs(out, exp, hon, tols, dev))
+                lambda d: compare_outputs(out, exp, hon, tols, d), where)
         finally:
             self._spent("compare", started)
 
@@ -210,7 +232,8 @@ class Stage:
         started = time.monotonic()
         try:
             return await self._device_or_host(
-                lambda dev: kernelbench_allclose(out, honest, device=dev))
+                lambda dev: kernelbench_allclose(out, honest, device=dev),
+                self._where(out, honest))
         finally:
             self._spent("kernelbench_rule", started)
 
@@ -381,7 +404,7 @@ class Stage:
         launches: dict[str, int] = {}
         for i, s in enumerate(p.sets):
             r: RunReply = await self.call(
-                {"cmd": "run", "inputs": s["inputs"], "out_specs": s["out_specs"],
+                {"cmd": "run", "inputs": s["inputs"], "set": i, "out_specs": s["out_specs"],
                  "model": s["model_key"], "reps": 2, "log_ops": i == 0},
                 stage=f"run on input set {i} ({s['label']})")
             launches = r.get("launches", launches)
@@ -392,9 +415,10 @@ class Stage:
             for flag in r.get("flags", []):
                 raise self.reject(Status.HACK, _FLAG_TEXT.get(flag, flag), flag, input_index=i)
             results: list[Comparison] = []
-            exp, hon = self.p.outputs_on(i, self.dev)
+            dev = self._where(r["outputs"][0], s["expected"], s["honest"])
+            exp, hon = self.p.outputs_on(i, dev)
             for out in r["outputs"]:
-                results.append(await self.compare(out, exp, hon, p.tolerances[i]))
+                results.append(await self.compare(out, exp, hon, p.tolerances[i], dev))
             for rep, cmp in enumerate(results):
                 if not cmp.ok:
                     check = "repeat_mismatch" if rep == 1 and results[0].ok else cmp.check
@@ -434,15 +458,16 @@ class Stage:
         other = next((o for o in self.p.sets[1:] if o["model_key"] == s["model_key"]
                       and o.get("shapes") == s.get("shapes")), None)
         r: AblateReply = await self.call(
-            {"cmd": "ablate", "kernels": launched, "inputs": s["inputs"],
+            {"cmd": "ablate", "kernels": launched, "inputs": s["inputs"], "set": 0,
              "out_specs": s["out_specs"], "model": s["model_key"],
              "other_inputs": other["inputs"] if other else None}, stage="ablation")
         decoys = []
         for name, out in r["outputs"].items():
             if out and isinstance(out[0], str):
                 continue
-            exp, hon = self.p.outputs_on(0, self.dev)
-            if (await self.compare(out, exp, hon, self.p.tolerances[0])).ok:
+            dev = self._where(out, s["expected"], s["honest"])
+            exp, hon = self.p.outputs_on(0, dev)
+            if (await self.compare(out, exp, hon, self.p.tolerances[0], dev)).ok:
                 decoys.append(name)
         self.details["decoy_kernels"] = decoys
         if decoys and len(decoys) == len(launched):
@@ -454,7 +479,8 @@ class Stage:
         s = self.p.sets[0]
         pad = self.ref.pad_cycles if self.ref is not None else 0
         r: ProfileReply = await self.call(
-            {"cmd": "profile", "inputs": s["inputs"], "calls": 2, "model": s["model_key"],
+            {"cmd": "profile", "inputs": s["inputs"], "set": 0, "calls": 2,
+             "model": s["model_key"],
              "pad_cycles": pad}, stage="profile")
         kernels = [k for k in r["kernels"] if k.get("cat") == "kernel"]
         if not kernels:

@@ -170,6 +170,7 @@ class _OnSet(TypedDict):
     inputs: list[Any]
     out_specs: list[OutSpec]  # the expected outputs' (to poison freed blocks of their size)
     model: str
+    set: NotRequired[int]  # the set's index: the worker keeps set 0 on its device
 
 
 class RunRequest(_OnSet):
@@ -190,6 +191,7 @@ class RunReply(_Reply):
 class ProfileRequest(TypedDict):
     cmd: Literal["profile"]
     inputs: list[Any]
+    set: NotRequired[int]
     calls: int
     model: str
     pad_cycles: int

@@ -190,17 +190,20 @@ class Oracle:
 
     def _outputs(self, model: torch.nn.Module, inputs: list[Any], dtype: torch.dtype | None,
                  label: str, notes: list[str]) -> list[Any]:
-        """``model`` on ``inputs`` on the device, or on the host where the device cannot
-        hold the run (float64 of a 6.4 GB input needs 13 GB more)."""
+        """``model`` (with ``dtype``, a copy of it in that precision) on ``inputs`` on the
+        device, or on the host where the device cannot hold the run or the copy (float64 of
+        a 6.4 GB input needs 13 GB more; of KernelBench level 3's 2.1 G-parameter MLP, 17 GB
+        of weights beside its own 8.4: every set of it was dropped on an H100, 2026-12-06)."""
         try:
-            return run(model, inputs, self.device, dtype)
+            return run(model if dtype is None else float64_copy(model), inputs, self.device,
+                       dtype)
         except torch.OutOfMemoryError:
             if self.device == "cpu":
                 raise
         self._free()
         notes.append(f"{label}: {'float64' if dtype else 'honest'} run on the host (the "
                      "device could not hold it)")
-        host = copy.deepcopy(model).to("cpu")
+        host = host_copy(model, dtype)
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, usable_cpus() // 2))
         try:
@@ -223,8 +226,8 @@ class Oracle:
                       for h in self._outputs(model, inputs, None, plan.label, notes)]
         with self._phase("float64"):
             expected = [self._to_host(torch.as_tensor(e))
-                        for e in self._outputs(float64_copy(model), inputs, torch.float64,
-                                               plan.label, notes)]
+                        for e in self._outputs(model, inputs, torch.float64, plan.label,
+                                               notes)]
         if len(honest) != len(expected):
             raise RuntimeError("float64 run returns a different number of outputs")
         with self._phase("calibrate"):
@@ -256,6 +259,20 @@ class Oracle:
             "bytes": nbytes(cpu_inputs) + nbytes(expected) + nbytes(honest),
             "drop": drop,
         }
+
+
+def host_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A copy of ``model`` on the host (its floating tensors in ``dtype`` if given), made
+    tensor by tensor: a deep copy where the model is would need the device room that was
+    missing. Tied weights stay tied."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to("cpu", copy=True),
+                                         requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("cpu", copy=True)
+    host = copy.deepcopy(model, memo)
+    return host if dtype is None else host.to(dtype)
 
 
 def _sticky_cuda_error(e: BaseException) -> bool:

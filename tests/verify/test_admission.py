@@ -163,7 +163,34 @@ def test_a_module_without_float64_cannot_be_checked_here() -> None:
     assert "float64" in result.detail
 
 
+def test_a_float64_run_out_of_memory_is_no_room_not_a_module_without_float64() -> None:
+    result = admission_check(OOM_IN_FLOAT64, timeout_s=120)
+    assert not result.admitted and result.reason == "not_checkable_here", result.detail
+    assert result.detail.startswith("the check does not fit"), result.detail
+
+
 def test_non_negative_inputs_are_checked_with_both_signs() -> None:
     # On torch.rand inputs alone |x| is x; inputs of both signs tell them apart.
     assert admission_check(ABS_OF_RAND, timeout_s=120).admitted
     assert admission_check(PROBLEMS["relu_rand"], timeout_s=120).admitted
+
+
+OOM_IN_FLOAT64 = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        if x.dtype == torch.float64:  # as a device full of others' memory would
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+        return x * 2 + 1
+
+
+def get_inputs():
+    return [torch.randn(64)]
+
+
+def get_init_inputs():
+    return []
+"""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kz_stream.verify import _compare as compare
+from kz_stream.verify._checks import check_device
 from kz_stream.verify._compare import (
     calibrate,
     compare_outputs,
@@ -138,3 +139,23 @@ def test_kernelbench_rule_calls_an_output_that_is_not_a_tensor_wrong() -> None:
     _, _, _, honest = _matmul_case()
     for junk in (None, "tensor", object()):
         assert not kernelbench_allclose([junk], [honest])
+
+
+def test_small_outputs_are_checked_on_the_host_and_big_ones_on_the_device() -> None:
+    assert check_device(4096, "cuda:0") == "cpu"  # a reduction's: no wait for the device
+    assert check_device(16 << 20, "cuda:0") == "cpu"
+    assert check_device((16 << 20) + 1, "cuda:0") == "cuda:0"
+    assert check_device(1 << 40, "cpu") == "cpu"  # the CPU path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_comparison_on_the_host_rules_as_on_a_device() -> None:
+    a, b, expected, honest = _matmul_case()
+    tols = [calibrate(expected, honest)]
+    near = (a * (1 + 3e-7)) @ b
+    for cand in (near, honest + 1e-3, honest.clone().fill_(float("nan"))):
+        on_host = compare_outputs([cand], [expected], [honest], tols, "cpu")
+        on_device = compare_outputs([cand], [expected], [honest], tols, "cuda")
+        assert (on_host.ok, on_host.check) == (on_device.ok, on_device.check)
+        assert on_host.rel_norm_error == pytest.approx(on_device.rel_norm_error, rel=1e-9)

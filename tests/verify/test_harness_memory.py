@@ -7,12 +7,20 @@ import asyncio
 import time
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 
 from kz_stream.verify import VerifierConfig, _harness, _timing
-from kz_stream.verify._harness import _pristine, _snapshot, _still_changing, bits_equal
+from kz_stream.verify._harness import (
+    _differs,
+    _pristine,
+    _set_args,
+    _snapshot,
+    bits_equal,
+    block_sums,
+)
 from kz_stream.verify._pool import Lane
 
 
@@ -30,16 +38,88 @@ def test_bits_equal_compares_block_by_block(monkeypatch: pytest.MonkeyPatch) -> 
     assert bits_equal(a.reshape(8, 8).t(), a.reshape(8, 8).t().contiguous())
 
 
-def test_a_big_device_input_is_checked_against_its_host_copy(
+def test_a_big_device_input_is_checked_against_its_block_sums(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    sent = torch.ones(64)
-    arg = sent.clone()  # stands in for its copy on the device
+    arg = torch.ones(64)  # stands in for a set on the device
     monkeypatch.setattr(_harness, "_on_device", lambda t, cuda: False)
-    assert _pristine(arg, sent, cuda=True) is sent
+    sums = _pristine(arg, cuda=True)
+    assert isinstance(sums, _harness._Sums) and not _differs(arg, sums)
+    arg[7] = 2.0
+    assert _differs(arg, sums)
     monkeypatch.setattr(_harness, "_on_device", lambda t, cuda: True)
-    kept = _pristine(arg, sent, cuda=True)
+    kept = _pristine(arg, cuda=True)
     assert kept is not arg and torch.equal(kept, arg)
-    assert _pristine(3, 3, cuda=True) == 3
+    assert _pristine(3, cuda=True) == 3
+
+
+def test_block_sums_see_a_swap_and_a_change_that_keeps_the_plain_sum(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_harness, "_SUM_BLOCK_BYTES", 64)
+    t = torch.arange(40, dtype=torch.int32)
+    sums = block_sums(t)
+    assert sums.dtype == torch.int64 and sums.numel() == 2 * 3  # 160 bytes: 3 blocks
+    swapped = t.clone()
+    swapped[[3, 5]] = swapped[[5, 3]]  # a sort would do this
+    moved = t.clone()
+    moved[3] += 1
+    moved[5] -= 1
+    for changed in (swapped, moved):
+        assert block_sums(changed)[0] == sums[0]  # the plain sum of the block is kept
+        assert not torch.equal(block_sums(changed), sums)
+    big = torch.full((8,), 2**31 - 1, dtype=torch.int32)  # sums past int32 stay exact
+    assert int(block_sums(big)[0]) == 8 * (2**31 - 1)
+
+
+def test_set_0_is_uploaded_once_and_handed_out_again_while_unwritten() -> None:
+    state = _harness.State("cpu")
+    # Each request brings its own copy of the set, as a worker's request does.
+    first = _set_args(state, [torch.arange(8.0), 3], 0)
+    assert _set_args(state, [torch.arange(8.0), 3], 0) is first
+    other = [torch.ones(8)]
+    assert _set_args(state, other, 1)[0] is other[0]  # not kept: as it came
+    assert state.kept is not None and state.kept.args is first
+    assert _set_args(state, [torch.arange(8.0), 3], 0) is first
+    first[0][2] = -1.0  # a call wrote into it
+    fresh: list[Any] = [torch.arange(8.0), 3]
+    again = _set_args(state, fresh, 0)
+    assert again is not first and torch.equal(again[0], torch.arange(8.0))
+    assert _set_args(state, [torch.arange(8.0), 3], 0) is again  # kept afresh
+    assert _set_args(state, [torch.zeros(2)], None) is not again  # a set with no index
+
+
+def test_the_kept_set_makes_room_for_another_set_that_would_not_fit_beside_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _harness.State("cpu")
+    state.cuda = True  # a GPU worker's bookkeeping, on the host
+    monkeypatch.setattr(_harness, "_device_room", lambda: 3 * 256)
+    kept = _set_args(state, [torch.ones(64)], 0)
+    _set_args(state, [torch.ones(64)], 1)  # 256 bytes: three times it fits
+    assert state.kept is not None and state.kept.args is kept
+    _set_args(state, [torch.ones(65)], 1)
+    assert state.kept is None
+
+
+def test_an_ablation_call_never_sees_set_0_as_an_earlier_call_left_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An upload is a copy (host to device); on the host, a clone stands for it.
+    monkeypatch.setattr(_harness, "to_device", lambda values, device: [
+        v.clone() if isinstance(v, torch.Tensor) else v for v in values])
+    seen: list[float] = []
+
+    class WritesItsInput(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(float(x[0]))
+            x[0] = 99.0
+            return x * 2
+
+    state = _harness.State("cpu")
+    state.models["own"] = WritesItsInput()
+    _set_args(state, [torch.ones(4)], 0)  # kept by an earlier request
+    reply = _harness._ablate(state, {"cmd": "ablate", "kernels": ["k1", "k2", "k3"],
+                                     "inputs": [torch.ones(4)], "set": 0, "out_specs": [],
+                                     "model": "own", "other_inputs": None})
+    assert seen == [1.0, 1.0, 1.0]  # each written copy was replaced by a fresh one
+    assert set(reply["outputs"]) == {"k1", "k2", "k3"}
 
 
 def test_the_checks_copy_on_the_device_where_three_times_the_tensor_fits(
@@ -58,26 +138,26 @@ def test_the_checks_copy_on_the_device_where_three_times_the_tensor_fits(
 
 def test_an_output_with_no_room_for_its_clone_is_snapshot_as_block_sums(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_harness, "_EQUAL_BLOCK_BYTES", 64)
+    monkeypatch.setattr(_harness, "_SUM_BLOCK_BYTES", 64)
     monkeypatch.setattr(_harness, "_on_device", lambda t, cuda: False)
-    out = torch.arange(100, dtype=torch.float32)  # 400 bytes: 7 blocks
+    out = torch.arange(100, dtype=torch.float32)  # 400 bytes: 7 blocks, two sums each
     snap = _snapshot(out, cuda=True)
-    assert isinstance(snap, _harness._Sums) and snap.sums.numel() == 7
-    assert not _still_changing(out, snap)
+    assert isinstance(snap, _harness._Sums) and snap.sums.numel() == 14
+    assert not _differs(out, snap)
     out[95] = -1.0  # a late write in the last block
-    assert _still_changing(out, snap)
+    assert _differs(out, snap)
     odd = torch.ones(5, dtype=torch.bool)  # no multiple of 4 bytes: summed by bytes
-    assert not _still_changing(odd, _snapshot(odd, cuda=True))
-    assert not _still_changing(torch.tensor(2.5), _snapshot(torch.tensor(2.5), cuda=True))
-    assert _snapshot(None, cuda=True) is None and not _still_changing(None, None)
+    assert not _differs(odd, _snapshot(odd, cuda=True))
+    assert not _differs(torch.tensor(2.5), _snapshot(torch.tensor(2.5), cuda=True))
+    assert _snapshot(None, cuda=True) is None and not _differs(None, None)
 
 
 def test_an_output_with_room_is_snapshot_as_a_clone() -> None:
     out = torch.ones(8)
     snap = _snapshot(out, cuda=False)
-    assert snap is not out and not _still_changing(out, snap)
+    assert snap is not out and not _differs(out, snap)
     out[0] = 2.0
-    assert _still_changing(out, snap)
+    assert _differs(out, snap)
 
 
 async def test_whole_takes_every_slot_and_two_takers_do_not_deadlock() -> None:
@@ -167,3 +247,15 @@ def test_timing_holds_no_output_past_its_rotation_budget_and_stashes_kept_ones(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
 def test_no_cuda_state_means_no_room() -> None:
     assert _harness._device_room() == 0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_set_0_is_uploaded_once_and_again_after_a_write() -> None:
+    state = _harness.State("cuda")
+    host = [torch.randn(1 << 20), 2]
+    first = _set_args(state, host, 0)
+    assert first[0].is_cuda and torch.equal(first[0].cpu(), host[0])
+    assert _set_args(state, [host[0].clone(), 2], 0) is first
+    first[0][-1] += 1.0  # a call wrote into the device copy
+    again = _set_args(state, [host[0].clone(), 2], 0)
+    assert again is not first and torch.equal(again[0].cpu(), host[0])

@@ -3,9 +3,14 @@ the candidate's own (its process reached its memory cap)."""
 
 from __future__ import annotations
 
+import copy
+
+import pytest
+import torch
+
 from kz_stream.testing.corpus.problems import PROBLEMS
 from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
-from kz_stream.verify import Candidate, Problem, Status, Verdict, Verifier, VerifierConfig
+from kz_stream.verify import Candidate, Problem, Status, Verdict, Verifier, VerifierConfig, _oracle
 from kz_stream.verify._checks import device_was_full, problem_failure
 
 # As the H200 worded it for a 6.4 GB ReLU while the verifier's other processes held the
@@ -92,3 +97,33 @@ def test_a_device_full_on_both_tries_is_an_infrastructure_failure_that_says_so()
     verdict = _verified(_filled_device_problem(once=False))
     assert (verdict.status, verdict.check) == (Status.INFRA_ERROR, "device_memory")
     assert "second try too" in verdict.reason
+
+
+def test_a_float64_copy_the_device_cannot_hold_is_made_and_run_on_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_room(model: torch.nn.Module) -> torch.nn.Module:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    monkeypatch.setattr(_oracle, "float64_copy", no_room)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    x = torch.randn(5, 4)
+    expected = copy.deepcopy(model).double()(x.double())
+    notes: list[str] = []
+    out = _oracle.Oracle("cuda")._outputs(model, [x], torch.float64, "own", notes)
+    assert out[0].dtype == torch.float64 and torch.equal(out[0], expected)
+    assert notes == ["own: float64 run on the host (the device could not hold it)"]
+    assert model.get_parameter("0.weight").dtype == torch.float32  # left as it was
+
+
+def test_a_host_copy_copies_each_tensor_once_and_keeps_tied_weights_tied() -> None:
+    emb, head = torch.nn.Embedding(6, 4), torch.nn.Linear(4, 6, bias=False)
+    head.weight = emb.weight  # tied, as a language model's head
+    model = torch.nn.Sequential(emb, head, torch.nn.BatchNorm1d(6))
+    host = _oracle.host_copy(model, torch.float64)
+    weight = host.get_parameter("0.weight")
+    assert host.get_parameter("1.weight") is weight and weight.dtype == torch.float64
+    assert weight.untyped_storage().data_ptr() != emb.weight.untyped_storage().data_ptr()
+    assert torch.equal(weight, emb.weight.double())
+    assert torch.equal(host.get_buffer("2.running_var"),
+                       model.get_buffer("2.running_var").double())
+    assert emb.weight.dtype == torch.float32
