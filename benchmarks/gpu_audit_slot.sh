@@ -8,8 +8,9 @@
 #   benchmarks/gpu_audit_slot.sh LEVEL T [JOBS] [KERNELBENCH]
 #
 # KERNELBENCH is a checkout's KernelBench folder (default .kb/KernelBench, git-ignored: the
-# project ships none). A problem begun before T finishes; leave room for the slowest (a
-# 10-minute call suits T=380 with JOBS=2 on an H100). Summarise with
+# project ships none). REDO="2_ShallowWideMLP 31_VisionAttention" audits those problems
+# again though their rows stand (--redo). A problem begun before T finishes; leave room
+# for the slowest (a 10-minute call suits T=380 with JOBS=2 on an H100). Summarise with
 # python -m benchmarks.kernelbench_audit 1=benchmarks/results/raw/audit_level1.json ...
 set -uo pipefail
 LEVEL=$1 T=$2 JOBS=${3:-2} KB=${4:-.kb/KernelBench}
@@ -22,6 +23,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 start=$(date +%s)
 timeout -s INT $((T + 200)) python3 -m kz_stream.cli verify audit-suite "$KB/level${LEVEL}" \
   --json "$OUT/audit_level${LEVEL}.json" --resume --time-limit "$T" --jobs "$JOBS" \
+  $(for name in ${REDO:-}; do printf -- '--redo %s ' "$name"; done) \
   > "$OUT/audit_level${LEVEL}.txt" 2>&1
 echo "rc=$? wall=$(( $(date +%s) - start ))"
 tail -n 4 "$OUT/audit_level${LEVEL}.txt"

@@ -38,6 +38,9 @@ def verify_audit_suite(
                                          "unchanged; audit the rest.")] = False,
     retry_errors: Annotated[bool, typer.Option(help="Resume, and audit again the problems "
                                                "that could not be prepared.")] = False,
+    redo: Annotated[list[str] | None, typer.Option(
+        help="Resume, and audit this problem again (its file's name without .py; "
+        "repeatable) whatever its row says.")] = None,
     time_limit: Annotated[float | None, typer.Option(
         min=0, help="Start no problem after this many seconds (those begun finish); "
         "--resume goes on from there.")] = None,
@@ -58,12 +61,18 @@ def verify_audit_suite(
 
     if not path.is_dir():
         raise typer.BadParameter(f"{path} is not a folder", param_hint="PATH")
+    redo = list(redo or [])
+    resume = resume or bool(redo)
     if (resume or retry_errors) and json_out is None:
         raise typer.BadParameter("needs --json FILE: the rows to go on from",
                                  param_hint="--resume")
     files = suite_files(path)[:limit]
     if not files:
         raise typer.BadParameter(f"no problem files (*.py) in {path}", param_hint="PATH")
+    unknown = sorted(set(redo) - {f.stem for f in files})
+    if unknown:
+        raise typer.BadParameter(f"no problem {', '.join(unknown)} in this selection of "
+                                 f"{path}", param_hint="--redo")
     kept: dict[str, ProblemAudit] = {}
     todo = files
     order = {f.stem: i for i, f in enumerate(files)}
@@ -75,7 +84,7 @@ def verify_audit_suite(
             raise typer.BadParameter(
                 f"{json_out} holds no audit rows to go on from ({type(e).__name__}: {e}); "
                 "move it aside or name another file", param_hint="--json") from e
-        todo, kept = still_to_audit(files, earlier, retry_errors=retry_errors)
+        todo, kept = still_to_audit(files, earlier, retry_errors=retry_errors, redo=redo)
         others = [r for r in earlier if r.name not in order]
     table = Table(title=f"{path}: {len(todo)} of {len(files)} problems to audit")
     for col in ("problem", "admission", "input sets", "dropped", "memory plan",

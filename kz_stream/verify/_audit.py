@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Collection, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -62,12 +62,14 @@ class ProblemAudit:
 
 
 def still_to_audit(
-    files: list[Path], rows: Iterable[ProblemAudit], *, retry_errors: bool = False
+    files: list[Path], rows: Iterable[ProblemAudit], *, retry_errors: bool = False,
+    redo: Collection[str] = (),
 ) -> tuple[list[Path], dict[str, ProblemAudit]]:
     """Splits a suite for a resumed audit into the files still to audit and the earlier
     rows that stand, by problem name. A row stands when its problem's source and the
-    verifier version are the ones it was made with, and (with ``retry_errors``) when the
-    problem could be prepared."""
+    verifier version are the ones it was made with, (with ``retry_errors``) when the
+    problem could be prepared, and when ``redo`` does not name it (a fix that changes
+    what some rows say without a verifier version of its own)."""
     by_name = {r.name: r for r in rows}
     todo: list[Path] = []
     kept: dict[str, ProblemAudit] = {}
@@ -75,7 +77,7 @@ def still_to_audit(
         row = by_name.get(f.stem)
         if (row is not None and row.verifier_version == VERIFIER_VERSION
                 and row.source_sha256 == source_sha256(f.read_text())
-                and not (retry_errors and row.error)):
+                and not (retry_errors and row.error) and f.stem not in redo):
             kept[f.stem] = row
         else:
             todo.append(f)

@@ -112,6 +112,13 @@ def test_a_resumed_audit_keeps_rows_whose_problem_and_verifier_are_unchanged(
     assert after["2_Hinge"]["source_sha256"] != rows["2_Hinge"]["source_sha256"]
     retried = _audit(suite, out, "--retry-errors")  # resumes too
     assert "2 rows kept" in retried.stdout and "1 audited now" in retried.stdout
+    # --redo audits a named problem again though its row stands (and resumes too).
+    redone = _audit(suite, out, "--redo", "1_ReLU")
+    assert "2 rows kept" in redone.stdout and "1 audited now" in redone.stdout, redone.stdout
+    typo = subprocess.run(
+        [sys.executable, "-m", "kz_stream.cli", "verify", "audit-suite", str(suite), "--cpu",
+         "--json", str(out), "--redo", "1_Relu"], capture_output=True, text=True, timeout=120)
+    assert typo.returncode != 0 and "no problem 1_Relu" in typo.stderr + typo.stdout
     # A narrower selection keeps the rows of the problems outside it as they are.
     before = json.loads(out.read_text())
     _audit(suite, out, "--resume", "--limit", "1")
@@ -147,6 +154,8 @@ def test_still_to_audit_takes_rows_of_another_verifier_version_as_missing(
     assert still_to_audit([a, b], [older]) == ([a, b], {})
     # Rows of problems no longer in the selection are not carried.
     assert still_to_audit([b], [current]) == ([b], {})
+    # A row named to redo is audited again though it stands.
+    assert still_to_audit([a, b], [current], redo={"1_A"}) == ([a, b], {})
     # Keys written by another version of the row are left out when it is read back.
     assert ProblemAudit.from_dict({**current.to_dict(), "new_field": 1}) == current
 
