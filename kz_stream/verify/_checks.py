@@ -153,9 +153,9 @@ class HostMemoryWatch:
 _T = TypeVar("_T")
 
 # Checks of outputs up to this many bytes in all (the candidate's, the expected and the
-# honest ones) run on the host, off the lane's shared lock: on a GPU such a check waited
-# there for other candidates' exclusive timing (3 s for a reduction's kilobytes in a
-# KernelBench mix on an H100, 2026-12-06) to do milliseconds of work.
+# honest ones) run on the host, off the lane's shared lock: in a KernelBench mix on an
+# H100 (2026-12-06) a reduction's comparison of a few kilobytes took 0.1 s or 3 s, the
+# 3 s most likely spent waiting there behind other candidates' exclusive timing.
 _HOST_CHECK_MAX_BYTES = 16 << 20
 
 

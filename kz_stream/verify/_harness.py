@@ -383,14 +383,15 @@ def _on_device(t: torch.Tensor, cuda: bool) -> bool:
             or 3 * t.nbytes <= _device_room())
 
 
-def _pristine(arg: Any, cuda: bool) -> Any:
+def _pristine(arg: Any, cuda: bool, sums: Any = None) -> Any:
     """What ``arg`` is checked against after a call: a clone where ``_on_device`` allows,
-    else its block sums (comparing against the request's host copy moved the whole set
-    across PCIe again for each call: two 8 GiB repetitions took 5-6 s on an H100)."""
+    else its block sums, ``sums`` where they were taken already (comparing against the
+    request's host copy moved the whole set across PCIe again for each call: two 8 GiB
+    repetitions took 5-6 s on an H100)."""
     if not isinstance(arg, torch.Tensor):
         return arg
     if not _on_device(arg, cuda):
-        return _Sums(arg)
+        return sums if isinstance(sums, _Sums) else _Sums(arg)
     return arg.clone()
 
 
@@ -463,7 +464,6 @@ class _KeptSet:
         self.index = index
         self.args = args
         self.sums = [_Sums(a) if isinstance(a, torch.Tensor) else a for a in args]
-        self.nbytes = nbytes(args)
 
     def unchanged(self) -> bool:
         return not any(_differs(a, s) for a, s in zip(self.args, self.sums, strict=True))
@@ -478,15 +478,13 @@ def _set_args(state: State, inputs: list[Any], index: int | None) -> list[Any]:
     kept set is dropped where another set's upload and its outputs would not fit beside
     it, as ``_on_device`` reckons room."""
     kept = state.kept
-    if kept is not None and index == kept.index:
-        if kept.unchanged():
+    if kept is not None:
+        if index == kept.index and kept.unchanged():
             return kept.args
-        state.kept = None
-    elif kept is not None and state.cuda and 3 * nbytes(inputs) > _device_room():
-        state.kept = None
-    del kept
-    if state.kept is None and state.cuda:
-        torch.cuda.empty_cache()  # the dropped set's blocks, for this upload
+        if index == kept.index or (state.cuda and 3 * nbytes(inputs) > _device_room()):
+            state.kept = kept = None
+            if state.cuda:
+                torch.cuda.empty_cache()  # the dropped set's blocks, for this upload
     args = to_device(inputs, state.device)
     if index == _KEPT_SET:
         # On the CPU path the set is the request's own (a worker's private copy-on-write
@@ -508,7 +506,10 @@ def _run(state: State, msg: RunRequest) -> RunReply:
     # candidate is flagged (on an H100 the two repetitions of an 8 GiB set took 5-12 s,
     # each uploading it from the host).
     args = _set_args(state, inputs, msg.get("set"))
-    clones = [_pristine(a, state.cuda) for a in args]
+    # The kept set's sums are this set's as uploaded: no second pass to take them again.
+    taken = state.kept.sums if state.kept is not None and state.kept.args is args else (
+        [None] * len(args))
+    clones = [_pristine(a, state.cuda, t) for a, t in zip(args, taken, strict=True)]
     for rep in range(reps):
         poison(msg.get("out_specs", []), state.device)
         _sync(state)

@@ -8,7 +8,6 @@ Run as ``python -m kz_stream.verify._oracle <fd> <device>``.
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
@@ -53,6 +52,7 @@ from kz_stream.verify._reference import (
     build_model,
     float64_copy,
     forget_built_models,
+    host_copy,
     load_reference,
     run,
     strict_precision,
@@ -259,20 +259,6 @@ class Oracle:
             "bytes": nbytes(cpu_inputs) + nbytes(expected) + nbytes(honest),
             "drop": drop,
         }
-
-
-def host_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """A copy of ``model`` on the host (its floating tensors in ``dtype`` if given), made
-    tensor by tensor: a deep copy where the model is would need the device room that was
-    missing. Tied weights stay tied."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = torch.nn.Parameter(p.detach().to("cpu", copy=True),
-                                         requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = b.detach().to("cpu", copy=True)
-    host = copy.deepcopy(model, memo)
-    return host if dtype is None else host.to(dtype)
 
 
 def _sticky_cuda_error(e: BaseException) -> bool:

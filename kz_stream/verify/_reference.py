@@ -141,6 +141,20 @@ def float64_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).to(torch.float64)
 
 
+def host_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of ``model`` on the host (its floating tensors in ``dtype`` if given), made
+    tensor by tensor: a deep copy where the model is would need the device room that was
+    missing. Tied weights stay tied."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("cpu", copy=True),
+                                         requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("cpu", copy=True)
+    host = copy.deepcopy(model, memo)
+    return host if dtype is None else host.to(dtype)
+
+
 def run(model: nn.Module, inputs: Sequence[Any], device: str,
         dtype: torch.dtype | None = None) -> list[Any]:
     """Calls the model without autograd; floating inputs are cast to ``dtype`` if given."""

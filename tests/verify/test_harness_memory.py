@@ -259,3 +259,24 @@ def test_on_a_gpu_set_0_is_uploaded_once_and_again_after_a_write() -> None:
     first[0][-1] += 1.0  # a call wrote into the device copy
     again = _set_args(state, [host[0].clone(), 2], 0)
     assert again is not first and torch.equal(again[0].cpu(), host[0])
+
+
+def test_a_run_on_the_kept_set_takes_its_sums_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_harness, "_on_device", lambda t, cuda: False)  # no room to clone
+    summed: list[int] = []
+    real = _harness.block_sums
+
+    def counted(t: torch.Tensor) -> torch.Tensor:
+        summed.append(t.untyped_storage().data_ptr())
+        return real(t)
+
+    monkeypatch.setattr(_harness, "block_sums", counted)
+    state = _harness.State("cpu")
+    state.models["own"] = torch.nn.ReLU()
+    x = torch.randn(64)
+    reply = _harness._run(state, {"cmd": "run", "inputs": [x], "set": 0, "out_specs": [],
+                                  "model": "own", "reps": 2})
+    assert "input_mutation" not in reply["flags"]
+    kept = state.kept.args[0].untyped_storage().data_ptr() if state.kept else None
+    # Taken at the upload, then read after each of the two calls: three passes, not four.
+    assert summed.count(kept) == 3, summed

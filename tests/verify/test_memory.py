@@ -12,6 +12,7 @@ from kz_stream.testing.corpus.problems import PROBLEMS
 from kz_stream.testing.corpus.triton_honest import TRITON_HONEST
 from kz_stream.verify import Candidate, Problem, Status, Verdict, Verifier, VerifierConfig, _oracle
 from kz_stream.verify._checks import device_was_full, problem_failure
+from kz_stream.verify._reference import host_copy
 
 # As the H200 worded it for a 6.4 GB ReLU while the verifier's other processes held the
 # device (2026-11-30).
@@ -119,7 +120,7 @@ def test_a_host_copy_copies_each_tensor_once_and_keeps_tied_weights_tied() -> No
     emb, head = torch.nn.Embedding(6, 4), torch.nn.Linear(4, 6, bias=False)
     head.weight = emb.weight  # tied, as a language model's head
     model = torch.nn.Sequential(emb, head, torch.nn.BatchNorm1d(6))
-    host = _oracle.host_copy(model, torch.float64)
+    host = host_copy(model, torch.float64)
     weight = host.get_parameter("0.weight")
     assert host.get_parameter("1.weight") is weight and weight.dtype == torch.float64
     assert weight.untyped_storage().data_ptr() != emb.weight.untyped_storage().data_ptr()
