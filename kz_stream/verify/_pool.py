@@ -22,7 +22,8 @@ from kz_stream.verify._messages import PrepareRequest, WorkerRequest
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._sandbox import isolation
 
-__all__ = ["ByteBudget", "CompiledBaseline", "Lane", "RefTimer", "host_memory_bytes"]
+__all__ = ["ByteBudget", "CompiledBaseline", "Lane", "RefTimer", "device_room_bytes",
+           "host_memory_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,20 @@ WORKER_OOM_SCORE_ADJ = 1000
 ORACLE_OOM_SCORE_ADJ = 500
 
 
+_NO_LIMIT = 1 << 62  # the CPU path's room: its host memory is ``host_budget_bytes``
+
+# Of a device's memory, the share its candidates and preparations may be estimated to
+# hold together (``Lane.room``), less what idle reference workers may keep
+# (``reference_worker_bytes``); the rest is for the pre-started workers' CUDA contexts,
+# the verifier's own comparisons and the allocators' slack.
+DEVICE_ROOM_SHARE = 0.9
+
+
+def device_room_bytes(total: int, reference_bytes: int) -> int:
+    """The room of a device of ``total`` bytes (at least a quarter of it)."""
+    return max(int(DEVICE_ROOM_SHARE * total) - reference_bytes, total // 4)
+
+
 def host_memory_bytes() -> int:
     """This host's physical memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -83,12 +98,18 @@ class ByteBudget:
         self.held += nbytes
         self.holders += 1
 
-    async def acquire(self, nbytes: int) -> None:
-        if not self._waiting and self._fits(nbytes):
+    async def acquire(self, nbytes: int, *, first: bool = False) -> None:
+        """Waits until ``nbytes`` fit, after those already waiting; ``first``: ahead of
+        them (a retry that needs the whole budget must not queue behind requests that
+        came after the one it retries)."""
+        if (first or not self._waiting) and self._fits(nbytes):
             self._take(nbytes)
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append((nbytes, turn))
+        if first:
+            self._waiting.appendleft((nbytes, turn))
+        else:
+            self._waiting.append((nbytes, turn))
         try:
             await turn
         except BaseException:
@@ -131,7 +152,10 @@ class Lane:
     exclusive, so no other process of this verifier runs kernels on the device while a
     candidate and its reference are timed, and waits only for the requests in flight.
     Never wait for a worker to start while holding it: the start-up needs it too.
-    ``slots`` bounds the candidates in their GPU stage at once (memory); up to
+    ``slots`` bounds the candidates in their GPU stage at once; ``room`` the device memory
+    that they and the problems being prepared are estimated to hold together
+    (``stage_device_bytes``, ``preparation_device_bytes``), so that a big problem's
+    candidates do not run out of the device's memory beside each other; up to
     ``config.oracles`` oracle processes prepare problems at once (``oracle_slots``), each
     one request at a time: a KernelBench problem's preparation is mostly host work
     (drawing inputs, float64 runs, moving gigabytes), so several overlap well.
@@ -151,7 +175,11 @@ class Lane:
                          if index is not None else 60 << 20)
         self.gpu = aiorwlock.RWLock()
         self.slots = asyncio.Semaphore(config.candidates_per_gpu)
-        self._whole = asyncio.Lock()  # one taker of every slot at a time (``whole``)
+        self.total_bytes = (torch.cuda.get_device_properties(index).total_memory
+                            if index is not None else 0)
+        self.room = ByteBudget(device_room_bytes(self.total_bytes, config.reference_worker_bytes)
+                               if index is not None else _NO_LIMIT)
+        self._alone = asyncio.Lock()  # one taker of the whole room at a time (``alone``)
         self.oracle_slots = asyncio.Semaphore(config.oracles)
         self.oracles: list[Child] = []  # idle, alive as far as is known
         self.oracles_busy: set[Child] = set()
@@ -174,34 +202,30 @@ class Lane:
         self.compiling: set[Child] = set()
 
     @contextlib.asynccontextmanager
-    async def whole(self) -> AsyncIterator[None]:
-        """Every candidate slot and oracle slot of the device, so that no other candidate
-        runs and no problem is prepared beside the holder. Slots are taken one by one as
-        they free up, under a lock: two takers never each hold a part and wait for the
-        rest."""
-        taken = oracles = 0
+    async def room_for(self, nbytes: int) -> AsyncIterator[None]:
+        """``nbytes`` of the device's ``room`` while the block runs."""
+        await self.room.acquire(nbytes)
         try:
-            async with self._whole:
-                while taken < self.config.candidates_per_gpu:
-                    await self.slots.acquire()
-                    taken += 1
-                while oracles < self.config.oracles:
-                    await self.oracle_slots.acquire()
-                    oracles += 1
             yield
         finally:
-            for _ in range(taken):
-                self.slots.release()
-            for _ in range(oracles):
-                self.oracle_slots.release()
+            self.room.release(nbytes)
 
     @contextlib.asynccontextmanager
     async def alone(self) -> AsyncIterator[None]:
-        """The device to the holder: ``whole``, then every idle reference timing worker
-        stopped. A failure that others' memory caused is retried under it."""
-        async with self.whole():
+        """The device to the holder: the whole ``room``, ahead of those waiting for it (so
+        no candidate or preparation starts beside it, and it waits only for those
+        running), then every idle reference timing worker stopped. A failure that others'
+        memory caused is retried under it. Before the room (2026-12-06, H100 mix), the
+        retry took every candidate slot in turn and waited 86-90 s behind the candidates
+        queued for them."""
+        more = self.room.limit + 1  # more than the room: admitted only when none holds any
+        async with self._alone:
+            await self.room.acquire(more, first=True)
+        try:
             await self.drop_references(all_idle=True)
             yield
+        finally:
+            self.room.release(more)
 
     def _env(self, fraction: float) -> dict[str, str]:
         env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),

@@ -50,7 +50,7 @@ from kz_stream.verify._preflight import IMPORTS as PREFLIGHT_IMPORTS
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._rewrite import kernel_names
 from kz_stream.verify._sandbox import SandboxOutcome, isolation, run_in_sandbox
-from kz_stream.verify._timing import check_flush
+from kz_stream.verify._timing import check_flush, timing_set_count
 from kz_stream.verify._types import VERIFIER_VERSION, Candidate, Problem, Status, Verdict
 
 __all__ = ["Verifier", "VerifierConfig"]
@@ -101,6 +101,37 @@ def preparation_bytes(input_bytes: int, output_bytes: int | None,
             full_sets += 1
     weights = 2 * weight_bytes + weight_bytes // 8
     return held + small + weights  # + small: the small set
+
+
+# A process's CUDA context and its libraries' workspaces (cuBLAS, Triton), with room to spare.
+CUDA_CONTEXT_BYTES = 1 << 30
+
+
+def preparation_device_bytes(input_bytes: int, output_bytes: int | None, weight_bytes: int,
+                             cap: int) -> int:
+    """Device bytes a problem's preparation is admitted with (``Lane.room``): the oracle's
+    peak on the own set, estimated from the reference's sizes (``module_footprint``): its
+    inputs and their float64 copy, its outputs as a set keeps them (``output_bytes``: an
+    unknown one counts as three times the inputs, as in ``preparation_bytes``), its
+    weights and their float64 copy, a CUDA context; at most ``cap``, the oracle's own
+    (``oracle_memory_fraction`` of the device: past it the oracle runs on the host)."""
+    out = 3 * input_bytes if output_bytes is None else output_bytes
+    return min(3 * input_bytes + out + 3 * weight_bytes + CUDA_CONTEXT_BYTES, cap)
+
+
+def stage_device_bytes(input_bytes: int, output_bytes: int, weight_bytes: int,
+                       timing_sets: int) -> int:
+    """Device bytes a candidate's GPU stage is admitted with (``Lane.room``): its worker's
+    peak, estimated: the timing's input sets (at least two, so also set 0 kept beside
+    another during the checks), four times the outputs (a run's two repetitions, the
+    timed calls' kept ones, the comparisons'), the model's weights and a CUDA context.
+    The reference's timing worker is not counted: the room leaves
+    ``reference_worker_bytes`` out for those. On an H100 (2026-12-06 mix) three honest
+    candidates of an 8 GiB reduction beside two problems being prepared ran out of the
+    device's memory; this admits three such candidates (17 GiB each) and no preparation
+    beside them."""
+    return (max(timing_sets, 2) * input_bytes + 4 * output_bytes + weight_bytes
+            + CUDA_CONTEXT_BYTES)
 
 
 def held_after_preparation(p: Prepared, share_min_bytes: int | None, candidates: int) -> int:
@@ -325,8 +356,9 @@ class Verifier:
             short = self._too_few_sets(prepared)
             if short:
                 return self._verdict(Status.UNCHECKED, short, check="input_sets")
+            need = await self._stage_device_bytes(lane, problem, prepared)
             t0 = time.monotonic()
-            async with lane.slots:
+            async with lane.slots, lane.room_for(need):
                 details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
                 verdict = await self._gpu_stage(lane, prepared, candidate, builds,
                                                 own_names, details)
@@ -452,10 +484,11 @@ class Verifier:
                                "seed": seed, "small_only": not self.gpu,
                                "full_set_budget": self.config.full_set_budget_bytes}
         kills_before = oom_kills()
+        need = await self._preparation_device_bytes(lane, problem)
         try:
-            # A free oracle first, then the GPU: waiting for one while holding the
-            # shared lock would hold timing up.
-            async with lane.oracle_slots, lane.gpu.reader_lock:
+            # A free oracle first, then the device's room, then the GPU: waiting for one
+            # while holding the shared lock would hold timing up.
+            async with lane.oracle_slots, lane.room_for(need), lane.gpu.reader_lock:
                 t0 = time.monotonic()
                 r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
                 call_s = time.monotonic() - t0
@@ -466,7 +499,7 @@ class Verifier:
                 # itself, as a candidate's device_memory failure is retried. On an H100
                 # (2026-12-06) an 8 GiB argmax was prepared beside three candidates of
                 # 8 GiB problems, and its first sample got infra_error for it.
-                async with lane.alone(), lane.gpu.reader_lock:
+                async with lane.oracle_slots, lane.alone(), lane.gpu.reader_lock:
                     t0 = time.monotonic()
                     r = await lane.oracle_call(msg, self.config.prepare_timeout_s)
                     call_s = time.monotonic() - t0
@@ -558,6 +591,27 @@ class Verifier:
             return 2 * budget
         _, input_bytes, output_bytes, weight_bytes, share = got.value
         return preparation_bytes(input_bytes, output_bytes, budget, weight_bytes, share)
+
+    async def _preparation_device_bytes(self, lane: Lane, problem: Problem) -> int:
+        """``preparation_device_bytes`` of ``problem`` on ``lane`` (the oracle's cap where
+        the reference's sizes cannot be found; 0 on the CPU path)."""
+        if lane.index is None:
+            return 0
+        cap = int(self.config.oracle_memory_fraction * lane.total_bytes)
+        got = await self._reference_facts(problem)
+        if not got.ok:
+            return cap
+        _, input_bytes, output_bytes, weight_bytes, _ = got.value
+        return preparation_device_bytes(input_bytes, output_bytes, weight_bytes, cap)
+
+    async def _stage_device_bytes(self, lane: Lane, problem: Problem, p: Prepared) -> int:
+        """``stage_device_bytes`` of a candidate of ``p`` on ``lane`` (0 on the CPU path)."""
+        if lane.index is None:
+            return 0
+        got = await self._reference_facts(problem)
+        weight_bytes = got.value[3] if got.ok else 0
+        return stage_device_bytes(p.input_bytes, nbytes(p.sets[0]["honest"]), weight_bytes,
+                                  timing_set_count(p.input_bytes, lane.l2_bytes))
 
     async def _reference_facts(self, problem: Problem) -> SandboxOutcome:
         """``reference_facts`` of ``problem``, from one sandboxed child per problem shared

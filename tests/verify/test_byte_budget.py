@@ -64,6 +64,30 @@ async def test_a_waiting_big_request_is_not_passed_by_later_small_ones() -> None
     await asyncio.gather(holder, big, small)
 
 
+async def test_a_request_first_in_line_goes_before_those_already_waiting() -> None:
+    budget, entered, leave = ByteBudget(10), [], asyncio.Event()
+    holder = asyncio.create_task(_enter(budget, 6, entered, asyncio.Event()))
+    await _settle()
+    queued = asyncio.create_task(_enter(budget, 5, entered, leave))
+    await _settle()
+
+    async def whole() -> None:  # a retry that needs the device to itself
+        await budget.acquire(10, first=True)
+        entered.append(10)
+        budget.release(10)
+
+    retry = asyncio.create_task(whole())
+    await _settle()
+    assert entered == [6]  # the retry waits for the holder, not for the one queued
+    holder.cancel()
+    await asyncio.gather(holder, return_exceptions=True)
+    await _settle()
+    assert entered == [6, 10, 5]
+    leave.set()
+    await asyncio.gather(retry, queued)
+    assert budget.held == 0 and budget.holders == 0
+
+
 async def test_giving_up_while_waiting_holds_nothing() -> None:
     budget, entered, leave = ByteBudget(10), [], asyncio.Event()
     holder = asyncio.create_task(_enter(budget, 9, entered, leave))
@@ -124,3 +148,33 @@ def test_a_prepared_reduction_holds_its_sets_and_what_its_candidates_exchange() 
     # With sharing off, every input goes to every candidate as bytes.
     assert held_after_preparation(p, None, 3) == 2 * gib + 5000 + 3 * (2 * gib + 1000
                                                                        + 4 * 4096)
+
+
+def test_a_stage_counts_its_timing_sets_outputs_weights_and_a_context() -> None:
+    from kz_stream.verify._verifier import CUDA_CONTEXT_BYTES, stage_device_bytes
+
+    gib = 1 << 30
+    # An 8 GiB reduction: two timing sets (also set 0 beside another during the checks).
+    assert stage_device_bytes(8 * gib, 4 << 20, 0, 2) == 16 * gib + (16 << 20) + CUDA_CONTEXT_BYTES
+    # Small inputs rotate through more sets; never fewer than two.
+    assert stage_device_bytes(100, 10, 7, 20) == 2000 + 40 + 7 + CUDA_CONTEXT_BYTES
+    assert stage_device_bytes(100, 0, 0, 1) == 200 + CUDA_CONTEXT_BYTES
+
+
+def test_a_preparation_counts_float64_copies_up_to_the_oracles_cap() -> None:
+    from kz_stream.verify._verifier import CUDA_CONTEXT_BYTES, preparation_device_bytes
+
+    gib = 1 << 30
+    assert preparation_device_bytes(gib, 3 << 20, 2, 100 * gib) == (
+        3 * gib + (3 << 20) + 6 + CUDA_CONTEXT_BYTES)
+    # Outputs the meta device could not find count as three times the inputs.
+    assert preparation_device_bytes(gib, None, 0, 100 * gib) == 6 * gib + CUDA_CONTEXT_BYTES
+    assert preparation_device_bytes(8 * gib, None, 0, 32 * gib) == 32 * gib
+
+
+def test_a_devices_room_leaves_out_the_reference_workers_and_a_margin() -> None:
+    from kz_stream.verify._pool import device_room_bytes
+
+    gib = 1 << 30
+    assert device_room_bytes(100 * gib, 16 * gib) == 74 * gib
+    assert device_room_bytes(16 * gib, 16 * gib) == 4 * gib  # never below a quarter

@@ -160,32 +160,40 @@ def test_an_output_with_room_is_snapshot_as_a_clone() -> None:
     assert _differs(out, snap)
 
 
-async def test_whole_takes_every_slot_and_two_takers_do_not_deadlock() -> None:
+async def test_alone_waits_for_the_room_and_two_takers_do_not_deadlock() -> None:
     lane = Lane(VerifierConfig(devices=[], candidates_per_gpu=2, prewarm=0), None)
     order: list[str] = []
     try:
-        await lane.slots.acquire()  # a candidate in its GPU stage
+        candidate = asyncio.Event()
+
+        async def hold(name: str, until: asyncio.Event) -> None:
+            async with lane.room_for(0):  # the CPU path's stages hold no device bytes
+                order.append(name)
+                await until.wait()
+
+        running = asyncio.create_task(hold("running", candidate))  # a candidate's stage
+        await asyncio.sleep(0.01)
 
         async def take(name: str) -> None:
-            async with lane.whole():
+            async with lane.alone():
                 order.append(f"{name} in")
-                assert lane.slots.locked() and lane.oracle_slots.locked()
+                assert lane.room.held > lane.room.limit
                 await asyncio.sleep(0.01)
                 order.append(f"{name} out")
 
-        await lane.oracle_slots.acquire()  # a problem being prepared
         takers = [asyncio.create_task(take("a")), asyncio.create_task(take("b"))]
         await asyncio.sleep(0.05)
-        assert order == []  # both wait for the candidate's slot
-        lane.slots.release()
+        later = asyncio.create_task(hold("later", asyncio.Event()))  # queued after them
         await asyncio.sleep(0.05)
-        assert order == []  # and for the preparation
-        lane.oracle_slots.release()
+        assert order == ["running"]  # both wait for the stage that runs
+        candidate.set()
         await asyncio.wait_for(asyncio.gather(*takers), 5)
-        assert order == ["a in", "a out", "b in", "b out"]
-        assert not lane.slots.locked() and not lane.oracle_slots.locked()
-        async with lane.slots, lane.slots:  # every slot is back
-            pass
+        await asyncio.sleep(0.01)
+        # Then the stage queued behind them.
+        assert order == ["running", "a in", "a out", "b in", "b out", "later"]
+        later.cancel()
+        await asyncio.gather(running, later, return_exceptions=True)
+        assert lane.room.held == 0 and lane.room.holders == 0
     finally:
         lane.close()
 
@@ -193,19 +201,20 @@ async def test_whole_takes_every_slot_and_two_takers_do_not_deadlock() -> None:
 async def test_a_taker_cancelled_while_waiting_gives_back_what_it_took() -> None:
     lane = Lane(VerifierConfig(devices=[], candidates_per_gpu=2, prewarm=0), None)
     try:
-        await lane.slots.acquire()
+        await lane.room.acquire(1)
 
         async def take() -> None:
-            async with lane.whole():
+            async with lane.alone():
                 pass
 
         taker = asyncio.create_task(take())
-        await asyncio.sleep(0.05)  # it holds the free slot and waits for the other
+        await asyncio.sleep(0.05)  # it waits for the holder
         taker.cancel()
         with pytest.raises(asyncio.CancelledError):
             await taker
-        lane.slots.release()
-        async with lane.slots, lane.slots:
+        lane.room.release(1)
+        assert lane.room.held == 0 and lane.room.holders == 0
+        async with lane.alone():  # nothing was left behind
             pass
     finally:
         lane.close()
