@@ -77,8 +77,9 @@ async def verify_mix(jobs: list[tuple[str, str, str]], time_limit: float,
                          # problem's samples) and the candidate's stages
                          **{k: d.details.get(k) for k in ("seconds", "reference_facts_s",
                                                           "host_wait_s", "prepare_s",
-                                                          "gpu_wait_s", "retry_wait_s",
-                                                          "timing_s", "prepare_phases",
+                                                          "gpu_wait_s", "room_wait_s",
+                                                          "retry_wait_s", "timing_s",
+                                                          "prepare_phases", "room_bytes",
                                                           "stage_s")}})
             print(f"  {name}: {d.status.value} {d.check or ''} {d.speedup} "
                   f"at {rows[-1]['done_s']} s", flush=True)

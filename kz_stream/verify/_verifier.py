@@ -358,10 +358,15 @@ class Verifier:
                 return self._verdict(Status.UNCHECKED, short, check="input_sets")
             need = await self._stage_device_bytes(lane, problem, prepared)
             t0 = time.monotonic()
-            async with lane.slots, lane.room_for(need):
-                details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
-                verdict = await self._gpu_stage(lane, prepared, candidate, builds,
-                                                own_names, details)
+            async with lane.slots:
+                t1 = time.monotonic()
+                async with lane.room_for(need):
+                    # the wait for both, and the room's part of it
+                    details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
+                    details["room_wait_s"] = round(time.monotonic() - t1, 3)
+                    details["room_bytes"] = need
+                    verdict = await self._gpu_stage(lane, prepared, candidate, builds,
+                                                    own_names, details)
             if verdict.status is Status.INFRA_ERROR and verdict.check == "device_memory":
                 # The device was full of others' memory, not the candidate's: once more
                 # with no other candidate beside it and the idle reference workers gone

@@ -174,6 +174,8 @@ async def test_candidates_share_a_device_up_to_its_slots(slots: int) -> None:
             for i in range(2)))
     assert [d.status for d in both] == [Status.CORRECT, Status.CORRECT]
     waits = sorted(d.details["gpu_wait_s"] for d in both)
+    # The CPU path has no device room to wait for: its stages hold none of it.
+    assert all(d.details["room_wait_s"] < 0.05 and d.details["room_bytes"] == 0 for d in both)
     if slots == 2:
         assert waits[1] < 0.05, waits
     else:
