@@ -14,7 +14,10 @@ it prepares nothing, so its rate is about the same over a shorter window, which 
 problems weighs less in it); a side's rate is the candidates it finished in its time per
 minute, so a cut run still measures (and says how many it finished). Every
 candidate is honest, so every verdict but ``correct`` is a wrong one: their count is the
-corpus's "0 wrong verdicts" figure at full size.
+corpus's "0 wrong verdicts" figure at full size. The raw rows (``--out``) hold each
+finished candidate's times and, every 5 s, the verifier's occupancy
+(``Verifier.occupancy``: problems in use, candidates in their GPU stage, busy oracles,
+the device's room held and waited for, timing): where the unfinished ones were.
 
 Run on a GPU: ``python -m benchmarks.bench_verifier_mix --samples 4 --time-limit 240
 --out DIR``; ``--small`` checks the path on the CPU at the corpus's small sizes (the
@@ -85,8 +88,18 @@ async def verify_mix(jobs: list[tuple[str, str, str]], time_limit: float,
                   f"at {rows[-1]['done_s']} s", flush=True)
             save({"verifier_rows": rows})
 
+        timeline: list[dict[str, Any]] = []
+
+        async def watch() -> None:  # where the unfinished ones are: they leave no row
+            while True:
+                timeline.append({"t": round(time.monotonic() - t0, 1), **v.occupancy()})
+                save({"occupancy": timeline})
+                await asyncio.sleep(5)
+
+        watcher = asyncio.create_task(watch())
         tasks = [asyncio.create_task(one(*j)) for j in jobs]
         _, pending = await asyncio.wait(tasks, timeout=time_limit)
+        watcher.cancel()
         wall = min(time.monotonic() - t0, time_limit)
         for t in pending:
             t.cancel()

@@ -91,6 +91,11 @@ class ByteBudget:
         self.holders = 0
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting to be admitted."""
+        return sum(1 for _, turn in self._waiting if not turn.done())
+
     def _fits(self, nbytes: int) -> bool:
         return self.holders == 0 or self.held + nbytes <= self.limit
 
@@ -185,7 +190,8 @@ class Lane:
         self.oracles_busy: set[Child] = set()
         self.spares: list[Child] = []
         self.starting: dict[Child, asyncio.Task[None]] = {}
-        self.busy = 0
+        self.busy = 0  # verifications using this lane, from preparation to verdict
+        self.staged = 0  # of them, candidates in their GPU stage
         self.closed = False
         # A worker running the reference for timing: set up exactly like a candidate's
         # (same process kind, isolation and warm-up), so the two sides differ only in the
@@ -226,6 +232,14 @@ class Lane:
             yield
         finally:
             self.room.release(more)
+
+    def occupancy(self) -> dict[str, Any]:
+        """What this lane holds and what waits for it, now (``Verifier.occupancy``)."""
+        return {"device": self.index, "verifications": self.busy, "in_gpu_stage": self.staged,
+                "oracles_busy": len(self.oracles_busy), "room_bytes": self.room.held,
+                "room_holders": self.room.holders, "room_waiting": self.room.waiting,
+                "timing": self.gpu.writer_lock.locked,
+                "reference_workers": len(self.ref_workers), "spares": len(self.spares)}
 
     def _env(self, fraction: float) -> dict[str, str]:
         env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),

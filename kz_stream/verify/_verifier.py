@@ -227,6 +227,18 @@ class Verifier:
         """Same as ``close``."""
         await self.close()
 
+    def occupancy(self) -> dict[str, Any]:
+        """Where the verifications in flight are, now: the problems in use and the host
+        memory they hold (and the requests waiting for it), and per device
+        (``Lane.occupancy``) the verifications, the candidates in their GPU stage, busy
+        oracles, the device's room held and waited for, whether a candidate is being
+        timed, and the reference and spare workers. For a benchmark's timeline or a
+        service's metrics."""
+        return {"problems_in_use": len(self._problems_in_use),
+                "host_bytes": self._host.held, "host_waiting": self._host.waiting,
+                "problems_prepared": len(self._prepared),
+                "lanes": [lane.occupancy() for lane in self._lanes]}
+
     def manifest(self) -> dict[str, Any]:
         """Hardware and software of this verifier, as stamped on its verdicts."""
         hw = dict(manifest())
@@ -365,8 +377,12 @@ class Verifier:
                     details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
                     details["room_wait_s"] = round(time.monotonic() - t1, 3)
                     details["room_bytes"] = need
-                    verdict = await self._gpu_stage(lane, prepared, candidate, builds,
-                                                    own_names, details)
+                    lane.staged += 1
+                    try:
+                        verdict = await self._gpu_stage(lane, prepared, candidate, builds,
+                                                        own_names, details)
+                    finally:
+                        lane.staged -= 1
             if verdict.status is Status.INFRA_ERROR and verdict.check == "device_memory":
                 # The device was full of others' memory, not the candidate's: once more
                 # with no other candidate beside it and the idle reference workers gone

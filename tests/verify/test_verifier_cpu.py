@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import pytest
 
@@ -169,10 +170,24 @@ async def test_candidates_share_a_device_up_to_its_slots(slots: int) -> None:
     problem = Problem(PROBLEMS["relu"])
     async with Verifier(VerifierConfig(devices=[], candidates_per_gpu=slots)) as v:
         await v.verify(problem, Candidate(TRITON_HONEST["relu"], "triton"))  # prepares it
-        both = await asyncio.gather(*(
+        seen: list[dict[str, Any]] = []
+        samples = asyncio.gather(*(
             v.verify(problem, Candidate(f"# sample {i}\n{TRITON_HONEST['relu']}", "triton"))
             for i in range(2)))
+        while not samples.done():  # what the verifier says it holds, as a timeline would
+            seen.append(v.occupancy())
+            await asyncio.sleep(0.02)
+        both = await samples
+        idle = v.occupancy()
     assert [d.status for d in both] == [Status.CORRECT, Status.CORRECT]
+    # At most ``slots`` candidates in their GPU stage at once, and that many were.
+    assert max(o["lanes"][0]["in_gpu_stage"] for o in seen) == slots
+    assert max(o["problems_in_use"] for o in seen) == 1
+    assert idle["problems_in_use"] == 0 and idle["problems_prepared"] == 1
+    assert {k: idle["lanes"][0][k] for k in ("verifications", "in_gpu_stage", "oracles_busy",
+                                              "room_holders", "room_waiting", "timing")} == {
+        "verifications": 0, "in_gpu_stage": 0, "oracles_busy": 0, "room_holders": 0,
+        "room_waiting": 0, "timing": False}
     waits = sorted(d.details["gpu_wait_s"] for d in both)
     # The CPU path has no device room to wait for: its stages hold none of it.
     assert all(d.details["room_wait_s"] < 0.05 and d.details["room_bytes"] == 0 for d in both)
