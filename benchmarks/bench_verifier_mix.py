@@ -99,11 +99,11 @@ async def verify_mix(jobs: list[tuple[str, str, str]], time_limit: float,
         watcher = asyncio.create_task(watch())
         tasks = [asyncio.create_task(one(*j)) for j in jobs]
         _, pending = await asyncio.wait(tasks, timeout=time_limit)
-        watcher.cancel()
         wall = min(time.monotonic() - t0, time_limit)
+        watcher.cancel()
         for t in pending:
             t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(watcher, *pending, return_exceptions=True)
     return {"sent": len(jobs), "done": len(rows), "wall_s": wall,
             "per_min": 60 * len(rows) / wall, "rows": rows}
 

@@ -45,7 +45,7 @@ from kz_stream.verify._messages import (
 from kz_stream.verify._pool import CompiledBaseline, Lane, RefTimer
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._sandbox import kill_group
-from kz_stream.verify._timing import bootstrap_ratio_ci, physical_floor_ms, timing_set_count
+from kz_stream.verify._timing import bootstrap_ratio_ci, physical_floor_ms
 from kz_stream.verify._types import Candidate, Status
 
 __all__ = [
@@ -184,7 +184,7 @@ class Stage:
         self.dev = f"cuda:{lane.index}" if lane.index is not None else "cpu"
         self.exclusive = False  # holds the lane's timing lock
         self.ref: RefTimer | None = None  # pinned in the lane while set
-        self.n_sets = timing_set_count(p.input_bytes, lane.l2_bytes)
+        self.n_sets = lane.timing_sets(p.input_bytes)
         self.timing_seed = p.seed + 7
 
     def _shared(self) -> Any:

@@ -21,6 +21,7 @@ from kz_stream.verify._ipc import Child, ChildDied, ChildTimeout, tail
 from kz_stream.verify._messages import PrepareRequest, WorkerRequest
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._sandbox import isolation
+from kz_stream.verify._timing import timing_set_count
 
 __all__ = ["ByteBudget", "CompiledBaseline", "Lane", "RefTimer", "device_room_bytes",
            "host_memory_bytes"]
@@ -232,6 +233,11 @@ class Lane:
             yield
         finally:
             self.room.release(more)
+
+    def timing_sets(self, input_bytes: int) -> int:
+        """How many input sets a problem's timing rotates through here (together past 3x
+        this device's L2): what a candidate's stage draws and the room counts for it."""
+        return timing_set_count(input_bytes, self.l2_bytes)
 
     def occupancy(self) -> dict[str, Any]:
         """What this lane holds and what waits for it, now (``Verifier.occupancy``)."""

@@ -50,7 +50,7 @@ from kz_stream.verify._preflight import IMPORTS as PREFLIGHT_IMPORTS
 from kz_stream.verify._prepared import Prepared
 from kz_stream.verify._rewrite import kernel_names
 from kz_stream.verify._sandbox import SandboxOutcome, isolation, run_in_sandbox
-from kz_stream.verify._timing import check_flush, timing_set_count
+from kz_stream.verify._timing import check_flush
 from kz_stream.verify._types import VERIFIER_VERSION, Candidate, Problem, Status, Verdict
 
 __all__ = ["Verifier", "VerifierConfig"]
@@ -126,10 +126,10 @@ def stage_device_bytes(input_bytes: int, output_bytes: int, weight_bytes: int,
     another during the checks), four times the outputs (a run's two repetitions, the
     timed calls' kept ones, the comparisons'), the model's weights and a CUDA context.
     The reference's timing worker is not counted: the room leaves
-    ``reference_worker_bytes`` out for those. On an H100 (2026-12-06 mix) three honest
-    candidates of an 8 GiB reduction beside two problems being prepared ran out of the
-    device's memory; this admits three such candidates (17 GiB each) and no preparation
-    beside them."""
+    ``reference_worker_bytes`` out for those. On an H100 (2026-12-06 mix) two of three
+    honest candidates of an 8 GiB reduction, beside two problems being prepared, ran out
+    of the device's memory; by these estimates the room admits three such candidates (17
+    GiB each) and no 8 GiB preparation beside them."""
     return (max(timing_sets, 2) * input_bytes + 4 * output_bytes + weight_bytes
             + CUDA_CONTEXT_BYTES)
 
@@ -632,7 +632,7 @@ class Verifier:
         got = await self._reference_facts(problem)
         weight_bytes = got.value[3] if got.ok else 0
         return stage_device_bytes(p.input_bytes, nbytes(p.sets[0]["honest"]), weight_bytes,
-                                  timing_set_count(p.input_bytes, lane.l2_bytes))
+                                  lane.timing_sets(p.input_bytes))
 
     async def _reference_facts(self, problem: Problem) -> SandboxOutcome:
         """``reference_facts`` of ``problem``, from one sandboxed child per problem shared

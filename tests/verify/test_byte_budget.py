@@ -1,4 +1,5 @@
-"""``ByteBudget``: the host memory a device's verifier processes may hold together; and what
+"""``ByteBudget``: the host memory a device's verifier processes may hold together, and a
+device's room (what its candidates and preparations are estimated to hold on it); what
 says a child died for the host's memory."""
 
 from __future__ import annotations
