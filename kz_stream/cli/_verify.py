@@ -104,15 +104,13 @@ def verify_audit_suite(
 
     async def go() -> None:
         verifier = Verifier(VerifierConfig(devices=[] if cpu else None, oracles=jobs))
-        device = "cuda" if verifier.gpu else "cpu"
         machine = (manifest()["gpu"] or "cuda") if verifier.gpu else "cpu"
         try:
             with Progress(TextColumn("{task.description}"), BarColumn(),
                           TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                           console=err_console, transient=True) as bar:
                 task = bar.add_task("audit", total=len(todo))
-                async for row in audit_suite(todo, verifier, admission=admission,
-                                             admission_device=device, jobs=jobs,
+                async for row in audit_suite(todo, verifier, admission=admission, jobs=jobs,
                                              time_limit_s=time_limit):
                     row.machine = machine
                     rows[row.name] = row

@@ -18,7 +18,7 @@ from kz_stream._cpus import usable_cpus
 from kz_stream.verify._phases import PhaseTimer
 from kz_stream.verify._sandbox import run_in_sandbox
 
-__all__ = ["Admission", "admission_check"]
+__all__ = ["Admission", "admission_check", "admission_device_bytes"]
 
 # What the check imports, paid ahead by a spare sandboxed child (``run_in_sandbox``'s
 # ``preload``): a stream of checks (a Proposer validating each proposal, an audit) then
@@ -50,6 +50,26 @@ def _held_per_set(input_bytes: int, output_bytes: int | None) -> int:
     return input_bytes + (input_bytes if output_bytes is None else output_bytes // 3)
 
 
+# The check's sets on the device: own, normal, heavy and signed, each with its inputs and
+# outputs (honest and float64), and one more for the repeated run and the trivial outputs.
+_SETS_HELD = 5
+
+
+def admission_device_bytes(input_bytes: int | None, output_bytes: int | None,
+                           weight_bytes: int, small_share: float) -> int:
+    """Device bytes a check on a GPU holds at its peak, estimated from the module's sizes
+    (``module_footprint``; None where they cannot be found): its sets at the size it checks
+    them (at ``small_share`` of the bytes past ``_UNSCALED_MAX_BYTES``, which a check might
+    reach before a scaled-down shape runs), its model and the float64 copy. Not the
+    process's CUDA context (``CUDA_CONTEXT_BYTES``: the caller's)."""
+    if input_bytes is None:  # at most the unscaled bound, three times over for the outputs
+        return _SETS_HELD * 3 * _UNSCALED_MAX_BYTES["cuda"] + 3 * weight_bytes
+    per_set = input_bytes + (3 * input_bytes if output_bytes is None else output_bytes)
+    if _held_per_set(input_bytes, output_bytes) > _UNSCALED_MAX_BYTES["cuda"]:
+        per_set = int(small_share * per_set)
+    return _SETS_HELD * per_set + 3 * weight_bytes
+
+
 @dataclass(frozen=True)
 class Admission:
     """Whether a reference module may become a problem, and why not."""
@@ -60,10 +80,14 @@ class Admission:
     # Seconds per phase of the sandboxed check (load, build, inputs, honest, float64, ...);
     # empty when the sandbox gave no answer (timeout, crash).
     phase_s: dict[str, float] = field(default_factory=dict)
+    # "not_checkable_here" because the device's or the sandbox's memory ran out: beside
+    # other processes on a GPU, a check that may fit with the device to itself.
+    out_of_memory: bool = False
 
 
 def admission_check(
-    reference_source: str, *, device: str = "cpu", timeout_s: float = 60
+    reference_source: str, *, device: str = "cpu", timeout_s: float = 60,
+    env: dict[str, str] | None = None,
 ) -> Admission:
     """Runs the degeneracy checks on ``reference_source`` in a sandboxed process.
 
@@ -71,7 +95,8 @@ def admission_check(
     "nonfinite", "nondeterministic", "zeros", "constant", "identity",
     "input_independent", "weight_independent"; or "not_checkable_here" when this machine
     cannot run the module at any size that keeps it valid (the module may be sound: admit
-    it on a GPU at full size).
+    it on a GPU at full size). ``env`` is more of the sandbox's environment (a GPU's
+    ``CUDA_VISIBLE_DEVICES``).
     """
     memory_mb = 16384 if device == "cpu" else None  # an address-space cap breaks CUDA
     outcome = run_in_sandbox(
@@ -79,6 +104,7 @@ def admission_check(
         (reference_source, device),
         timeout_s=timeout_s,
         memory_mb=memory_mb,
+        env=env,
         gpu=device != "cpu",
         preload=IMPORTS,
     )
@@ -88,7 +114,7 @@ def admission_check(
     if outcome.error_kind == "oom":
         room = f"the CPU sandbox's {memory_mb} MB" if device == "cpu" else "the device"
         return Admission(False, "not_checkable_here", f"the check does not fit in {room}: "
-                         f"{outcome.error_message[-500:]}")
+                         f"{outcome.error_message[-500:]}", out_of_memory=True)
     return Admission(False, outcome.error_kind, outcome.error_message[-1000:])
 
 

@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kz_stream.verify._admission import admission_check
 from kz_stream.verify._timing import physical_floor_ms
 from kz_stream.verify._types import VERIFIER_VERSION, Problem, source_sha256
 from kz_stream.verify._verifier import Verifier
@@ -35,8 +34,9 @@ class ProblemAudit:
     reason: str | None = None
     detail: str = ""
     admission_s: float = 0.0
-    # Where admission_s went: the sandboxed check's phases, and "sandbox" for the rest (the
-    # process's start, imports and CUDA start-up, the answer's return).
+    # Where admission_s went: the waits for the device's room ("room", "alone"), the
+    # sandboxed check's phases, and "sandbox" for the rest (the process's start, imports
+    # and CUDA start-up, the answer's return).
     admission_phase_s: dict[str, float] = field(default_factory=dict)
     input_sets: list[str] = field(default_factory=list)
     dropped: list[dict[str, str]] = field(default_factory=list)
@@ -95,7 +95,7 @@ def suite_files(path: Path) -> list[Path]:
 
 async def audit_suite(
     files: list[Path], verifier: Verifier, *, admission: bool = True,
-    admission_device: str = "cpu", admission_timeout_s: float = 600, jobs: int = 1,
+    admission_timeout_s: float = 600, jobs: int = 1,
     time_limit_s: float | None = None,
 ) -> AsyncIterator[ProblemAudit]:
     """Audits each file, ``jobs`` at a time, and yields each row as its problem is done
@@ -112,7 +112,6 @@ async def audit_suite(
             if deadline is not None and time.monotonic() >= deadline:
                 return None
             return await _audit_one(f, verifier, admission=admission,
-                                    admission_device=admission_device,
                                     admission_timeout_s=admission_timeout_s)
 
     tasks = [asyncio.ensure_future(one(f)) for f in files]
@@ -127,19 +126,19 @@ async def audit_suite(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _audit_one(f: Path, verifier: Verifier, *, admission: bool, admission_device: str,
+async def _audit_one(f: Path, verifier: Verifier, *, admission: bool,
                      admission_timeout_s: float) -> ProblemAudit:
     source = await asyncio.to_thread(f.read_text)
     row = ProblemAudit(f.stem, source_sha256(source), VERIFIER_VERSION)
+    problem = Problem(source, f.stem)
     if admission:
         t0 = time.monotonic()
-        adm = await asyncio.to_thread(admission_check, source, device=admission_device,
-                                      timeout_s=admission_timeout_s)
+        adm = await verifier.admission(problem, timeout_s=admission_timeout_s)
         row.admitted, row.reason, row.detail = adm.admitted, adm.reason, adm.detail[:300]
         row.admission_s = round(time.monotonic() - t0, 2)
         rest = max(0.0, row.admission_s - sum(adm.phase_s.values()))
         row.admission_phase_s = {**adm.phase_s, "sandbox": round(rest, 3)}
-    info = await verifier.inspect_problem(Problem(source, f.stem))
+    info = await verifier.inspect_problem(problem)
     row.error = info.get("error")
     row.prepare_s = float(info.get("seconds", 0.0))
     row.input_sets = [s["label"] for s in info.get("input_sets", [])]

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from kz_stream.verify import _astscan as astscan
 from kz_stream.verify import _lifeline as lifeline
+from kz_stream.verify._admission import Admission, admission_check, admission_device_bytes
 from kz_stream.verify._build import Builder, BuildResult
 from kz_stream.verify._checks import (
     Reject,
@@ -426,6 +427,38 @@ class Verifier:
                 "moved_bytes": prepared.bytes, "flops": prepared.flops,
                 "reserved_bytes": await self._preparation_bytes(problem),
                 "seconds": seconds}
+
+    async def admission(self, problem: Problem, *, timeout_s: float = 600) -> Admission:
+        """``admission_check`` of ``problem`` on this verifier's device (the CPU without
+        one). On a GPU it holds the device's room (``admission_device_bytes`` and a CUDA
+        context) beside the candidates and preparations running there, and a check that
+        ran out of the device's memory is tried once more with the device to itself
+        (``Lane.alone``): in a level-3 audit on an H100 with four checks at once
+        (2026-12-06), 31 VisionAttention's float64 run found 6.75 GiB free. ``phase_s``
+        gains the waits ("room", and "alone" for a retry)."""
+        self._ensure()
+        lane = min(self._lanes, key=lambda ln: ln.busy)
+        if lane.index is None:
+            return await asyncio.to_thread(admission_check, problem.source, device="cpu",
+                                           timeout_s=timeout_s)
+        got = await self._reference_facts(problem)
+        _, input_bytes, output_bytes, weight_bytes, share = (
+            got.value if got.ok else (None, None, None, 0, 1.0))
+        need = admission_device_bytes(input_bytes, output_bytes, weight_bytes,
+                                      share) + CUDA_CONTEXT_BYTES
+        env = {"CUDA_VISIBLE_DEVICES": str(lane.index)}
+        t0 = time.monotonic()
+        async with lane.room_for(need):
+            waited = {"room": round(time.monotonic() - t0, 3)}
+            adm = await asyncio.to_thread(admission_check, problem.source, device="cuda",
+                                          timeout_s=timeout_s, env=env)
+        if adm.out_of_memory:
+            t0 = time.monotonic()
+            async with lane.alone():
+                waited["alone"] = round(time.monotonic() - t0, 3)
+                adm = await asyncio.to_thread(admission_check, problem.source,
+                                              device="cuda", timeout_s=timeout_s, env=env)
+        return replace(adm, phase_s={**adm.phase_s, **waited})
 
     def _too_few_sets(self, p: Prepared) -> str:
         """Why the verdict cannot rest on ``p``'s input sets ("" when it can)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kz_stream.testing.corpus.degenerate import DEGENERATE
@@ -160,13 +162,37 @@ def test_a_convolution_with_large_outputs_is_admitted_on_the_gpu() -> None:
 def test_a_module_without_float64_cannot_be_checked_here() -> None:
     result = admission_check(FLOAT32_INSIDE, timeout_s=120)
     assert not result.admitted and result.reason == "not_checkable_here", result.detail
-    assert "float64" in result.detail
+    assert "float64" in result.detail and not result.out_of_memory
 
 
 def test_a_float64_run_out_of_memory_is_no_room_not_a_module_without_float64() -> None:
     result = admission_check(OOM_IN_FLOAT64, timeout_s=120)
     assert not result.admitted and result.reason == "not_checkable_here", result.detail
     assert result.detail.startswith("the check does not fit"), result.detail
+    assert result.out_of_memory  # a verifier tries it again with the device to itself
+
+
+@pytest.mark.gpu
+async def test_on_a_gpu_a_check_waits_for_the_devices_room_and_retries_alone() -> None:
+    from kz_stream.verify import Problem, Verifier, VerifierConfig
+
+    async with Verifier(VerifierConfig(prewarm=0)) as v:
+        lane = v._lanes[0]
+        await lane.room.acquire(lane.room.limit)  # candidates' stages fill the room
+        check = asyncio.create_task(
+            v.admission(Problem(PROBLEMS["relu_rand"], "relu"), timeout_s=300))
+        for _ in range(600):  # its sizes come from a sandboxed child first
+            if lane.room.waiting:
+                break
+            await asyncio.sleep(0.1)
+        assert lane.room.waiting == 1 and not check.done()
+        lane.room.release(lane.room.limit)
+        admitted = await asyncio.wait_for(check, 300)
+        assert admitted.admitted, admitted.detail
+        assert admitted.phase_s["room"] > 0 and "alone" not in admitted.phase_s
+        full = await v.admission(Problem(OOM_IN_FLOAT64, "oom"), timeout_s=300)
+        assert full.out_of_memory and "alone" in full.phase_s
+        assert lane.room.held == 0
 
 
 def test_non_negative_inputs_are_checked_with_both_signs() -> None:

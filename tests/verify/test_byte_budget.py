@@ -179,3 +179,18 @@ def test_a_devices_room_leaves_out_the_reference_workers_and_a_margin() -> None:
     gib = 1 << 30
     assert device_room_bytes(100 * gib, 16 * gib) == 74 * gib
     assert device_room_bytes(16 * gib, 16 * gib) == 4 * gib  # never below a quarter
+
+
+def test_an_admission_check_counts_its_sets_at_the_size_it_checks_them() -> None:
+    from kz_stream.verify._admission import admission_device_bytes
+
+    mib, gib = 1 << 20, 1 << 30
+    # Five sets' worth of inputs and outputs (honest and float64), the weights three times.
+    assert admission_device_bytes(100 * mib, 30 * mib, 2, 0.125) == 5 * 130 * mib + 6
+    # Unknown outputs count as three times the inputs.
+    assert admission_device_bytes(100 * mib, None, 0, 0.125) == 5 * 400 * mib
+    # Up to the unscaled bound a check may run at full size; past it, at the small share.
+    assert admission_device_bytes(gib + gib // 2, 0, 0, 0.125) == 5 * (gib + gib // 2)
+    assert admission_device_bytes(8 * gib, 0, 0, 0.125) == 5 * gib
+    # Sizes the meta device could not find: the largest check a GPU runs unscaled.
+    assert admission_device_bytes(None, None, 1, 1.0) == 30 * gib + 3
