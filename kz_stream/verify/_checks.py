@@ -11,7 +11,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -187,9 +187,18 @@ class Stage:
         self.n_sets = lane.timing_sets(p.input_bytes)
         self.timing_seed = p.seed + 7
 
-    def _shared(self) -> Any:
-        """The lane's shared GPU lock for one request, unless timing holds it exclusive."""
-        return contextlib.nullcontext() if self.exclusive else self.lane.gpu.reader_lock
+    @contextlib.asynccontextmanager
+    async def _shared(self) -> AsyncIterator[None]:
+        """The lane's shared GPU lock for one request, unless timing holds it exclusive.
+        The wait for it adds to ``stage_s["lock_wait"]`` (also counted in the stage that
+        waited): behind another candidate's exclusive timing, a check waits for it whole."""
+        if self.exclusive:
+            yield
+            return
+        started = time.monotonic()
+        async with self.lane.gpu.reader_lock:
+            self._spent("lock_wait", started)
+            yield
 
     def _spent(self, stage: str, started: float) -> None:
         """Adds the seconds since ``started`` to ``stage`` in ``details["stage_s"]``."""

@@ -150,6 +150,8 @@ def test_stage_times_count_the_comparisons_and_kernelbench_rule(
     stages = v.details["stage_s"]
     # Outside the worker's requests, and a third of a 6.4 GB output's verdict on a GPU.
     assert stages["compare"] > 0 and stages["kernelbench_rule"] >= 0, stages
+    # The worker's requests wait for the lane's shared lock, said apart from their stages.
+    assert 0 <= stages["lock_wait"] < stages["run on input set 0 (small-normal)"], stages
     assert v.details["kernelbench_rule"] is True
 
 
