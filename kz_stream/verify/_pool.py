@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -83,19 +84,22 @@ def host_memory_bytes() -> int:
 class ByteBudget:
     """Admits holders while their bytes fit in ``limit``, first come first served (a big
     request is not passed over for ever by small ones); one holder is always admitted, so
-    a request larger than the whole budget runs alone. asyncio has no weighted semaphore,
-    hence this."""
+    a request larger than the whole budget runs alone. With ``pass_s``, later requests
+    that fit go before a waiting one that does not, until it has waited ``pass_s``
+    seconds; then none passes it. asyncio has no weighted semaphore, hence this."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, pass_s: float = 0.0) -> None:
         self.limit = limit
+        self.pass_s = pass_s
         self.held = 0
         self.holders = 0
-        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+        # (bytes, turn, waiting since, may be passed): in the order they are served
+        self._waiting: deque[tuple[int, asyncio.Future[None], float, bool]] = deque()
 
     @property
     def waiting(self) -> int:
         """Requests waiting to be admitted."""
-        return sum(1 for _, turn in self._waiting if not turn.done())
+        return sum(1 for _, turn, _, _ in self._waiting if not turn.done())
 
     def _fits(self, nbytes: int) -> bool:
         return self.holders == 0 or self.held + nbytes <= self.limit
@@ -104,18 +108,26 @@ class ByteBudget:
         self.held += nbytes
         self.holders += 1
 
+    def _blocks(self, since: float, passable: bool, now: float) -> bool:
+        """Whether a waiting request keeps later ones from passing it."""
+        return not passable or now - since >= self.pass_s
+
     async def acquire(self, nbytes: int, *, first: bool = False) -> None:
-        """Waits until ``nbytes`` fit, after those already waiting; ``first``: ahead of
-        them (a retry that needs the whole budget must not queue behind requests that
-        came after the one it retries)."""
-        if (first or not self._waiting) and self._fits(nbytes):
+        """Waits until ``nbytes`` fit, after those already waiting (but see ``pass_s``);
+        ``first``: ahead of them, and never passed (a retry that needs the whole budget
+        must not queue behind requests that came after the one it retries)."""
+        now = time.monotonic()
+        if self._fits(nbytes) and (first or not any(
+                self._blocks(t, ok, now) for _, turn, t, ok in self._waiting
+                if not turn.done())):
             self._take(nbytes)
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (nbytes, turn, now, not first and self.pass_s > 0)
         if first:
-            self._waiting.appendleft((nbytes, turn))
+            self._waiting.appendleft(entry)
         else:
-            self._waiting.append((nbytes, turn))
+            self._waiting.append(entry)
         try:
             await turn
         except BaseException:
@@ -137,16 +149,22 @@ class ByteBudget:
         self._admit()
 
     def _admit(self) -> None:
+        now = time.monotonic()
+        kept: deque[tuple[int, asyncio.Future[None], float, bool]] = deque()
         while self._waiting:
-            nbytes, turn = self._waiting[0]
+            entry = self._waiting.popleft()
+            nbytes, turn, since, passable = entry
             if turn.done():  # given up while waiting
-                self._waiting.popleft()
                 continue
-            if not self._fits(nbytes):
-                return
-            self._waiting.popleft()
-            self._take(nbytes)
-            turn.set_result(None)
+            if self._fits(nbytes):
+                self._take(nbytes)
+                turn.set_result(None)
+                continue
+            kept.append(entry)
+            if self._blocks(since, passable, now):
+                break
+        kept.extend(self._waiting)
+        self._waiting = kept
 
 
 class Lane:
@@ -184,7 +202,7 @@ class Lane:
         self.total_bytes = (torch.cuda.get_device_properties(index).total_memory
                             if index is not None else 0)
         self.room = ByteBudget(device_room_bytes(self.total_bytes, config.reference_worker_bytes)
-                               if index is not None else _NO_LIMIT)
+                               if index is not None else _NO_LIMIT, config.room_pass_s)
         self._alone = asyncio.Lock()  # one taker of the whole room at a time (``alone``)
         self.oracle_slots = asyncio.Semaphore(config.oracles)
         self.oracles: list[Child] = []  # idle, alive as far as is known

@@ -65,6 +65,68 @@ async def test_a_waiting_big_request_is_not_passed_by_later_small_ones() -> None
     await asyncio.gather(holder, big, small)
 
 
+async def test_later_requests_that_fit_pass_a_waiting_one_within_its_pass_window() -> None:
+    budget, entered = ByteBudget(10, pass_s=3600), []
+    first, rest = asyncio.Event(), asyncio.Event()
+    holder = asyncio.create_task(_enter(budget, 6, entered, first))
+    await _settle()
+    big = asyncio.create_task(_enter(budget, 8, entered, rest))
+    await _settle()
+    small = asyncio.create_task(_enter(budget, 2, entered, rest))  # fits beside the holder
+    queued = asyncio.create_task(_enter(budget, 3, entered, rest))  # does not: waits too
+    await _settle()
+    assert entered == [6, 2] and budget.waiting == 2
+    first.set()
+    await _settle()
+    # The big one first: the small one still holds 2, so the next fits only after it.
+    assert entered == [6, 2, 8]
+    rest.set()
+    await asyncio.gather(holder, big, small, queued)
+    assert entered == [6, 2, 8, 3] and budget.held == 0 and budget.holders == 0
+
+
+async def test_past_its_pass_window_a_waiting_request_is_passed_by_none() -> None:
+    budget, entered = ByteBudget(10, pass_s=0.05), []
+    first, rest = asyncio.Event(), asyncio.Event()
+    holder = asyncio.create_task(_enter(budget, 6, entered, first))
+    await _settle()
+    big = asyncio.create_task(_enter(budget, 8, entered, rest))
+    await asyncio.sleep(0.1)  # past its window
+    small = asyncio.create_task(_enter(budget, 2, entered, rest))
+    await _settle()
+    assert entered == [6]
+    first.set()
+    await _settle()
+    assert entered == [6, 8, 2]
+    rest.set()
+    await asyncio.gather(holder, big, small)
+
+
+async def test_a_request_first_in_line_is_never_passed() -> None:
+    budget, entered = ByteBudget(10, pass_s=3600), []
+    first, rest = asyncio.Event(), asyncio.Event()
+    holder = asyncio.create_task(_enter(budget, 6, entered, first))
+    await _settle()
+
+    async def whole() -> None:  # a retry that needs the device to itself
+        await budget.acquire(11, first=True)
+        entered.append(11)
+        await rest.wait()
+        budget.release(11)
+
+    retry = asyncio.create_task(whole())
+    await _settle()
+    small = asyncio.create_task(_enter(budget, 2, entered, rest))
+    await _settle()
+    assert entered == [6]
+    first.set()
+    await _settle()
+    assert entered == [6, 11]
+    rest.set()
+    await asyncio.gather(holder, retry, small)
+    assert entered == [6, 11, 2]
+
+
 async def test_a_request_first_in_line_goes_before_those_already_waiting() -> None:
     budget, entered, leave = ByteBudget(10), [], asyncio.Event()
     holder = asyncio.create_task(_enter(budget, 6, entered, asyncio.Event()))
