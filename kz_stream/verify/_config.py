@@ -97,11 +97,13 @@ class VerifierConfig(BaseModel):
     # ... and at most this many bytes of their timing inputs: a KernelBench-sized
     # reference holds two 6.4 GB sets, and four idle ones would fill a third of the GPU.
     reference_worker_bytes: int = Field(default=16 << 30, ge=0)
-    # A candidate or preparation waiting for the device's room (``Lane.room``) is passed
-    # by later ones that fit for at most this many seconds. Strictly in turn, ten
-    # candidates of an 8 GiB-output problem (49 GiB each by the estimate, one at a time on
-    # an H100) held the device 66 s apiece and every other problem waited behind them.
-    room_pass_s: float = Field(default=30.0, ge=0)
+    # A request waiting for the host's memory (a problem's verifications) or for the
+    # device's room (a candidate's stage, a preparation) is passed by later ones that fit
+    # for at most this many seconds. Strictly in turn, on an H100 (2026-12-07), an RMS
+    # norm with 7 GiB of inputs held 46.8 of the host's 51 GiB and its ten candidates ran
+    # one at a time (43 GiB of the device's room each), 53-66 s apiece, while 25 problems
+    # waited for host memory, among them six that need 0.7-5.3 GiB.
+    pass_window_s: float = Field(default=30.0, ge=0)
     # Oracle processes per device (the CPU path counts as one): problems prepared at once.
     # A KernelBench problem's preparation is mostly host work, up to minutes; ``kz eval
     # run`` and ``kz verify audit-suite --jobs`` raise it on a GPU. Each oracle is capped

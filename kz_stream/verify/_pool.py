@@ -202,7 +202,7 @@ class Lane:
         self.total_bytes = (torch.cuda.get_device_properties(index).total_memory
                             if index is not None else 0)
         self.room = ByteBudget(device_room_bytes(self.total_bytes, config.reference_worker_bytes)
-                               if index is not None else _NO_LIMIT, config.room_pass_s)
+                               if index is not None else _NO_LIMIT, config.pass_window_s)
         self._alone = asyncio.Lock()  # one taker of the whole room at a time (``alone``)
         self.oracle_slots = asyncio.Semaphore(config.oracles)
         self.oracles: list[Child] = []  # idle, alive as far as is known

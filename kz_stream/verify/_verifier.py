@@ -177,7 +177,8 @@ class Verifier:
         # The host's memory for the problems being verified (``_in_use``).
         self._host = ByteBudget(self.config.host_budget_bytes
                                 if self.config.host_budget_bytes is not None
-                                else int(0.4 * host_memory_bytes()))
+                                else int(0.4 * host_memory_bytes()),
+                                self.config.pass_window_s)
         self._problems_in_use: dict[str, _InUse] = {}
         self._problem_cache_bytes = (
             self.config.problem_cache_bytes if self.config.problem_cache_bytes is not None
@@ -373,7 +374,7 @@ class Verifier:
             t0 = time.monotonic()
             # The room before the slot: a candidate waiting for room holds no slot, so a
             # big problem's samples waiting their turn leave the slots to others that fit
-            # (``room_pass_s``); in the other order they held all three on an H100.
+            # (``pass_window_s``); in the other order they held all three on an H100.
             async with lane.room_for(need):
                 t1 = time.monotonic()
                 async with lane.slots:

@@ -1,0 +1,22 @@
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    """Applies one activation elementwise."""
+
+    def forward(self, x):
+        return torch.sigmoid(x)
+
+
+rows = 4096
+cols = 393216
+
+
+def get_inputs():
+    return [torch.rand(rows, cols)]
+
+
+def get_init_inputs():
+    return []
