@@ -105,7 +105,31 @@ async def verify_mix(jobs: list[tuple[str, str, str]], time_limit: float,
             t.cancel()
         await asyncio.gather(watcher, *pending, return_exceptions=True)
     return {"sent": len(jobs), "done": len(rows), "wall_s": wall,
-            "per_min": 60 * len(rows) / wall, "rows": rows}
+            "per_min": 60 * len(rows) / wall, "rows": rows, "waits": waits(rows, timeline)}
+
+
+def waits(rows: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> str:
+    """Where the finished candidates waited (medians and maxima of their waits for host
+    memory, the device's room, a slot and the shared lock) and what the unfinished ones
+    queued for (the most requests waiting for host memory and for each device's room at
+    once): the run's own account of its window."""
+    def spread(values: list[float]) -> str:
+        if not values:
+            return "-"
+        ordered = sorted(values)
+        return f"{ordered[len(ordered) // 2]:.1f}/{ordered[-1]:.1f}"
+
+    def of(key: str) -> list[float]:
+        return [float(r[key]) for r in rows if r.get(key) is not None]
+
+    lock = [float((r.get("stage_s") or {}).get("lock_wait", 0.0)) for r in rows]
+    host_q = max((o["host_waiting"] for o in timeline), default=0)
+    room_q = max((lane["room_waiting"] for o in timeline for lane in o["lanes"]), default=0)
+    return (f"waits in s, median/max of finished candidates: host memory "
+            f"{spread(of('host_wait_s'))}, device room {spread(of('room_wait_s'))}, room "
+            f"and slot {spread(of('gpu_wait_s'))}, shared lock {spread(lock)}; at most "
+            f"{host_q} problems waiting for host memory and {room_q} requests for a "
+            f"device's room at once")
 
 
 def plain_mix(jobs: list[tuple[str, str, str]], time_limit: float) -> dict[str, Any]:
@@ -165,7 +189,7 @@ def main() -> None:
     ours = asyncio.run(verify_mix(jobs, args.time_limit, save, args.oracles))
     save({"verifier": {k: v for k, v in ours.items() if k != "rows"}})
     print(f"verifier: {ours['done']}/{ours['sent']} in {ours['wall_s']:.0f} s = "
-          f"{ours['per_min']:.1f}/min", flush=True)
+          f"{ours['per_min']:.1f}/min; {ours['waits']}", flush=True)
     if args.small:
         return
     plain = plain_mix(jobs, args.plain_time_limit or args.time_limit)
@@ -193,7 +217,7 @@ def write(ours: dict[str, Any], plain: dict[str, Any], args: argparse.Namespace)
              f"{args.plain_time_limit or args.time_limit:.0f} s; {args.oracles} oracles; "
              f"verifier finished "
              f"{ours['done']} of {ours['sent']}, plain loop {plain['done']}; "
-             f"verdicts {dict(statuses)}")
+             f"verdicts {dict(statuses)}; {ours['waits']}")
     if args.note:
         notes += f"; {args.note}"
     write_result("verifier_mix", "python -m benchmarks.bench_verifier_mix "
