@@ -143,8 +143,8 @@ def test_kernelbench_rule_calls_an_output_that_is_not_a_tensor_wrong() -> None:
 
 def test_small_outputs_are_checked_on_the_host_and_big_ones_on_the_device() -> None:
     assert check_device(4096, "cuda:0") == "cpu"  # a reduction's: no wait for the device
-    assert check_device(16 << 20, "cuda:0") == "cpu"
-    assert check_device((16 << 20) + 1, "cuda:0") == "cuda:0"
+    assert check_device(64 << 20, "cuda:0") == "cpu"
+    assert check_device((64 << 20) + 1, "cuda:0") == "cuda:0"
     assert check_device(1 << 40, "cpu") == "cpu"  # the CPU path
 
 
