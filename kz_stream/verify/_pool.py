@@ -93,7 +93,7 @@ class ByteBudget:
         self.pass_s = pass_s
         self.held = 0
         self.holders = 0
-        # (bytes, turn, waiting since, may be passed): in the order they are served
+        # (bytes, turn, waiting since, first in line): in the order they are served
         self._waiting: deque[tuple[int, asyncio.Future[None], float, bool]] = deque()
 
     @property
@@ -108,9 +108,9 @@ class ByteBudget:
         self.held += nbytes
         self.holders += 1
 
-    def _blocks(self, since: float, passable: bool, now: float) -> bool:
+    def _blocks(self, since: float, first: bool, now: float) -> bool:
         """Whether a waiting request keeps later ones from passing it."""
-        return not passable or now - since >= self.pass_s
+        return first or now - since >= self.pass_s
 
     async def acquire(self, nbytes: int, *, first: bool = False) -> None:
         """Waits until ``nbytes`` fit, after those already waiting (but see ``pass_s``);
@@ -118,12 +118,12 @@ class ByteBudget:
         must not queue behind requests that came after the one it retries)."""
         now = time.monotonic()
         if self._fits(nbytes) and (first or not any(
-                self._blocks(t, ok, now) for _, turn, t, ok in self._waiting
+                self._blocks(t, f, now) for _, turn, t, f in self._waiting
                 if not turn.done())):
             self._take(nbytes)
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (nbytes, turn, now, not first and self.pass_s > 0)
+        entry = (nbytes, turn, now, first)
         if first:
             self._waiting.appendleft(entry)
         else:
@@ -153,7 +153,7 @@ class ByteBudget:
         kept: deque[tuple[int, asyncio.Future[None], float, bool]] = deque()
         while self._waiting:
             entry = self._waiting.popleft()
-            nbytes, turn, since, passable = entry
+            nbytes, turn, since, at_front = entry
             if turn.done():  # given up while waiting
                 continue
             if self._fits(nbytes):
@@ -161,7 +161,7 @@ class ByteBudget:
                 turn.set_result(None)
                 continue
             kept.append(entry)
-            if self._blocks(since, passable, now):
+            if self._blocks(since, at_front, now):
                 break
         kept.extend(self._waiting)
         self._waiting = kept
@@ -265,12 +265,13 @@ class Lane:
                 "timing": self.gpu.writer_lock.locked,
                 "reference_workers": len(self.ref_workers), "spares": len(self.spares)}
 
+    def device_env(self) -> dict[str, str]:
+        """The environment that puts a child process on this lane's device."""
+        return {} if self.index is None else {"CUDA_VISIBLE_DEVICES": str(self.index)}
+
     def _env(self, fraction: float) -> dict[str, str]:
-        env = {"KZ_GPU_MEMORY_FRACTION": str(fraction),
-               "KZ_ORACLE_MEMORY_FRACTION": str(fraction)}
-        if self.index is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.index)
-        return env
+        return {"KZ_GPU_MEMORY_FRACTION": str(fraction),
+                "KZ_ORACLE_MEMORY_FRACTION": str(fraction), **self.device_env()}
 
     def _spawn_worker(self) -> Child:
         if self.closed:

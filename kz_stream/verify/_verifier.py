@@ -450,7 +450,7 @@ class Verifier:
             got.value if got.ok else (None, None, None, 0, 1.0))
         need = admission_device_bytes(input_bytes, output_bytes, weight_bytes,
                                       share) + CUDA_CONTEXT_BYTES
-        env = {"CUDA_VISIBLE_DEVICES": str(lane.index)}
+        env = lane.device_env()
         t0 = time.monotonic()
         async with lane.room_for(need):
             waited = {"room": round(time.monotonic() - t0, 3)}

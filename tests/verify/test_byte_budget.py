@@ -256,3 +256,18 @@ def test_an_admission_check_counts_its_sets_at_the_size_it_checks_them() -> None
     assert admission_device_bytes(8 * gib, 0, 0, 0.125) == 5 * gib
     # Sizes the meta device could not find: the largest check a GPU runs unscaled.
     assert admission_device_bytes(None, None, 1, 1.0) == 30 * gib + 3
+
+
+def test_the_host_memory_and_each_devices_room_are_passed_within_the_configured_window(
+) -> None:
+    from kz_stream.verify import Verifier, VerifierConfig
+    from kz_stream.verify._pool import Lane
+
+    config = VerifierConfig(devices=[], pass_window_s=7, prewarm=0)
+    lane = Lane(config, None)
+    try:
+        assert lane.room.pass_s == 7
+    finally:
+        lane.close()
+    assert Verifier(config)._host.pass_s == 7
+    assert ByteBudget(10).pass_s == 0  # strictly in turn unless asked
