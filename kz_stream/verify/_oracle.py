@@ -48,6 +48,7 @@ from kz_stream.verify._messages import (
 from kz_stream.verify._oplog import OpLog
 from kz_stream.verify._phases import PhaseTimer
 from kz_stream.verify._reference import (
+    Float64Run,
     ReferenceModule,
     build_model,
     float64_copy,
@@ -204,10 +205,11 @@ class Oracle:
         notes.append(f"{label}: {'float64' if dtype else 'honest'} run on the host (the "
                      "device could not hold it)")
         host = host_copy(model, dtype)
+        runnable = host if dtype is None else Float64Run(host, host)
         threads = torch.get_num_threads()
         torch.set_num_threads(max(threads, usable_cpus() // 2))
         try:
-            return run(host, [v.to("cpu") if isinstance(v, torch.Tensor) else v
+            return run(runnable, [v.to("cpu") if isinstance(v, torch.Tensor) else v
                               for v in inputs], "cpu", dtype)
         finally:
             torch.set_num_threads(threads)

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from kz_stream.verify._compare import flatten
 from kz_stream.verify._inputs import to_device
@@ -123,8 +127,8 @@ def _build(
     cuda_rng = torch.cuda.get_rng_state_all() if up else None
     perturb_(model, weight_seed + 7919)
     on_host = all(t.device.type == "cpu" for t in (*model.parameters(), *model.buffers()))
-    if keepable and on_host:
-        # A module deepcopy cannot take is built each time.
+    if keepable and on_host and copies_faithfully(model):
+        # A module deepcopy cannot take, or not faithfully, is built each time.
         with contextlib.suppress(Exception):
             _last_built.append(_Built(key, copy.deepcopy(model), cpu_rng, cuda_rng))
     return model.to(device)
@@ -136,9 +140,98 @@ def forget_built_models() -> None:
         _last_built.clear()
 
 
-def float64_copy(model: nn.Module) -> nn.Module:
-    """A float64 copy of ``model`` (floating parameters and buffers upcast)."""
-    return copy.deepcopy(model).to(torch.float64)
+def copies_faithfully(model: nn.Module) -> bool:
+    """Whether a deep copy of ``model`` computes with its own weights: not where a module
+    keeps a function that closes over its submodules (KernelBench 3/44's
+    ``self.mlpf = lambda x: m.c_proj(...)``), which a deep copy shares with the
+    original rather than copies."""
+    return not any(isinstance(v, types.FunctionType | functools.partial)
+                   for m in model.modules() for v in vars(m).values())
+
+
+class Float64Mode(TorchFunctionMode):
+    """Runs every torch function with its floating tensor arguments (float16, bfloat16,
+    float32) upcast to float64, so that tensors a module makes in its forward in its
+    own precision (an LSTM's hidden state from ``torch.randn``) meet float64 weights
+    and inputs. A tensor an in-place function writes (its first argument, or ``out=``)
+    keeps its dtype: an upcast copy would take the write instead of it."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        writes = (name.endswith("_") and not name.endswith("__")) or name in _WRITING
+        first, rest = (args[:1], args[1:]) if writes else ((), args)
+        out = kwargs.pop("out", None)
+        kwargs = pytree.tree_map(_upcast, kwargs)
+        if out is not None:
+            kwargs["out"] = out
+        return func(*first, *pytree.tree_map(_upcast, tuple(rest)), **kwargs)
+
+
+# Dunder functions that write their first argument (``x[i] = y``, ``x += y``).
+_WRITING = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+            "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__",
+            "__ilshift__", "__irshift__", "__imatmul__"}
+
+
+def _upcast(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16,
+                                                   torch.float32):
+        return v.to(torch.float64)
+    return v
+
+
+class Float64Run(nn.Module):
+    """``model`` run in float64: its float64 copy where the copy is faithful and runs,
+    else the module itself under ``Float64Mode``. Not a submodule of this one, so that
+    nothing done to this wrapper (``.to``) reaches the module it runs."""
+
+    def __init__(self, model: nn.Module, converted: nn.Module | None) -> None:
+        super().__init__()
+        self._runs: tuple[nn.Module, nn.Module | None] = (model, converted)
+
+    def forward(self, *args: Any) -> Any:
+        model, converted = self._runs
+        if converted is not None:
+            # The fallback draws what the failed call drew (a hidden state from randn).
+            cuda_up = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda_up else None)
+            try:
+                out = converted(*args)
+                if not any(_upcast(t) is not t for t in pytree.tree_leaves(out)):
+                    return out
+                # A float32 output from float64 weights and inputs: the forward computed
+                # in tensors it made itself, which a float64 copy does not upcast.
+                del out
+            except RuntimeError as e:
+                if isinstance(e, torch.OutOfMemoryError) or not _dtype_mismatch(str(e)):
+                    raise
+            self._runs = (model, None)  # its forward makes tensors in its own precision
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state_all(rng[1])
+        with Float64Mode():
+            out = model(*args)
+        return pytree.tree_map(_upcast, out)
+
+
+def _dtype_mismatch(message: str) -> bool:
+    """Whether an error says that tensors of two precisions met."""
+    return "dtype" in message or "scalar type" in message
+
+
+def float64_copy(model: nn.Module, *, in_place: bool = False) -> nn.Module:
+    """``model`` in float64, as a module to call: a copy with its floating parameters and
+    buffers upcast (``model`` itself, upcast, when ``in_place``), falling back to
+    ``Float64Mode`` over the module as it is where the copy would not be faithful
+    (``copies_faithfully``: KernelBench 3/44's GPT block), or where the copy's forward
+    mixes precisions (3/35's LSTM; both were "not checkable here") or returns a lower one
+    than float64 (it computed in tensors it made: silently a float32 "expected" before)."""
+    if not copies_faithfully(model):
+        return Float64Run(model, None)
+    converted = (model if in_place else copy.deepcopy(model)).to(torch.float64)
+    return Float64Run(model, converted)
 
 
 def host_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:

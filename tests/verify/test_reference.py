@@ -13,8 +13,11 @@ from kz_stream.testing.perturb import perturb_first_form
 from kz_stream.verify._reference import (
     ReferenceModule,
     build_model,
+    copies_faithfully,
+    float64_copy,
     forget_built_models,
     perturb_,
+    run,
 )
 
 
@@ -107,3 +110,70 @@ def test_arguments_whose_repr_elides_them_are_never_taken_for_each_other() -> No
     build_model(ref, [8, a], 5, "cpu")
     build_model(ref, [8, b], 5, "cpu")
     assert Counted.built == 2
+
+
+class MakesFloat32(nn.Module):
+    """Makes a float32 tensor in its forward (an LSTM's hidden state from ``randn``) and
+    writes into a float32 buffer it made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.randn(x.shape[0], 4)  # float32 whatever x is
+        out = torch.zeros(x.shape[0], 4)
+        out[:, :2] = self.linear(x)[:, :2] + h[:, :2]
+        out += h
+        return torch.mm(out, torch.ones(4, 4))
+
+
+class KeepsAClosure(nn.Module):
+    """Keeps a function over its own submodule, as KernelBench 3/44's GPT block does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        m = self.linear
+        self.apply_linear = lambda x: m(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_linear(x).relu()
+
+
+def test_a_forward_that_makes_float32_tensors_runs_in_float64_with_the_same_draws() -> None:
+    model, x = MakesFloat32(), torch.randn(3, 4)
+    torch.manual_seed(1)
+    honest = run(model, [x], "cpu")[0]
+    torch.manual_seed(1)
+    expected = run(float64_copy(model), [x], "cpu", torch.float64)[0]
+    torch.manual_seed(1)
+    h = torch.randn(3, 4).double()  # what the forward drew, upcast
+    out = torch.zeros(3, 4, dtype=torch.float32)  # its buffer keeps its precision
+    out[:, :2] = (torch.nn.functional.linear(x.double(), model.linear.weight.double(),
+                                             model.linear.bias.double())[:, :2] + h[:, :2])
+    out += h
+    assert expected.dtype == torch.float64
+    assert torch.equal(expected, out.double() @ torch.ones(4, 4, dtype=torch.float64))
+    assert (expected - honest.double()).abs().max() < 1e-5
+    assert model.linear.weight.dtype == torch.float32  # left as it was
+
+
+def test_a_module_that_closes_over_its_submodules_runs_in_float64_with_its_own_weights(
+) -> None:
+    model, x = KeepsAClosure(), torch.randn(3, 4)
+    assert not copies_faithfully(model) and copies_faithfully(MakesFloat32())
+    expected = run(float64_copy(model), [x], "cpu", torch.float64)[0]
+    w, b = model.linear.weight.double(), model.linear.bias.double()
+    assert expected.dtype == torch.float64
+    assert torch.equal(expected, torch.nn.functional.linear(x.double(), w, b).relu())
+
+
+def test_a_module_that_closes_over_its_submodules_is_built_afresh_not_copied() -> None:
+    ref = ReferenceModule(KeepsAClosure, lambda: [torch.rand(2, 4)], lambda: [])
+    first = build_model(ref, [], 5, "cpu")
+    second = build_model(ref, [], 5, "cpu")
+    _assert_same(_state(first), _state(second))
+    first.linear.weight.data.zero_()  # the second's function runs the second's weights
+    x = torch.randn(2, 4)
+    assert torch.equal(second(x), second.linear(x).relu())

@@ -1,0 +1,119 @@
+"""Device memory one process hands to another without a trip through the host: CUDA's
+IPC memory handles (``cuIpcGetMemHandle``), through the driver API.
+
+Why: a candidate's outputs now travel worker → host (a sealed memory file) → the
+verifier's device for comparison, a few seconds per output for KernelBench's 6-8 GiB
+ones (``docs/verifier.md``, "Seventh GPU run of the mix"). A worker that exports its
+output and a verifier that opens it on the same device would copy it once, device to
+device. ``benchmarks/bench_device_ipc.py`` measures both ways, inside the workers'
+boundary (their own PID, IPC and mount namespaces) and without it.
+
+Written against the driver API with ctypes because torch's own sharing of CUDA tensors
+(``torch.multiprocessing``) keeps a reference count in a file under ``/dev/shm``, which a
+jailed worker has to itself; a 64-byte handle and an offset need nothing beside them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class DeviceIpcError(RuntimeError):
+    """A driver call for CUDA IPC failed (the message names the call and the code)."""
+
+
+class _Handle(ctypes.Structure):
+    # Bytes, not c_char: a c_char array reads back only up to its first zero byte.
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+_driver: ctypes.CDLL | None = None
+
+
+def _cuda() -> ctypes.CDLL:
+    global _driver
+    if _driver is None:
+        try:
+            _driver = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise DeviceIpcError(f"no CUDA driver library: {e}") from e
+    return _driver
+
+
+def _check(call: str, code: int) -> None:
+    if code:
+        text = ctypes.c_char_p()
+        _cuda().cuGetErrorString(code, ctypes.byref(text))
+        name = text.value.decode() if text.value else "unknown"
+        raise DeviceIpcError(f"{call} failed: {name} ({code})")
+
+
+def _symbol(name: str) -> Any:
+    lib = _cuda()
+    return getattr(lib, f"{name}_v2", None) or getattr(lib, name)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What the other process needs to open a tensor: the allocation's handle, the
+    tensor's offset in it, and its dtype and shape (contiguous)."""
+
+    handle: bytes
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def export(t: torch.Tensor) -> Exported:
+    """A handle to contiguous CUDA tensor ``t``'s memory; ``t`` must outlive its use."""
+    if not t.is_cuda or not t.is_contiguous():
+        raise ValueError("only a contiguous CUDA tensor can be exported")
+    torch.cuda.synchronize(t.device)
+    ptr = ctypes.c_uint64(t.data_ptr())
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _check("cuMemGetAddressRange", _symbol("cuMemGetAddressRange")(
+        ctypes.byref(base), ctypes.byref(size), ptr))
+    handle = _Handle()
+    _check("cuIpcGetMemHandle", _cuda().cuIpcGetMemHandle(ctypes.byref(handle), base))
+    return Exported(bytes(handle.reserved), ptr.value - base.value,
+                    t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."),
+                    tuple(t.shape))
+
+
+class _DeviceBuffer:
+    """Raw device bytes in the form ``torch.as_tensor`` takes without copying."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "strides": None,
+                                         "version": 3}
+
+
+class Opened:
+    """An exported tensor opened in this process: ``tensor`` views the exporter's memory
+    (valid until ``close``)."""
+
+    def __init__(self, e: Exported, device: torch.device | str = "cuda") -> None:
+        dev = torch.device(device)
+        with torch.cuda.device(dev):
+            torch.empty(1, device=dev)  # this thread's context current for the driver
+            if len(e.handle) != 64:
+                raise ValueError(f"a CUDA IPC handle has 64 bytes, not {len(e.handle)}")
+            handle = _Handle.from_buffer_copy(e.handle)
+            self._base = ctypes.c_uint64()
+            _check("cuIpcOpenMemHandle", _symbol("cuIpcOpenMemHandle")(
+                ctypes.byref(self._base), handle, ctypes.c_uint(1)))  # lazy peer access
+            raw = torch.as_tensor(_DeviceBuffer(self._base.value + e.offset, e.nbytes),
+                                  device=dev)
+        self.tensor = raw.view(getattr(torch, e.dtype)).view(e.shape)
+
+    def close(self) -> None:
+        if self._base.value:
+            del self.tensor
+            _check("cuIpcCloseMemHandle", _cuda().cuIpcCloseMemHandle(self._base))
+            self._base = ctypes.c_uint64()
