@@ -1,10 +1,12 @@
 """How a worker's output reaches the verifier's device: through the host, as today (the
 worker copies it to the host, ``_ipc.send`` passes it as a sealed memory file, the
-verifier uploads it), against a CUDA IPC handle (``kz_stream/verify/_device_ipc.py``:
-the verifier opens the worker's memory and copies it device to device). Each way from a
-child inside the workers' boundary (``_sandbox.isolation``: its own PID, IPC, mount and
-network namespaces) and, for the handle, from a plain child too: whether CUDA IPC works
-across the boundary is the question before the verifier's outputs could travel so.
+verifier uploads it); the same with the worker writing it from the device straight into
+the sealed file (``_ipc.sealed_copy``, as the oracle does); against a CUDA IPC handle
+(``kz_stream/verify/_device_ipc.py``: the verifier opens the worker's memory and copies
+it device to device). Each way from a child inside the workers' boundary
+(``_sandbox.isolation``: its own PID, IPC, mount and network namespaces) and, for the
+handle, from a plain child too: whether CUDA IPC works across the boundary is the
+question before the verifier's outputs could travel so.
 
 Each figure is the median of ``--repeats`` trips of one float32 tensor of ``--sizes-gib``,
 from the parent's "go" until it holds a device copy of the child's tensor (checked
@@ -39,7 +41,7 @@ from benchmarks._results import metric, write_result  # noqa: E402
 CHILD = r"""
 import dataclasses, sys, torch
 from multiprocessing.connection import Connection
-from kz_stream.verify._ipc import recv, send
+from kz_stream.verify._ipc import recv, sealed_copy, send
 from kz_stream.verify._device_ipc import export
 conn = Connection(int(sys.argv[1]))
 held = None
@@ -55,6 +57,8 @@ while True:
     recv(conn, trusted=True)
     if cmd["mode"] == "host":
         send(conn, {"out": t.to("cpu")})
+    elif cmd["mode"] == "sealed":
+        send(conn, {"out": sealed_copy(t)})
     else:
         try:
             send(conn, {"exported": dataclasses.asdict(export(t))})
@@ -116,7 +120,7 @@ def trip(side: Side, mode: str, nbytes: int) -> float:
     r = recv(side.conn)
     if "error" in r:
         raise RuntimeError(r["error"])
-    if mode == "host":
+    if mode in ("host", "sealed"):
         got = r["out"].to("cuda")
     else:
         opened = Opened(Exported(**{**r["exported"], "shape": tuple(r["exported"]["shape"])}))
@@ -142,7 +146,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("bench_device_ipc needs a GPU")
-    ways = [("host", True), ("handle", True), ("handle", False)]
+    ways = [("host", True), ("sealed", True), ("handle", True), ("handle", False)]
     rows: list[dict[str, Any]] = []
     for mode, jailed in ways:
         side = Side(jailed)
@@ -170,8 +174,10 @@ def main() -> None:
         base = next((r["s"] for r in rows if r["gib"] == gib and r["way"] == "host"
                      and r["ok"]), None)
         for r in rows:
-            if r["gib"] == gib and r["way"] == "handle" and r["ok"]:
-                metrics[f"{gib:g} GiB through a handle, {r['child']} child"] = metric(
+            if r["gib"] == gib and r["way"] != "host" and r["ok"]:
+                way = ("a handle" if r["way"] == "handle"
+                       else "the host, written from the device into a sealed file")
+                metrics[f"{gib:g} GiB through {way}, {r['child']} child"] = metric(
                     r["s"], "s (baseline: through the host, jailed child)", base)
         if base is not None:
             metrics[f"{gib:g} GiB through the host, jailed child"] = metric(base, "s")
