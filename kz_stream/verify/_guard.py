@@ -97,7 +97,7 @@ class Guard:
     allowed_programs: frozenset[str] = frozenset()
     write_roots: tuple[str, ...] = ()
     # Connected Unix sockets (descriptors) that messages with descriptors may be sent on:
-    # the oracle's channel to the verifier.
+    # the oracle's and a worker's channel to the verifier (their replies' sealed files).
     channels: frozenset[int] = frozenset()
     violations: list[str] = field(default_factory=list)
     writes: list[str] = field(default_factory=list)

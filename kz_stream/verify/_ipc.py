@@ -793,15 +793,19 @@ def _read_body(fd: int, buf: bytearray | mmap.mmap, size: int) -> None:
             done += n
 
 
-def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = False) -> Any:
+def recv(conn: Connection, spill_dir: str | None = None, *, trusted: bool = False,
+         files: bool = False) -> Any:
     """Receives what ``send`` sent; spilled buffers are read from ``spill_dir`` and their
     files removed (on a failure too). A spilled buffer with no ``spill_dir``, or one not
     as announced, raises SpillError; the channel is then out of step (kill the sender).
     ``trusted``: the message is the verifier's own (a child reading its requests); else
-    it may name no code (``_ReplyUnpickler``), or it raises UnreadableReply."""
+    it may name no code (``_ReplyUnpickler``), or it raises UnreadableReply. ``files``:
+    sealed files are taken from this sender (a worker's big outputs) though it has no
+    spill folder; each is checked as any (``_check_sealed``)."""
     sizes = _loads(_recv_frame(conn, _MAX_PICKLE_BYTES), trusted)
-    # Sealed files: in the verifier's requests, and from a child it gave a spill folder.
-    names = _spilled_names(sizes, shared=trusted or spill_dir is not None)
+    # Sealed files: in the verifier's requests, from a child it gave a spill folder, and
+    # from a worker (``files``).
+    names = _spilled_names(sizes, shared=trusted or files or spill_dir is not None)
     dir_fd = None
     if names:
         if spill_dir is None:
@@ -917,11 +921,13 @@ class Child:
                  isolate: bool = True, strong: bool = False, gated: bool = False,
                  start_timeout_s: float = 180.0, gpu: bool = False,
                  read_only: tuple[str, ...] = (), spill: bool = False,
-                 oom_score_adj: int | None = None) -> None:
+                 files: bool = False, oom_score_adj: int | None = None) -> None:
         """``strong`` asks for the jail (``_sandbox.isolation``), else a network namespace;
         ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths.
         ``spill`` gives the child a folder for its replies' big buffers (``spill_folder``),
-        named by ``KZ_SPILL_DIR``: only for a child that runs no candidate code.
+        named by ``KZ_SPILL_DIR``: only for a child that runs no candidate code. ``files``
+        takes sealed memory files from the child without a folder (``recv``): a worker's
+        big outputs, checked as any (``_check_sealed``), nothing named by path.
         ``oom_score_adj`` (up to 1000) makes the kernel's OOM killer take the child, and
         what it starts, before the verifier when the host runs out of memory."""
         self.private = tempfile.mkdtemp(prefix=f"kz-child-{_verifier_tag()}")
@@ -930,6 +936,7 @@ class Child:
         self.isolation = isolation(strong) if isolate else Isolation("none")
         self.spill_dir = spill_folder(self.private, self.isolation.level == "jail") \
             if spill else None
+        self.files = files
         parent_sock, child_sock = socket.socketpair()
         self.conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()
@@ -1051,7 +1058,7 @@ class Child:
                 # Drain a reply written just before exit.
                 if self.conn.poll(0):
                     try:
-                        return recv(self.conn, self.spill_dir)
+                        return recv(self.conn, self.spill_dir, files=self.files)
                     except (EOFError, OSError, UnreadableReply):
                         pass
                 rc = self.proc.returncode
@@ -1075,7 +1082,7 @@ class Child:
         timer.daemon = True
         timer.start()
         try:
-            return recv(self.conn, self.spill_dir)
+            return recv(self.conn, self.spill_dir, files=self.files)
         except (EOFError, OSError, UnreadableReply) as e:
             if not stalled.is_set():
                 raise

@@ -283,7 +283,8 @@ class Lane:
             env["KZ_WORKER_MEMORY_MB"] = str(cfg.cpu_worker_memory_mb)
         child = Child("kz_stream.verify._worker", [self.device], env=env,
                       isolate=True, strong=cfg.strong_isolation, gated=True, gpu=gpu,
-                      read_only=self.worker_read_only, oom_score_adj=WORKER_OOM_SCORE_ADJ)
+                      read_only=self.worker_read_only, files=True,
+                      oom_score_adj=WORKER_OOM_SCORE_ADJ)
         task = asyncio.get_running_loop().create_task(self._start(child))
         task.add_done_callback(_retrieve)
         self.starting[child] = task

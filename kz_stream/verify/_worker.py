@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from kz_stream.verify import _guard  # noqa: E402
 from kz_stream.verify._harness import (  # noqa: E402
     HANDLERS,
+    WORKER_FILE_BYTES,
     State,
     bits_equal,
     block_sums,
@@ -131,7 +132,7 @@ def _limit_resources() -> None:
     worker's ``KZ_WORKER_MEMORY_MB``), once the harness is loaded and warm."""
     import resource
 
-    limits = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, 1 << 30)]
+    limits = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, WORKER_FILE_BYTES)]
     if os.environ.get("KZ_WORKER_MEMORY_MB"):
         limits.append((resource.RLIMIT_AS, int(os.environ["KZ_WORKER_MEMORY_MB"]) << 20))
     for kind, value in limits:
@@ -181,8 +182,10 @@ def main() -> None:
         torch.manual_seed(0)  # torch rebinds some functions lazily on first use
         _limit_resources()
         private = os.environ.get("KZ_PRIVATE_DIR", os.getcwd())
+        # Its channel takes messages with descriptors: its big outputs' sealed files.
         state.guard = _guard.Guard(allowed_programs=_PROGRAMS,
-                                   write_roots=(private, "/dev/shm")).install()
+                                   write_roots=(private, "/dev/shm"),
+                                   channels=frozenset({conn.fileno()})).install()
     except BaseException as e:
         send(conn, {"ready": False, **classify(e)})  # a ReadyReply with an error's fields
         return

@@ -289,3 +289,18 @@ def test_a_run_on_the_kept_set_takes_its_sums_once(monkeypatch: pytest.MonkeyPat
     kept = state.kept.args[0].untyped_storage().data_ptr() if state.kept else None
     # Taken at the upload, then read after each of the two calls: three passes, not four.
     assert summed.count(kept) == 3, summed
+
+
+def test_a_big_output_is_replied_in_a_sealed_file_up_to_the_workers_file_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kz_stream.verify import _harness, _ipc
+
+    big = torch.arange(float(5 << 20))  # 20 MiB: past the 16 MiB from which files pay
+    sent = _harness._reply_value(big)
+    assert torch.equal(sent, big) and _ipc._shared_file(sent) is not None
+    monkeypatch.setattr(_harness, "WORKER_FILE_BYTES", 16 << 20)  # past the cap: no file
+    past = _harness._reply_value(big)
+    assert torch.equal(past, big) and _ipc._shared_file(past) is None
+    small = torch.ones(8)
+    assert _ipc._shared_file(_harness._reply_value(small)) is None
+    assert _harness._reply_value(3) == 3

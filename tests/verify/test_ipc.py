@@ -733,6 +733,19 @@ def test_a_childs_message_may_not_pass_a_shared_file(
         sender.join()
 
 
+def test_a_worker_may_pass_sealed_files_which_are_checked_as_any(
+        pair: tuple[Connection, Connection]) -> None:
+    shared = ipc.share(torch.arange(4096.0), SMALL)
+    sender = threading.Thread(target=send, args=(pair[0], {"x": shared}))
+    sender.start()
+    try:
+        got = recv(pair[1], files=True)["x"]  # as the verifier reads a worker's reply
+    finally:
+        sender.join()
+    assert torch.equal(got, torch.arange(4096.0))
+    assert mapped_from(got).startswith("/memfd:kz-sealed")
+
+
 def test_a_file_without_the_seals_is_refused(pair: tuple[Connection, Connection],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)

@@ -374,3 +374,64 @@ async def test_a_loss_floor_counts_its_inputs_and_one_element() -> None:
         info = await v.inspect_problem(Problem(FULL_SIZE_PROBLEMS["huber_loss"].source(False)))
     assert "error" not in info, info
     assert info["moved_bytes"] == info["input_bytes"] + 4, info
+
+
+OUTER = '''import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, x):
+        return x.unsqueeze(1) * x.unsqueeze(0)
+
+def get_inputs():
+    return [torch.randn(20000)]
+
+def get_init_inputs():
+    return []
+'''
+
+OUTER_TRITON = '''import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+@triton.jit
+def outer_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, COLS)
+    a = tl.load(x_ptr + rows, mask=rows < n, other=0.0)
+    b = tl.load(x_ptr + cols, mask=cols < n, other=0.0)
+    mask = (rows[:, None] < n) & (cols[None, :] < n)
+    tl.store(y_ptr + rows[:, None] * n + cols[None, :], a[:, None] * b[None, :], mask=mask)
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        n = x.numel()
+        y = torch.empty((n, n), device=x.device, dtype=x.dtype)
+        outer_kernel[(triton.cdiv(n, 64),)](x, y, n, BLOCK=64,
+                                            COLS=triton.next_power_of_2(n))
+        return y
+'''
+
+
+def test_a_workers_big_outputs_come_as_sealed_files(cpu_verifier: Verifier,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # An outer product: at the CPU path's sets (an eighth of the length) 25 MB of output,
+    # past the 16 MiB from which a worker writes an output into a sealed memory file.
+    from kz_stream.verify import _ipc
+
+    checked: list[int] = []
+    real = _ipc._check_sealed
+
+    def counted(fd: int, size: int) -> None:
+        checked.append(size)
+        real(fd, size)
+
+    first = cpu_verifier.verify_sync(Problem(OUTER), Candidate(OUTER_TRITON, "triton"))
+    assert first.status is Status.CORRECT, (first.status, first.reason)
+    monkeypatch.setattr(_ipc, "_check_sealed", counted)  # the problem is prepared by now
+    again = cpu_verifier.verify_sync(Problem(OUTER),
+                                     Candidate(OUTER_TRITON + "# again\n", "triton"))
+    assert again.status is Status.CORRECT, (again.status, again.reason)
+    # Each a worker's output of one of the sets (2501 or 2499 long), through its guard.
+    assert checked and {n * n * 4 for n in (2501, 2499)} >= set(checked), checked
