@@ -99,15 +99,27 @@ class Opened:
     (valid until ``close``)."""
 
     def __init__(self, e: Exported, device: torch.device | str = "cuda") -> None:
+        # What an exporter says is checked before anything reads its memory: a read past
+        # the allocation would fault this process's own CUDA context.
+        if len(e.handle) != 64:
+            raise ValueError(f"a CUDA IPC handle has 64 bytes, not {len(e.handle)}")
+        if e.offset < 0 or e.nbytes < 0:
+            raise ValueError(f"offset {e.offset} and size {e.nbytes} cannot be negative")
         dev = torch.device(device)
+        self._base = ctypes.c_uint64()
         with torch.cuda.device(dev):
             torch.empty(1, device=dev)  # this thread's context current for the driver
-            if len(e.handle) != 64:
-                raise ValueError(f"a CUDA IPC handle has 64 bytes, not {len(e.handle)}")
             handle = _Handle.from_buffer_copy(e.handle)
-            self._base = ctypes.c_uint64()
             _check("cuIpcOpenMemHandle", _symbol("cuIpcOpenMemHandle")(
                 ctypes.byref(self._base), handle, ctypes.c_uint(1)))  # lazy peer access
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            _check("cuMemGetAddressRange", _symbol("cuMemGetAddressRange")(
+                ctypes.byref(base), ctypes.byref(size), self._base))
+            if e.offset + e.nbytes > base.value + size.value - self._base.value:
+                _cuda().cuIpcCloseMemHandle(self._base)
+                self._base = ctypes.c_uint64()
+                raise ValueError(f"{e.nbytes} bytes at offset {e.offset} lie past the "
+                                 f"exported allocation's {size.value}")
             raw = torch.as_tensor(_DeviceBuffer(self._base.value + e.offset, e.nbytes),
                                   device=dev)
         self.tensor = raw.view(getattr(torch, e.dtype)).view(e.shape)

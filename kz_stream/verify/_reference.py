@@ -221,17 +221,16 @@ def _dtype_mismatch(message: str) -> bool:
     return "dtype" in message or "scalar type" in message
 
 
-def float64_copy(model: nn.Module, *, in_place: bool = False) -> nn.Module:
+def float64_copy(model: nn.Module) -> nn.Module:
     """``model`` in float64, as a module to call: a copy with its floating parameters and
-    buffers upcast (``model`` itself, upcast, when ``in_place``), falling back to
+    buffers upcast, falling back to
     ``Float64Mode`` over the module as it is where the copy would not be faithful
     (``copies_faithfully``: KernelBench 3/44's GPT block), or where the copy's forward
     mixes precisions (3/35's LSTM; both were "not checkable here") or returns a lower one
     than float64 (it computed in tensors it made: silently a float32 "expected" before)."""
     if not copies_faithfully(model):
         return Float64Run(model, None)
-    converted = (model if in_place else copy.deepcopy(model)).to(torch.float64)
-    return Float64Run(model, converted)
+    return Float64Run(model, copy.deepcopy(model).to(torch.float64))
 
 
 def host_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:

@@ -17,6 +17,14 @@ def test_only_a_contiguous_cuda_tensor_is_exported() -> None:
         export(torch.arange(4.0))
 
 
+@pytest.mark.parametrize(("handle", "offset", "message"), [
+    (b"x" * 63, 0, "64 bytes"), (b"x" * 64, -8, "cannot be negative")])
+def test_a_malformed_export_is_refused_before_the_device_is_touched(
+        handle: bytes, offset: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Opened(Exported(handle, offset, 16, "float32", (4,)))
+
+
 EXPORTER = """
 import dataclasses, json, sys, torch
 from kz_stream.verify._device_ipc import export
@@ -43,5 +51,7 @@ def test_a_tensor_exported_by_another_process_opens_here_with_its_values() -> No
         assert torch.equal(opened.tensor.clone(), want)
         opened.close()
         opened.close()  # a second close is a no-op
+        with pytest.raises(ValueError, match="past the exported allocation"):
+            Opened(Exported(e.handle, e.offset + (1 << 40), e.nbytes, e.dtype, e.shape))
     finally:
         child.communicate("", timeout=60)

@@ -627,11 +627,14 @@ def mapped_from(t: torch.Tensor) -> str:
     return ""
 
 
-def shared_trip(pair: tuple[Connection, Connection], msg: Any) -> Any:
+def shared_trip(pair: tuple[Connection, Connection], msg: Any, *,
+                files: bool = False) -> Any:
+    """``msg`` sent and received, as the verifier's request (trusted) or, with ``files``,
+    as a worker's reply."""
     sender = threading.Thread(target=send, args=(pair[0], msg))
     sender.start()
     try:
-        return recv(pair[1], trusted=True)
+        return recv(pair[1], files=True) if files else recv(pair[1], trusted=True)
     finally:
         sender.join()
 
@@ -736,12 +739,7 @@ def test_a_childs_message_may_not_pass_a_shared_file(
 def test_a_worker_may_pass_sealed_files_which_are_checked_as_any(
         pair: tuple[Connection, Connection]) -> None:
     shared = ipc.share(torch.arange(4096.0), SMALL)
-    sender = threading.Thread(target=send, args=(pair[0], {"x": shared}))
-    sender.start()
-    try:
-        got = recv(pair[1], files=True)["x"]  # as the verifier reads a worker's reply
-    finally:
-        sender.join()
+    got = shared_trip(pair, {"x": shared}, files=True)["x"]
     assert torch.equal(got, torch.arange(4096.0))
     assert mapped_from(got).startswith("/memfd:kz-sealed")
 
