@@ -175,8 +175,12 @@ class Stage:
 
     def __init__(self, config: VerifierConfig, lane: Lane, worker: Child, p: Prepared,
                  candidate: Candidate, builds: list[BuildResult], own_names: list[str],
-                 details: dict[str, Any]) -> None:
+                 details: dict[str, Any], timing_bytes: int = 0) -> None:
         self.config, self.lane, self.w, self.p = config, lane, worker, p
+        # Taken from the lane's timing room before the timing warm-up draws its sets; held
+        # until the worker is gone (``release_timing_room``).
+        self.timing_bytes = timing_bytes
+        self.timing_held = False
         self.c = candidate
         self.builds = builds
         self.own_names = list(own_names)
@@ -335,6 +339,11 @@ class Stage:
         ci: tuple[float, float] | None = None
         if self.ref is not None:
             cfg, p = self.config, self.p
+            if self.timing_bytes:
+                t0 = time.monotonic()
+                await self.lane.timing_room.acquire(self.timing_bytes)
+                self.timing_held = True
+                self.details["timing_room_wait_s"] = round(time.monotonic() - t0, 3)
             await self.call(p.time_setup(cfg, self.timing_seed, self.n_sets),
                             cfg.load_timeout_s, stage="timing warm-up")
             t0 = time.monotonic()
@@ -362,6 +371,12 @@ class Stage:
         return Ruling(Status.CORRECT, None, {
             "max_rel_error": self.max_rel, "speedup": speedup, "speedup_ci": ci,
             "details": self.details, "unchecked": tuple(unchecked)})
+
+    def release_timing_room(self) -> None:
+        """Gives back the timing room this stage took, if it took any."""
+        if self.timing_held:
+            self.timing_held = False
+            self.lane.timing_room.release(self.timing_bytes)
 
     async def _checks(self) -> list[str]:
         """Load, correctness and launch checks; returns what could not be checked."""

@@ -19,6 +19,7 @@ import torch
 from kz_stream.verify import _guard
 from kz_stream.verify._compare import flatten
 from kz_stream.verify._inputs import (
+    CLONE_MAX_BYTES,
     InputPlan,
     InputSpec,
     make_inputs,
@@ -352,11 +353,8 @@ def _sync(state: State) -> None:
 # Earlier outputs held to see a later call return one of them (a cached result); past
 # this, outputs are not held (their room goes to the candidate's own work).
 _HELD_OUTPUT_BYTES = 4 << 30
-# A device tensor past this is copied for the checks on the device only where the room
-# left holds three times its size (the copy, and as much again twice for the candidate's
-# output and work), else on the host: a device clone doubled a KernelBench 8 GiB input's
-# footprint, and on an H100 (2026-12-05) honest workers ran out of their allowance.
-_CLONE_MAX_BYTES = 1 << 30
+# The clone bound (``CLONE_MAX_BYTES``), a name here so that tests can lower it.
+_CLONE_MAX_BYTES = CLONE_MAX_BYTES
 
 
 # A worker's files, memory files included, are capped at this (``RLIMIT_FSIZE``, set by
@@ -394,21 +392,30 @@ def _device_room() -> int:
 
 
 def _on_device(t: torch.Tensor, cuda: bool) -> bool:
-    """Whether the checks' copy of ``t`` is a plain clone: always on the host (the CPU
+    """Whether the snapshot of output ``t`` is a plain clone: always on the host (the CPU
     path, or a host tensor a candidate returns), and on the device for a tensor up to
-    ``_CLONE_MAX_BYTES`` or where three times it fits in the room left."""
+    ``_CLONE_MAX_BYTES`` or where three times it fits in the room left (a stage's room
+    counts four times its outputs)."""
     return (not cuda or t.device.type == "cpu" or t.nbytes <= _CLONE_MAX_BYTES
             or 3 * t.nbytes <= _device_room())
 
 
+def _input_cloned(t: torch.Tensor, cuda: bool) -> bool:
+    """Whether the checks' copy of input ``t`` is a clone: on the host, and on the device
+    up to ``_CLONE_MAX_BYTES`` whatever room is free. The room a candidate's stage is
+    admitted with (``stage_device_bytes``) counts no bigger clone; a worker that took one
+    where the device happened to be free took memory that another stage was admitted to."""
+    return not cuda or t.device.type == "cpu" or t.nbytes <= _CLONE_MAX_BYTES
+
+
 def _pristine(arg: Any, cuda: bool, sums: Any = None) -> Any:
-    """What ``arg`` is checked against after a call: a clone where ``_on_device`` allows,
-    else its block sums, ``sums`` where they were taken already (comparing against the
-    request's host copy moved the whole set across PCIe again for each call: two 8 GiB
-    repetitions took 5-6 s on an H100)."""
+    """What ``arg`` is checked against after a call: a clone where ``_input_cloned``
+    says, else its block sums, ``sums`` where they were taken already (comparing against
+    the request's host copy moved the whole set across PCIe again for each call: two 8
+    GiB repetitions took 5-6 s on an H100)."""
     if not isinstance(arg, torch.Tensor):
         return arg
-    if not _on_device(arg, cuda):
+    if not _input_cloned(arg, cuda):
         return sums if isinstance(sums, _Sums) else _Sums(arg)
     return arg.clone()
 

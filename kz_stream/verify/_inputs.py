@@ -357,6 +357,20 @@ def to_device(values: Sequence[Any], device: str | torch.device,
     return out
 
 
+# A worker's checks clone an input tensor up to this on the device and take block sums
+# of a bigger one; an output's snapshot is a clone past it only where the room left holds
+# three times its size. A device clone doubled a KernelBench 8 GiB input's footprint,
+# and on an H100 (2026-12-05) honest workers ran out of their allowance.
+CLONE_MAX_BYTES = 1 << 30
+
+
+def cloned_bytes(values: Sequence[Any]) -> int:
+    """Device bytes a worker's checks clone of input set ``values``: its tensors up to
+    ``CLONE_MAX_BYTES`` (``nbytes`` of those)."""
+    return nbytes([v for v in values if isinstance(v, torch.Tensor)
+                   and v.untyped_storage().nbytes() <= CLONE_MAX_BYTES])
+
+
 def nbytes(values: Sequence[Any]) -> int:
     """Bytes held by the tensors in ``values`` (each storage counted once)."""
     seen: set[int] = set()

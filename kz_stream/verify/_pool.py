@@ -71,8 +71,15 @@ _NO_LIMIT = 1 << 62  # the CPU path's room: its host memory is ``host_budget_byt
 DEVICE_ROOM_SHARE = 0.9
 
 
+# Of a device's room, the share kept for the one candidate being timed at a time: the
+# timing's input sets beyond what its checks held (``StageRoom.timing``). 0.2 of an H100's
+# room is 11 GiB: an 8 GiB reduction's second timing set.
+TIMING_ROOM_SHARE = 0.2
+
+
 def device_room_bytes(total: int, reference_bytes: int) -> int:
-    """The room of a device of ``total`` bytes (at least a quarter of it)."""
+    """The room of a device of ``total`` bytes (at least a quarter of it), the timing
+    room included."""
     return max(int(DEVICE_ROOM_SHARE * total) - reference_bytes, total // 4)
 
 
@@ -201,8 +208,12 @@ class Lane:
         self.slots = asyncio.Semaphore(config.candidates_per_gpu)
         self.total_bytes = (torch.cuda.get_device_properties(index).total_memory
                             if index is not None else 0)
-        self.room = ByteBudget(device_room_bytes(self.total_bytes, config.reference_worker_bytes)
-                               if index is not None else _NO_LIMIT, config.pass_window_s)
+        room = (device_room_bytes(self.total_bytes, config.reference_worker_bytes)
+                if index is not None else _NO_LIMIT)
+        # The timing room is taken in turn (its holders are timed one at a time anyway),
+        # out of the device's room, which the stages' checks share.
+        self.timing_room = ByteBudget(int(TIMING_ROOM_SHARE * room))
+        self.room = ByteBudget(room - self.timing_room.limit, config.pass_window_s)
         self._alone = asyncio.Lock()  # one taker of the whole room at a time (``alone``)
         self.oracle_slots = asyncio.Semaphore(config.oracles)
         self.oracles: list[Child] = []  # idle, alive as far as is known
@@ -262,6 +273,8 @@ class Lane:
         return {"device": self.index, "verifications": self.busy, "in_gpu_stage": self.staged,
                 "oracles_busy": len(self.oracles_busy), "room_bytes": self.room.held,
                 "room_holders": self.room.holders, "room_waiting": self.room.waiting,
+                "timing_room_bytes": self.timing_room.held,
+                "timing_room_waiting": self.timing_room.waiting,
                 "timing": self.gpu.writer_lock.locked,
                 "reference_workers": len(self.ref_workers), "spares": len(self.spares)}
 

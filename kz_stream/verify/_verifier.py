@@ -25,7 +25,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from kz_stream.verify import _astscan as astscan
 from kz_stream.verify import _lifeline as lifeline
@@ -43,7 +43,7 @@ from kz_stream.verify._checks import (
 from kz_stream.verify._config import VerifierConfig
 from kz_stream.verify._extract import InlineCall, extract_inline_calls
 from kz_stream.verify._hardware import manifest
-from kz_stream.verify._inputs import at_own_shapes, nbytes
+from kz_stream.verify._inputs import at_own_shapes, cloned_bytes, nbytes
 from kz_stream.verify._ipc import ChildDied, ChildTimeout, reap_left_behind, tail
 from kz_stream.verify._messages import PrepareRequest
 from kz_stream.verify._pool import ByteBudget, Lane, host_memory_bytes
@@ -120,19 +120,32 @@ def preparation_device_bytes(input_bytes: int, output_bytes: int | None, weight_
     return min(3 * input_bytes + out + 3 * weight_bytes + CUDA_CONTEXT_BYTES, cap)
 
 
-def stage_device_bytes(input_bytes: int, output_bytes: int, weight_bytes: int,
-                       timing_sets: int) -> int:
-    """Device bytes a candidate's GPU stage is admitted with (``Lane.room``): its worker's
-    peak, estimated: the timing's input sets (at least two, so also set 0 kept beside
-    another during the checks), four times the outputs (a run's two repetitions, the
-    timed calls' kept ones, the comparisons'), the model's weights and a CUDA context.
-    The reference's timing worker is not counted: the room leaves
-    ``reference_worker_bytes`` out for those. On an H100 (2026-12-06 mix) two of three
-    honest candidates of an 8 GiB reduction, beside two problems being prepared, ran out
-    of the device's memory; by these estimates the room admits three such candidates (17
-    GiB each) and no 8 GiB preparation beside them."""
-    return (max(timing_sets, 2) * input_bytes + 4 * output_bytes + weight_bytes
-            + CUDA_CONTEXT_BYTES)
+class StageRoom(NamedTuple):
+    """Device bytes a candidate's GPU stage is admitted with: ``checks`` from its slot to
+    its end (``Lane.room``), and ``timing`` more from the timing warm-up on, out of the
+    lane's ``timing_room``."""
+
+    checks: int
+    timing: int
+
+
+def stage_device_bytes(input_bytes: int, other_set_bytes: int, cloned: int,
+                       output_bytes: int, weight_bytes: int, timing_sets: int) -> StageRoom:
+    """A candidate's worker's peak, estimated in its two phases. The checks: set 0 kept
+    (``input_bytes``) beside the largest other set (``other_set_bytes``: at full size, or
+    the scaled-down sets of a big problem), the inputs the checks clone (``cloned``,
+    ``cloned_bytes``: bigger ones are checked by block sums), four times the outputs (a
+    run's two repetitions, the timed calls' kept ones, the comparisons'), the model's
+    weights and a CUDA context. The timing: its input sets (at least two) in place of set
+    0 and the clones, which ``time_setup`` drops; what that adds to the checks' bytes is
+    ``timing``. Timing is one candidate at a time on a lane, so only one candidate needs
+    that more at once: counted in each stage's room, as until 2026-12-07, an 8 GiB
+    reduction's candidates held 17 GiB each, three at a time on an H100, while their
+    checks needed 9. The reference's timing worker is not counted: the room leaves
+    ``reference_worker_bytes`` out for those."""
+    rest = 4 * output_bytes + weight_bytes + CUDA_CONTEXT_BYTES
+    checks = input_bytes + other_set_bytes + cloned
+    return StageRoom(checks + rest, max(0, max(timing_sets, 2) * input_bytes - checks))
 
 
 def held_after_preparation(p: Prepared, share_min_bytes: int | None, candidates: int) -> int:
@@ -370,7 +383,11 @@ class Verifier:
             short = self._too_few_sets(prepared)
             if short:
                 return self._verdict(Status.UNCHECKED, short, check="input_sets")
-            need = await self._stage_device_bytes(lane, problem, prepared)
+            room = await self._stage_device_bytes(lane, problem, prepared)
+            # Timing more than the lane's timing room holds: in the stage's room throughout.
+            if room.timing > lane.timing_room.limit:
+                room = StageRoom(room.checks + room.timing, 0)
+            need = room.checks
             t0 = time.monotonic()
             # The room before the slot: a candidate waiting for room holds no slot, so a
             # big problem's samples waiting their turn leave the slots to others that fit
@@ -382,10 +399,11 @@ class Verifier:
                     details["gpu_wait_s"] = round(time.monotonic() - t0, 3)
                     details["room_wait_s"] = round(t1 - t0, 3)
                     details["room_bytes"] = need
+                    details["timing_room_bytes"] = room.timing
                     lane.staged += 1
                     try:
                         verdict = await self._gpu_stage(lane, prepared, candidate, builds,
-                                                        own_names, details)
+                                                        own_names, details, room.timing)
                     finally:
                         lane.staged -= 1
             if verdict.status is Status.INFRA_ERROR and verdict.check == "device_memory":
@@ -398,7 +416,7 @@ class Verifier:
                 async with lane.alone():
                     details["retry_wait_s"] = round(time.monotonic() - t0, 3)
                     verdict = await self._gpu_stage(lane, prepared, candidate, builds,
-                                                    list(own_names), details)
+                                                    list(own_names), details, room.timing)
             return verdict
         finally:
             lane.busy -= 1
@@ -662,14 +680,18 @@ class Verifier:
         _, input_bytes, output_bytes, weight_bytes, _ = got.value
         return preparation_device_bytes(input_bytes, output_bytes, weight_bytes, cap)
 
-    async def _stage_device_bytes(self, lane: Lane, problem: Problem, p: Prepared) -> int:
-        """``stage_device_bytes`` of a candidate of ``p`` on ``lane`` (0 on the CPU path)."""
+    async def _stage_device_bytes(self, lane: Lane, problem: Problem,
+                                  p: Prepared) -> StageRoom:
+        """``stage_device_bytes`` of a candidate of ``p`` on ``lane`` (none on the CPU
+        path)."""
         if lane.index is None:
-            return 0
+            return StageRoom(0, 0)
         got = await self._reference_facts(problem)
         weight_bytes = got.value[3] if got.ok else 0
-        return stage_device_bytes(p.input_bytes, nbytes(p.sets[0]["honest"]), weight_bytes,
-                                  lane.timing_sets(p.input_bytes))
+        return stage_device_bytes(
+            p.input_bytes, max((nbytes(s["inputs"]) for s in p.sets[1:]), default=0),
+            max((cloned_bytes(s["inputs"]) for s in p.sets), default=0),
+            nbytes(p.sets[0]["honest"]), weight_bytes, lane.timing_sets(p.input_bytes))
 
     async def _reference_facts(self, problem: Problem) -> SandboxOutcome:
         """``reference_facts`` of ``problem``, from one sandboxed child per problem shared
@@ -686,7 +708,7 @@ class Verifier:
 
     async def _gpu_stage(self, lane: Lane, p: Prepared, candidate: Candidate,
                          builds: list[BuildResult], own_names: list[str],
-                         details: dict[str, Any]) -> Verdict:
+                         details: dict[str, Any], timing_bytes: int = 0) -> Verdict:
         t0 = time.monotonic()
         try:
             worker = await lane.take_worker()
@@ -706,13 +728,15 @@ class Verifier:
                             "the same way get infra_error, not runtime_error (seen with "
                             "Triton 3.6 under NumPy 2.4 and 2.5; verify on a GPU): %s",
                             ready["interpreter_defect"])
+        stage = Stage(self.config, lane, worker, p, candidate, builds, own_names, details,
+                      timing_bytes)
         try:
-            ruling = await Stage(self.config, lane, worker, p, candidate, builds, own_names,
-                                 details).run()
+            ruling = await stage.run()
         except Reject as r:
             ruling = r.ruling
         finally:
             await asyncio.to_thread(worker.kill)
+            stage.release_timing_room()  # its worker, and the timing sets, are gone
         return self._stamp(ruling)
 
 

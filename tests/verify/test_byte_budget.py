@@ -213,15 +213,46 @@ def test_a_prepared_reduction_holds_its_sets_and_what_its_candidates_exchange() 
                                                                        + 4 * 4096)
 
 
-def test_a_stage_counts_its_timing_sets_outputs_weights_and_a_context() -> None:
-    from kz_stream.verify._verifier import CUDA_CONTEXT_BYTES, stage_device_bytes
+def test_a_stage_counts_its_checks_and_what_its_timing_adds() -> None:
+    from kz_stream.verify._verifier import CUDA_CONTEXT_BYTES, StageRoom, stage_device_bytes
 
-    gib = 1 << 30
-    # An 8 GiB reduction: two timing sets (also set 0 beside another during the checks).
-    assert stage_device_bytes(8 * gib, 4 << 20, 0, 2) == 16 * gib + (16 << 20) + CUDA_CONTEXT_BYTES
+    gib, mib = 1 << 30, 1 << 20
+    rest = 4 * (4 * mib) + CUDA_CONTEXT_BYTES
+    # An 8 GiB reduction checked on scaled-down sets of 128 MiB (cloned; the 8 GiB input is
+    # checked by block sums): set 0 and one small set with its clone; the second timing set
+    # is the rest of its timing.
+    assert stage_device_bytes(8 * gib, 128 * mib, 128 * mib, 4 * mib, 0, 2) == StageRoom(
+        8 * gib + 256 * mib + rest, 8 * gib - 256 * mib)
+    # Every set at full size: set 0 beside another already holds two timing sets' worth.
+    assert stage_device_bytes(6 * gib, 6 * gib, 0, 4 * mib, 0, 2) == StageRoom(
+        12 * gib + rest, 0)
     # Small inputs rotate through more sets; never fewer than two.
-    assert stage_device_bytes(100, 10, 7, 20) == 2000 + 40 + 7 + CUDA_CONTEXT_BYTES
-    assert stage_device_bytes(100, 0, 0, 1) == 200 + CUDA_CONTEXT_BYTES
+    assert stage_device_bytes(100, 100, 100, 10, 7, 20) == StageRoom(
+        300 + 40 + 7 + CUDA_CONTEXT_BYTES, 1700)
+    assert stage_device_bytes(100, 0, 0, 0, 0, 1) == StageRoom(100 + CUDA_CONTEXT_BYTES, 100)
+
+
+def test_a_worker_clones_only_the_inputs_up_to_a_gibibyte() -> None:
+    from kz_stream.verify._inputs import CLONE_MAX_BYTES, cloned_bytes
+
+    big = torch.empty(CLONE_MAX_BYTES + 4, dtype=torch.uint8, device="meta")
+    small = torch.empty(1000, dtype=torch.uint8)
+    assert cloned_bytes([big, small, 3, small]) == 1000  # one storage, counted once
+    assert cloned_bytes([torch.empty(CLONE_MAX_BYTES, dtype=torch.uint8, device="meta")]) == (
+        CLONE_MAX_BYTES)
+
+
+def test_a_lanes_timing_room_is_a_share_of_its_room() -> None:
+    from kz_stream.verify import VerifierConfig
+    from kz_stream.verify._pool import _NO_LIMIT, TIMING_ROOM_SHARE, Lane
+
+    lane = Lane(VerifierConfig(devices=[], prewarm=0), None)
+    try:
+        assert lane.timing_room.limit == int(TIMING_ROOM_SHARE * _NO_LIMIT)
+        assert lane.room.limit + lane.timing_room.limit == _NO_LIMIT
+        assert lane.occupancy()["timing_room_bytes"] == 0
+    finally:
+        lane.close()
 
 
 def test_a_preparation_counts_float64_copies_up_to_the_oracles_cap() -> None:

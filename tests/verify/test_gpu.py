@@ -46,6 +46,9 @@ def test_honest_triton(gpu_verifier: Verifier, name: str) -> None:
     assert v.status is Status.CORRECT, _show(v)
     assert v.speedup is not None and v.speedup_ci is not None
     assert v.speedup_ci[0] <= v.speedup <= v.speedup_ci[1]
+    # Its timing sets past its checks' came from the timing room, given back at its end.
+    assert v.details["timing_room_bytes"] >= 0
+    assert gpu_verifier.occupancy()["lanes"][0]["timing_room_bytes"] == 0
 
 
 @pytest.mark.parametrize("name", sorted(CUDA_HONEST))

@@ -41,12 +41,12 @@ def test_bits_equal_compares_block_by_block(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_big_device_input_is_checked_against_its_block_sums(
         monkeypatch: pytest.MonkeyPatch) -> None:
     arg = torch.ones(64)  # stands in for a set on the device
-    monkeypatch.setattr(_harness, "_on_device", lambda t, cuda: False)
+    monkeypatch.setattr(_harness, "_input_cloned", lambda t, cuda: False)
     sums = _pristine(arg, cuda=True)
     assert isinstance(sums, _harness._Sums) and not _differs(arg, sums)
     arg[7] = 2.0
     assert _differs(arg, sums)
-    monkeypatch.setattr(_harness, "_on_device", lambda t, cuda: True)
+    monkeypatch.setattr(_harness, "_input_cloned", lambda t, cuda: True)
     kept = _pristine(arg, cuda=True)
     assert kept is not arg and torch.equal(kept, arg)
     assert _pristine(3, cuda=True) == 3
@@ -122,7 +122,7 @@ def test_an_ablation_call_never_sees_set_0_as_an_earlier_call_left_it(
     assert set(reply["outputs"]) == {"k1", "k2", "k3"}
 
 
-def test_the_checks_copy_on_the_device_where_three_times_the_tensor_fits(
+def test_an_outputs_snapshot_is_a_device_copy_where_three_times_it_fits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_harness, "_CLONE_MAX_BYTES", 100)
     device_side = torch.empty(64, device="meta")  # 256 bytes off the host
@@ -134,6 +134,17 @@ def test_the_checks_copy_on_the_device_where_three_times_the_tensor_fits(
     # The CPU path, and a host tensor a candidate returns on a GPU: a plain clone.
     assert _harness._on_device(device_side, cuda=False)
     assert _harness._on_device(torch.ones(64), cuda=True)
+
+
+def test_an_input_is_cloned_for_the_checks_up_to_a_gibibyte_however_free_the_device_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_harness, "_CLONE_MAX_BYTES", 100)
+    monkeypatch.setattr(_harness, "_device_room", lambda: 1 << 40)  # all the room there is
+    assert not _harness._input_cloned(torch.empty(64, device="meta"), cuda=True)  # 256 B
+    assert _harness._input_cloned(torch.empty(25, device="meta"), cuda=True)  # 100 B
+    # The CPU path, and a host tensor: a plain clone.
+    assert _harness._input_cloned(torch.empty(64, device="meta"), cuda=False)
+    assert _harness._input_cloned(torch.ones(64), cuda=True)
 
 
 def test_an_output_with_no_room_for_its_clone_is_snapshot_as_block_sums(
@@ -272,6 +283,7 @@ def test_on_a_gpu_set_0_is_uploaded_once_and_again_after_a_write() -> None:
 
 def test_a_run_on_the_kept_set_takes_its_sums_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_harness, "_on_device", lambda t, cuda: False)  # no room to clone
+    monkeypatch.setattr(_harness, "_input_cloned", lambda t, cuda: False)  # past a GiB
     summed: list[int] = []
     real = _harness.block_sums
 
