@@ -149,7 +149,6 @@ def eval_report(
     from kz_stream.evaluation import (
         build_report,
         load_evaluation,
-        table_rows,
         throughput_line,
         write_report,
     )
@@ -165,13 +164,42 @@ def eval_report(
         report = build_report(record)
         paths = write_report(report, out)
         bars.update(task, completed=1)
-    header, rows = table_rows(report)
-    done = f"{report.verified}/{report.expected} kernels verified"
-    table = Table(*header, title=f"evaluation {run_id} ({done})")
+    _print_report(f"evaluation {run_id}", report.as_dict(), report.metrics,
+                  throughput_line(report.throughput))
+    console.print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)
+
+
+def _print_report(title: str, doc: dict[str, Any], metrics: Any, throughput: str) -> None:
+    """The summary table, the statuses and the throughput of a report."""
+    from kz_stream.evaluation import table_rows
+
+    header, rows = table_rows(metrics)
+    table = Table(*header, title=f"{title} ({doc['verified']}/{doc['expected']} kernels "
+                                 "verified)")
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in report.statuses.items()),
+    console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in doc["statuses"].items()),
                   highlight=False)
-    console.print(throughput_line(report.throughput), highlight=False)
+    console.print(throughput, highlight=False)
+
+
+@eval_app.command("merge")
+@_one_line_errors
+def eval_merge(
+    reports: Annotated[list[Path], typer.Argument(
+        help="The report.json of each part (kz eval report RUN writes one).")],
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path(".kz/eval/merged"),
+) -> None:
+    """Merges the reports of runs that each evaluated some problems of one evaluation (an
+    evaluation split over GPU slots, sessions or hosts with --match or --limit) into its
+    table, report.json, report.md and plots."""
+    import json
+
+    from kz_stream.evaluation import merge_reports, throughput_line, write_merged
+
+    merged = merge_reports([json.loads(p.read_text()) for p in reports])
+    paths = write_merged(merged, out)
+    _print_report(f"evaluation of {len(reports)} parts", merged.doc, merged.metrics,
+                  throughput_line(merged.throughput))
     console.print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)

@@ -28,10 +28,13 @@ if TYPE_CHECKING:
     from kz_stream.evaluation._report import (
         STATUS_COLOURS,
         EvalReport,
+        MergedReport,
         build_report,
         markdown,
+        merge_reports,
         table_rows,
         throughput_line,
+        write_merged,
         write_plots,
         write_report,
     )
@@ -64,8 +67,9 @@ _ORIGINS = {
          "clustered_difference_in_se", "difference_in_se", "fast_p", "geomean_speedup",
          "level_name", "pass_at_k", "summarize", "summarize_levels"], "._metrics"),
     **dict.fromkeys(
-        ["STATUS_COLOURS", "EvalReport", "build_report", "markdown", "table_rows",
-         "throughput_line", "write_plots", "write_report"], "._report"),
+        ["STATUS_COLOURS", "EvalReport", "MergedReport", "build_report", "markdown",
+         "merge_reports", "table_rows", "throughput_line", "write_merged", "write_plots",
+         "write_report"], "._report"),
     **dict.fromkeys(
         ["EvalOptions", "EvalProgress", "EvalRecord", "kernel_id_of", "load_evaluation",
          "new_run_id", "open_policy", "run_evaluation"], "._run"),
@@ -85,6 +89,7 @@ __all__ = [
     "EvalProgress",
     "EvalRecord",
     "EvalReport",
+    "MergedReport",
     "ProblemResult",
     "StageTimes",
     "Suite",
@@ -101,6 +106,7 @@ __all__ = [
     "load_evaluation",
     "load_suite",
     "markdown",
+    "merge_reports",
     "new_run_id",
     "open_policy",
     "pass_at_k",
@@ -112,6 +118,7 @@ __all__ = [
     "throughput",
     "throughput_line",
     "union_seconds",
+    "write_merged",
     "write_plots",
     "write_report",
 ]

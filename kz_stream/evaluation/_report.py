@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,13 @@ from kz_stream.evaluation._throughput import Throughput, throughput
 
 __all__ = [
     "EvalReport",
+    "MergedReport",
     "build_report",
     "markdown",
+    "merge_reports",
     "table_rows",
     "throughput_line",
+    "write_merged",
     "write_plots",
     "write_report",
 ]
@@ -92,17 +96,25 @@ class EvalReport:
                     "speedups": [self._speedup(pid, i) for i in range(len(row))],
                     "speedups_vs_compile": [self._speedup(pid, i, "compile")
                                             for i in range(len(row))],
+                    # With the above, what ``merge_reports`` rebuilds the problem from.
+                    "kernelbench_rule": [self._details(pid, i).get("kernelbench_rule")
+                                         for i in range(len(row))],
+                    "compile_failed": any(r.compile_failed for r in self.results
+                                          if r.problem_id == pid),
                 }
                 for pid, row in self.grid.items()
             ],
         }
 
-    def _speedup(self, problem_id: str, sample: int, baseline: str = "eager") -> float | None:
+    def _details(self, problem_id: str, sample: int) -> dict[str, Any]:
         kid = kernel_id_of(self.record.started.run_id, problem_id, sample)
-        verdict = self.record.verdicts.get(kid, {})
+        return dict(self.record.verdicts.get(kid, {}).get("details") or {})
+
+    def _speedup(self, problem_id: str, sample: int, baseline: str = "eager") -> float | None:
         if baseline == "eager":
-            return _number(verdict.get("speedup"))
-        return _number((verdict.get("details") or {}).get("speedup_vs_compile"))
+            kid = kernel_id_of(self.record.started.run_id, problem_id, sample)
+            return _number(self.record.verdicts.get(kid, {}).get("speedup"))
+        return _number(self._details(problem_id, sample).get("speedup_vs_compile"))
 
 
 def _number(value: Any) -> float | None:
@@ -141,6 +153,107 @@ def build_report(record: EvalRecord, *, seed: int = 0) -> EvalReport:
                       dict(sorted(statuses.items())), throughput(record.times))
 
 
+# What makes runs parts of one evaluation: the same policy, kernel language, sampling,
+# samples per problem and baselines.
+_SAME_EVALUATION = ("backend", "policy", "sampling", "samples_per_problem", "compile_baseline")
+
+
+@dataclass(frozen=True)
+class MergedReport:
+    """One evaluation's report made of the ``report.json`` of several runs, each of which
+    evaluated some of its problems (``merge_reports``)."""
+
+    doc: dict[str, Any]  # what its report.json holds: a run's keys, and "parts"
+    results: tuple[ProblemResult, ...]
+    grid: dict[str, list[str]]
+    metrics: dict[str, SuiteMetrics]
+    throughput: Throughput
+
+
+def _result_of(row: Mapping[str, Any]) -> ProblemResult | None:
+    """A report row's problem as ``build_report`` made it (None: no verdict yet)."""
+    done = [i for i, s in enumerate(row["statuses"]) if s != "pending"]
+    if not done:
+        return None
+    return ProblemResult(
+        row["problem_id"], row["level"],
+        tuple(row["statuses"][i] == "correct" for i in done),
+        tuple(_number(row["speedups"][i]) for i in done),
+        tuple(row["kernelbench_rule"][i] for i in done),
+        tuple(_number(row["speedups_vs_compile"][i]) for i in done),
+        compile_failed=bool(row["compile_failed"]))
+
+
+def merge_reports(parts: Sequence[Mapping[str, Any]], *, seed: int = 0) -> MergedReport:
+    """The metrics of one evaluation run in parts (problems split between runs: an
+    evaluation longer than a GPU slot or a session, or spread over hosts), from each
+    part's ``report.json``: the same numbers its runs would give as one run. Raises
+    ValueError where the parts are not of one evaluation (another policy, backend,
+    sampling, sample count or baseline), share a problem, or come from a report that
+    does not hold each sample's KernelBench rule."""
+    if not parts:
+        raise ValueError("no reports to merge")
+    first = parts[0]
+    for part in parts[1:]:
+        for key in _SAME_EVALUATION:
+            if part.get(key) != first.get(key):
+                raise ValueError(f"{part.get('run_id')} and {first.get('run_id')} are not "
+                                 f"parts of one evaluation: {key} {part.get(key)!r} against "
+                                 f"{first.get(key)!r}")
+    rows: list[Mapping[str, Any]] = []
+    owner: dict[tuple[Any, str], str] = {}
+    for part in parts:
+        for row in part["problems"]:
+            where = (row["level"], row["problem_id"])
+            if where in owner:
+                raise ValueError(f"problem {row['problem_id']} is in both {owner[where]} and "
+                                 f"{part['run_id']}: merge each problem's run once")
+            if "kernelbench_rule" not in row:
+                raise ValueError(f"{part['run_id']}'s report.json has no per-sample "
+                                 "KernelBench rule (written before 2026-12-07): write it "
+                                 "again with kz eval report")
+            owner[where] = str(part["run_id"])
+            rows.append(row)
+    results = tuple(r for r in map(_result_of, rows) if r is not None)
+    grid = {str(row["problem_id"]): list(row["statuses"]) for row in rows}
+    metrics = dict(summarize_levels(results, seed=seed,
+                                    compile_baseline=bool(first["compile_baseline"])))
+    # The parts ran one after another (or apart): their active minutes add up.
+    minutes = {k: sum(float(p["throughput"][f"{k}_minutes"]) for p in parts)
+               for k in ("active", "generation", "preparation", "verification", "host_wait")}
+    throughput_ = Throughput(sum(int(p["throughput"]["kernels"]) for p in parts),
+                             minutes["active"] * 60, minutes["generation"] * 60,
+                             minutes["preparation"] * 60, minutes["verification"] * 60,
+                             minutes["host_wait"] * 60)
+    verified = sum(s != "pending" for row in grid.values() for s in row)
+    expected = len(grid) * int(first["samples_per_problem"])
+    doc = {
+        "run_id": " + ".join(str(p["run_id"]) for p in parts),
+        "parts": [str(p["run_id"]) for p in parts],
+        "suite": ", ".join(dict.fromkeys(str(p["suite"]) for p in parts)),
+        **{key: first[key] for key in _SAME_EVALUATION},
+        "verified": verified,
+        "expected": expected,
+        "complete": verified == expected,
+        "verifier_versions": sorted({v for p in parts for v in p["verifier_versions"]}),
+        "statuses": dict(sorted(Counter(s for row in grid.values() for s in row).items())),
+        "throughput": throughput_.as_dict(),
+        "metrics": {name: m.as_dict() for name, m in metrics.items()},
+        "problems": [dict(row) for row in rows],
+    }
+    return MergedReport(doc, results, grid, metrics, throughput_)
+
+
+def write_merged(report: MergedReport, out: Path) -> list[Path]:
+    """Writes a merged report's report.json, report.md and plots into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report.doc, indent=2) + "\n")
+    (out / "report.md").write_text(_markdown(report.doc, report.metrics, report.throughput))
+    return [out / "report.json", out / "report.md",
+            *_plots(report.results, report.grid, list(report.metrics),
+                    int(report.doc["samples_per_problem"]), out)]
+
+
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
@@ -150,7 +263,7 @@ def _geo(point: float | None, ci: tuple[float, float] | None) -> str:
     return text + (f" ({ci[0]:.2f}–{ci[1]:.2f})" if ci else "")
 
 
-def table_rows(report: EvalReport) -> tuple[list[str], list[list[str]]]:
+def table_rows(metrics: Mapping[str, SuiteMetrics]) -> tuple[list[str], list[list[str]]]:
     """The summary table's header and rows (levels, then overall): against eager PyTorch,
     then against the reference under torch.compile (the kernels with a compiled baseline,
     and the problems whose compiled baseline failed, which those columns leave out)."""
@@ -159,7 +272,7 @@ def table_rows(report: EvalReport) -> tuple[list[str], list[list[str]]]:
               "geomean speedup (95% CI)", "timed vs compile",
               f"fast_{COMPILE_FAST_P:g} vs compile", "geomean vs compile (95% CI)"]
     rows = []
-    for name, m in report.metrics.items():
+    for name, m in metrics.items():
         failed = m.compile_failed
         compiled = str(m.compile_timed) + (
             f" ({failed} problem{'s' if failed != 1 else ''} failed)" if failed else "")
@@ -186,11 +299,18 @@ def throughput_line(t: Throughput) -> str:
 
 def markdown(report: EvalReport) -> str:
     """The report as Markdown: run, summary table, statuses, per-problem table, plots."""
-    d = report.as_dict()
-    header, rows = table_rows(report)
+    return _markdown(report.as_dict(), report.metrics, report.throughput)
+
+
+def _markdown(d: Mapping[str, Any], metrics: Mapping[str, SuiteMetrics],
+              throughput_: Throughput) -> str:
+    header, rows = table_rows(metrics)
+    parts = d.get("parts")
     lines = [
         f"# Evaluation {d['run_id']}",
         "",
+        *([f"- merged from {len(parts)} runs: " + ", ".join(f"`{r}`" for r in parts)]
+          if parts else []),
         f"- suite: `{d['suite']}`; backend: {d['backend']}; policy: `{d['policy']['spec']}`",
         f"- samples per problem: {d['samples_per_problem']}; sampling: `{d['sampling']}`",
         "- speedups against eager PyTorch"
@@ -205,7 +325,7 @@ def markdown(report: EvalReport) -> str:
         "",
         "Statuses: " + ", ".join(f"{k} {v}" for k, v in d["statuses"].items()),
         "",
-        throughput_line(report.throughput),
+        throughput_line(throughput_),
         "",
         "| problem | statuses | speedups | speedups vs compile |",
         "|---|---|---|---|",
@@ -222,6 +342,12 @@ def markdown(report: EvalReport) -> str:
 
 def write_plots(report: EvalReport, out: Path) -> list[Path]:
     """pass@k against k per level, the speedup histogram and the problem × sample grid."""
+    return _plots(report.results, report.grid, list(report.metrics),
+                  report.record.started.samples, out)
+
+
+def _plots(results: Sequence[ProblemResult], grid: Mapping[str, list[str]],
+           groups_: list[str], samples: int, out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,9 +359,9 @@ def write_plots(report: EvalReport, out: Path) -> list[Path]:
 
     paths = [out / "pass_at_k.png", out / "speedups.png", out / "problems.png"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ks = list(range(1, report.record.started.samples + 1))
-    groups = {name: [r for r in report.results if name in ("overall", level_name(r.level))]
-              for name in report.metrics}
+    ks = list(range(1, samples + 1))
+    groups = {name: [r for r in results if name in ("overall", level_name(r.level))]
+              for name in groups_}
     for name, results in groups.items():
         curve = summarize(results, ks=ks, ps=()).pass_at
         defined = [(k, v) for k, v in curve.items() if v is not None]
@@ -253,9 +379,9 @@ def write_plots(report: EvalReport, out: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    speedups = [s for r in report.results
+    speedups = [s for r in results
                 for ok, s in zip(r.correct, r.speedups, strict=True) if ok and s]
-    vs_compile = [s for r in report.results
+    vs_compile = [s for r in results
                   for ok, s in zip(r.correct, r.speedups_against("compile"), strict=True)
                   if ok and s]
     if speedups:
@@ -278,16 +404,16 @@ def write_plots(report: EvalReport, out: Path) -> list[Path]:
     plt.close(fig)
 
     names = list(STATUS_COLOURS)
-    grid = np.array([[names.index(s) if s in names else 0 for s in row]
-                     for row in report.grid.values()])
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.3 * grid.shape[1] + 3),
-                                    max(2.5, 0.25 * grid.shape[0] + 1.5)))
-    ax.imshow(grid, cmap=ListedColormap(list(STATUS_COLOURS.values())), vmin=0,
+    cells = np.array([[names.index(s) if s in names else 0 for s in row]
+                      for row in grid.values()])
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.3 * cells.shape[1] + 3),
+                                    max(2.5, 0.25 * cells.shape[0] + 1.5)))
+    ax.imshow(cells, cmap=ListedColormap(list(STATUS_COLOURS.values())), vmin=0,
               vmax=len(names) - 1, aspect="auto", interpolation="nearest")
-    ax.set_yticks(range(len(report.grid)), list(report.grid), fontsize=7)
-    ax.set_xticks(range(grid.shape[1]))
+    ax.set_yticks(range(len(grid)), list(grid), fontsize=7)
+    ax.set_xticks(range(cells.shape[1]))
     ax.set(xlabel="sample", title="verdict per problem and sample")
-    shown = sorted({s for row in report.grid.values() for s in row}, key=names.index)
+    shown = sorted({s for row in grid.values() for s in row}, key=names.index)
     ax.legend(handles=[Patch(facecolor=STATUS_COLOURS[s], edgecolor="k", label=s)
                        for s in shown], fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
     # The legend sits outside the axes, and 200 problem names may be wider than the

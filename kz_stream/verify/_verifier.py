@@ -735,8 +735,10 @@ class Verifier:
         except Reject as r:
             ruling = r.ruling
         finally:
-            await asyncio.to_thread(worker.kill)
-            stage.release_timing_room()  # its worker, and the timing sets, are gone
+            try:
+                await asyncio.to_thread(worker.kill)
+            finally:  # also when cancelled in the kill: a room never given back is lost
+                stage.release_timing_room()  # its worker, and the timing sets, are gone
         return self._stamp(ruling)
 
 

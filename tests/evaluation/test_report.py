@@ -7,6 +7,7 @@ import json
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,9 @@ from kz_stream.evaluation import (
     build_report,
     kernel_id_of,
     load_evaluation,
+    merge_reports,
     table_rows,
+    write_merged,
     write_report,
 )
 from kz_stream.events import (
@@ -162,7 +165,7 @@ def test_report_against_the_compiled_reference(store_url: str, tmp_path: Path) -
     # Against eager, C still counts.
     assert overall.geomean == pytest.approx((2.0 * 0.5 * 4.0 * 1.0) ** (1 / 4))
 
-    header, rows = table_rows(report)
+    header, rows = table_rows(report.metrics)
     row = dict(zip(header, rows[-1], strict=True))
     assert rows[-1][0] == "overall"
     assert row["timed vs compile"] == "2 (1 problem failed)"
@@ -218,3 +221,76 @@ def test_plots_of_a_whole_suite_draw_without_warnings(tmp_path: Path) -> None:
         warnings.simplefilter("error")  # "Tight layout not applied" was one
         paths = write_report(build_report(EvalRecord(started)), tmp_path)
     assert all(p.stat().st_size for p in paths)
+
+
+def _part(whole: dict[str, object], run_id: str, level: int) -> dict[str, Any]:
+    """The report.json of a run over one level of ``whole``'s problems, read back."""
+    doc: dict[str, Any] = json.loads(json.dumps(whole))
+    doc["run_id"] = run_id
+    doc["problems"] = [row for row in doc["problems"] if row["level"] == level]
+    return doc
+
+
+def test_the_parts_of_an_evaluation_merge_into_its_own_numbers(store_url: str,
+                                                               tmp_path: Path) -> None:
+    report = build_report(load(store_url))
+    whole = report.as_dict()
+    one, two = _part(whole, "eval-l1", 1), _part(whole, "eval-l2", 2)
+    two["throughput"] = {**{k: 0.0 for k in two["throughput"]}, "kernels": 0}
+    merged = merge_reports([one, two])
+    for name in ("level 1", "level 2", "overall"):  # pass@k, fast_p, both rules, CIs
+        assert merged.metrics[name].as_dict() == report.metrics[name].as_dict(), name
+    assert table_rows(merged.metrics) == table_rows(report.metrics)
+    d = merged.doc
+    assert d["parts"] == ["eval-l1", "eval-l2"] and d["run_id"] == "eval-l1 + eval-l2"
+    assert (d["verified"], d["expected"], d["complete"]) == (8, 9, False)
+    assert d["statuses"] == report.statuses
+    assert d["throughput"] == whole["throughput"]  # the second part's minutes are 0
+    assert [row["problem_id"] for row in d["problems"]] == list(report.grid)
+
+    out = tmp_path / "merged"
+    paths = write_merged(merged, out)
+    assert [p.name for p in paths] == ["report.json", "report.md", "pass_at_k.png",
+                                       "speedups.png", "problems.png"]
+    assert json.loads((out / "report.json").read_text())["metrics"] == whole["metrics"]
+    md = (out / "report.md").read_text()
+    assert "merged from 2 runs: `eval-l1`, `eval-l2`" in md
+    assert "| level1/1_A | correct, incorrect, correct | 2.00, –, 0.50 | 1.60, –, 0.40 |" in md
+
+
+def test_kz_eval_merge_prints_the_table_and_writes_the_report(store_url: str,
+                                                              tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kz_stream.cli import app
+
+    whole = build_report(load(store_url)).as_dict()
+    files = []
+    for run_id, level in (("eval-l1", 1), ("eval-l2", 2)):
+        files.append(tmp_path / f"{run_id}.json")
+        files[-1].write_text(json.dumps(_part(whole, run_id, level)))
+    result = CliRunner().invoke(app, ["eval", "merge", *map(str, files),
+                                      "--out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert "evaluation of 2 parts (8/9 kernels verified)" in " ".join(result.output.split())
+    assert (tmp_path / "m" / "report.md").exists()
+    # Two parts that share a problem: one red line, exit 1.
+    result = CliRunner().invoke(app, ["eval", "merge", str(files[0]), str(files[0])])
+    assert result.exit_code == 1
+    assert "is in both eval-l1 and eval-l1" in " ".join(result.output.split())
+
+
+def test_reports_of_other_evaluations_are_not_merged(store_url: str) -> None:
+    whole = build_report(load(store_url)).as_dict()
+    one, two = _part(whole, "eval-l1", 1), _part(whole, "eval-l2", 2)
+    for key, other in (("samples_per_problem", 10), ("policy", {"spec": "run:x"}),
+                       ("backend", "cuda"), ("compile_baseline", False)):
+        with pytest.raises(ValueError, match=f"not parts of one evaluation: {key}"):
+            merge_reports([one, {**two, key: other}])
+    old = json.loads(json.dumps(two))
+    for row in old["problems"]:
+        del row["kernelbench_rule"]
+    with pytest.raises(ValueError, match="no per-sample KernelBench rule"):
+        merge_reports([one, old])
+    with pytest.raises(ValueError, match="no reports"):
+        merge_reports([])

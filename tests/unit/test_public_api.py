@@ -47,7 +47,8 @@ PUBLIC = {
         "problem_interface_error", "run_evaluation", "summarize", "summarize_levels",
         "table_rows", "write_plots", "write_report", "StageTimes", "Throughput", "throughput",
         "throughput_line", "union_seconds", "Baseline", "COMPILE_FAST_P",
-        "clustered_difference_in_se", "difference_in_se",
+        "clustered_difference_in_se", "difference_in_se", "MergedReport", "merge_reports",
+        "write_merged",
     ],
     "kz_stream.store": [
         "AppendResult", "ConcurrencyError", "EventStore", "RecordedEvent", "SqlEventStore",
