@@ -308,6 +308,8 @@ class Stage:
                                   f"(the verifier's other processes held it): {message}",
                                   "device_memory")
             raise self.reject(Status.OUT_OF_MEMORY, f"{stage}: {message}", stage)
+        if kind == "output_handle":  # the verifier's copy failed, not the candidate
+            raise self.reject(Status.INFRA_ERROR, f"{stage}: {message}", "output_handle")
         if kind == "compile_error":
             raise self.reject(Status.COMPILE_ERROR, f"{stage}: {message}", "triton_compile")
         if kind == "forbidden":

@@ -16,6 +16,7 @@ jailed worker has to itself; a 64-byte handle and an offset need nothing beside 
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,11 @@ class Exported:
     dtype: str
     shape: tuple[int, ...]
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The class and its fields alone: a reply's unpickler allows this class and no
+        # generic object constructor (``_ipc._REPLY_GLOBALS``).
+        return (Exported, (self.handle, self.offset, self.nbytes, self.dtype, self.shape))
+
 
 def export(t: torch.Tensor) -> Exported:
     """A handle to contiguous CUDA tensor ``t``'s memory; ``t`` must outlive its use."""
@@ -83,6 +89,48 @@ def export(t: torch.Tensor) -> Exported:
     return Exported(bytes(handle.reserved), ptr.value - base.value,
                     t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."),
                     tuple(t.shape))
+
+
+def _dtype(e: Exported) -> torch.dtype:
+    """The torch dtype an export names, and a shape of non-negative ints, or ValueError:
+    an export comes from another process, so a name is looked up only among dtypes."""
+    dtype = getattr(torch, e.dtype, None) if isinstance(e.dtype, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{e.dtype!r} is not a torch dtype")
+    if not isinstance(e.shape, tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in e.shape):
+        raise ValueError(f"{e.shape!r} is not a shape")
+    return dtype
+
+
+def count_exported(value: Any) -> int:
+    """How many ``Exported`` there are in ``value`` (lists, tuples and dicts in it)."""
+    if isinstance(value, Exported):
+        return 1
+    if isinstance(value, list | tuple):
+        return sum(map(count_exported, value))
+    if isinstance(value, dict):
+        return sum(map(count_exported, value.values()))
+    return 0
+
+
+def opened_copies(value: Any, device: torch.device | str) -> Any:
+    """``value`` (a reply, with lists, tuples and dicts in it) with each ``Exported``
+    replaced by a copy on ``device`` of the memory it names: opened, copied device to
+    device, closed. The exporter must keep that memory until this returns."""
+    if isinstance(value, Exported):
+        opened = Opened(value, device)
+        try:
+            copy = opened.tensor.clone()
+            torch.cuda.current_stream(copy.device).synchronize()  # read before it unmaps
+            return copy
+        finally:
+            opened.close()
+    if isinstance(value, list | tuple):
+        return type(value)(opened_copies(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: opened_copies(v, device) for k, v in value.items()}
+    return value
 
 
 class _DeviceBuffer:
@@ -105,6 +153,10 @@ class Opened:
             raise ValueError(f"a CUDA IPC handle has 64 bytes, not {len(e.handle)}")
         if e.offset < 0 or e.nbytes < 0:
             raise ValueError(f"offset {e.offset} and size {e.nbytes} cannot be negative")
+        dtype = _dtype(e)
+        if e.offset % dtype.itemsize or e.nbytes != math.prod(e.shape) * dtype.itemsize:
+            raise ValueError(f"{e.nbytes} bytes at offset {e.offset} are not a {e.dtype} "
+                             f"tensor of shape {e.shape}")
         dev = torch.device(device)
         self._base = ctypes.c_uint64()
         with torch.cuda.device(dev):
@@ -122,7 +174,7 @@ class Opened:
                                  f"exported allocation's {size.value}")
             raw = torch.as_tensor(_DeviceBuffer(self._base.value + e.offset, e.nbytes),
                                   device=dev)
-        self.tensor = raw.view(getattr(torch, e.dtype)).view(e.shape)
+        self.tensor = raw.view(dtype).view(e.shape)
 
     def close(self) -> None:
         if self._base.value:

@@ -196,6 +196,7 @@ class UnreadableReply(RuntimeError):
 # list, tuple, dict, set): CPU tensors (``_rebuild_tensor``) and a few data types.
 _REPLY_GLOBALS = frozenset({
     (__name__, "_rebuild_tensor"),
+    ("kz_stream.verify._device_ipc", "Exported"),  # a worker's output by CUDA IPC handle
     ("builtins", "complex"), ("builtins", "slice"), ("builtins", "range"),
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
     ("collections", "OrderedDict"), ("torch", "Size"),
@@ -921,7 +922,8 @@ class Child:
                  isolate: bool = True, strong: bool = False, gated: bool = False,
                  start_timeout_s: float = 180.0, gpu: bool = False,
                  read_only: tuple[str, ...] = (), spill: bool = False,
-                 files: bool = False, oom_score_adj: int | None = None) -> None:
+                 files: bool = False, oom_score_adj: int | None = None,
+                 handles_on: str | None = None) -> None:
         """``strong`` asks for the jail (``_sandbox.isolation``), else a network namespace;
         ``gpu`` shows the jailed child the NVIDIA device nodes, ``read_only`` more paths.
         ``spill`` gives the child a folder for its replies' big buffers (``spill_folder``),
@@ -929,8 +931,12 @@ class Child:
         takes sealed memory files from the child without a folder (``recv``): a worker's
         big outputs, checked as any (``_check_sealed``), nothing named by path.
         ``oom_score_adj`` (up to 1000) makes the kernel's OOM killer take the child, and
-        what it starts, before the verifier when the host runs out of memory."""
+        what it starts, before the verifier when the host runs out of memory.
+        ``handles_on`` (a device): the child's replies may name device memory by CUDA IPC
+        handle (``_device_ipc.Exported``), which ``call`` copies onto that device."""
         self.private = tempfile.mkdtemp(prefix=f"kz-child-{_verifier_tag()}")
+        self.handles_on = handles_on
+        self.handles_copied = 0  # outputs this child's replies named by handle
         work = os.path.join(self.private, "work")
         os.mkdir(work)
         self.isolation = isolation(strong) if isolate else Isolation("none")
@@ -1032,6 +1038,18 @@ class Child:
             raise ChildDied(f"child is gone: {e}", self.stderr_tail(), self.proc.poll()) from e
         reply = self._recv(timeout_s)
         assert isinstance(reply, dict)
+        if self.handles_on is not None:
+            from kz_stream.verify._device_ipc import count_exported, opened_copies
+
+            try:
+                named = count_exported(reply)
+                reply = opened_copies(reply, self.handles_on)
+                self.handles_copied += named
+            except Exception as e:  # a handle that does not open, or names other bytes
+                return {"ok": False, "error": "output_handle", **(
+                    {"violations": reply["violations"]} if reply.get("violations") else {}),
+                    "message": f"an output's device handle could not be read: "
+                               f"{error_text(e)}"}
         return reply
 
     def _recv(self, timeout_s: float) -> Any:

@@ -294,10 +294,14 @@ class Lane:
         env = self._env(cfg.worker_memory_fraction)
         if not gpu and cfg.cpu_worker_memory_mb:
             env["KZ_WORKER_MEMORY_MB"] = str(cfg.cpu_worker_memory_mb)
+        handles = gpu and cfg.output_handles
+        if handles:
+            env["KZ_OUTPUT_HANDLES"] = "1"
         child = Child("kz_stream.verify._worker", [self.device], env=env,
                       isolate=True, strong=cfg.strong_isolation, gated=True, gpu=gpu,
                       read_only=self.worker_read_only, files=True,
-                      oom_score_adj=WORKER_OOM_SCORE_ADJ)
+                      oom_score_adj=WORKER_OOM_SCORE_ADJ,
+                      handles_on=f"cuda:{self.index}" if handles else None)
         task = asyncio.get_running_loop().create_task(self._start(child))
         task.add_done_callback(_retrieve)
         self.starting[child] = task

@@ -739,6 +739,8 @@ class Verifier:
                 await asyncio.to_thread(worker.kill)
             finally:  # also when cancelled in the kill: a room never given back is lost
                 stage.release_timing_room()  # its worker, and the timing sets, are gone
+        if worker.handles_on is not None:
+            details["outputs_by_handle"] = worker.handles_copied
         return self._stamp(ruling)
 
 

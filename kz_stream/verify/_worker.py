@@ -35,6 +35,7 @@ from kz_stream.verify._harness import (  # noqa: E402
     classify,
     overlaps,
     poison,
+    release_exported,
     triton,
 )
 from kz_stream.verify._inputs import to_device  # noqa: E402
@@ -208,6 +209,7 @@ def main() -> None:
                                                              "harness": time.monotonic() - t}}}
         send(conn, warm)
     for msg in requests(conn):
+        release_exported()  # the verifier copied the last reply's before asking again
         cmd = msg.get("cmd")
         handler = HANDLERS.get(str(cmd))
         reply: dict[str, Any]

@@ -9,7 +9,13 @@ import sys
 import pytest
 import torch
 
-from kz_stream.verify._device_ipc import Exported, Opened, export
+from kz_stream.verify._device_ipc import (
+    Exported,
+    Opened,
+    count_exported,
+    export,
+    opened_copies,
+)
 
 
 def test_only_a_contiguous_cuda_tensor_is_exported() -> None:
@@ -17,12 +23,40 @@ def test_only_a_contiguous_cuda_tensor_is_exported() -> None:
         export(torch.arange(4.0))
 
 
-@pytest.mark.parametrize(("handle", "offset", "message"), [
-    (b"x" * 63, 0, "64 bytes"), (b"x" * 64, -8, "cannot be negative")])
+@pytest.mark.parametrize(("export_", "message"), [
+    (Exported(b"x" * 63, 0, 16, "float32", (4,)), "64 bytes"),
+    (Exported(b"x" * 64, -8, 16, "float32", (4,)), "cannot be negative"),
+    (Exported(b"x" * 64, 0, 16, "load", (4,)), "not a torch dtype"),  # torch.load
+    (Exported(b"x" * 64, 0, 16, "float32", (4, -1)), "not a shape"),
+    (Exported(b"x" * 64, 0, 16, "float32", [4]), "not a shape"),  # type: ignore[arg-type]
+    (Exported(b"x" * 64, 0, 64, "float32", (4,)), "not a float32 tensor of shape"),
+    (Exported(b"x" * 64, 2, 16, "float32", (4,)), "not a float32 tensor of shape"),
+])
 def test_a_malformed_export_is_refused_before_the_device_is_touched(
-        handle: bytes, offset: int, message: str) -> None:
+        export_: Exported, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        Opened(Exported(handle, offset, 16, "float32", (4,)))
+        Opened(export_)
+
+
+def test_an_export_crosses_a_replys_unpickler_and_nothing_else_of_its_module() -> None:
+    import pickle
+
+    from kz_stream.verify import _device_ipc
+    from kz_stream.verify._ipc import UnreadableReply, _loads
+
+    e = Exported(bytes(range(64)), 256, 16, "float32", (2, 2))
+    reply = {"ok": True, "outputs": [[e, 3.0]]}
+    assert _loads(pickle.dumps(reply, protocol=5), trusted=False) == reply
+    assert count_exported(reply) == 1 and count_exported({"ok": True}) == 0
+    with pytest.raises(UnreadableReply, match=r"_device_ipc\.Opened"):
+        _loads(pickle.dumps(_device_ipc.Opened), trusted=False)
+
+
+def test_a_reply_without_exports_is_returned_as_it_is() -> None:
+    reply = {"ok": True, "outputs": [[torch.ones(2), 1], (2, "x")], "flags": []}
+    copied = opened_copies(reply, "cpu")
+    assert copied["outputs"][1] == (2, "x") and copied["outputs"][0][0] is (
+        reply["outputs"][0][0])
 
 
 EXPORTER = """

@@ -168,3 +168,20 @@ def test_compiled_baseline_failure_keeps_the_verdict() -> None:
     assert "no-such-mode" in r.details["compiled_baseline_error"]
     assert "speedup_vs_compile" not in r.details and "compile_speedup" not in r.details
     assert "compiled_reference_ms" not in r.details["timing"]
+
+
+def test_workers_hand_big_outputs_over_by_device_handle() -> None:
+    """With ``output_handles``, an outer product's 1.6 GB output goes from worker to
+    verifier device to device, and the verdict is the same."""
+    from tests.verify.test_verifier_cpu import OUTER, OUTER_TRITON
+
+    v = Verifier(VerifierConfig(output_handles=True))
+    try:
+        first = v.verify_sync(Problem(OUTER), Candidate(OUTER_TRITON, "triton"))
+    finally:
+        v.close_sync()
+    print(f"\nRESULT handles: {first.status.value} speedup={first.speedup} "
+          f"by handle={first.details.get('outputs_by_handle')} "
+          f"stage_s={first.details.get('stage_s')}")
+    assert first.status is Status.CORRECT, _show(first)
+    assert first.details["outputs_by_handle"] > 0
