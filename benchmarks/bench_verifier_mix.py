@@ -63,12 +63,13 @@ def mix(samples: int, full: bool, seed: int = 0) -> list[tuple[str, str, str]]:
 
 
 async def verify_mix(jobs: list[tuple[str, str, str]], time_limit: float,
-                     save: Any, oracles: int, slots: int | None = None) -> dict[str, Any]:
+                     save: Any, oracles: int, slots: int | None = None,
+                     output_handles: bool = False) -> dict[str, Any]:
     """Sends every candidate to one verifier at once; what it finishes in ``time_limit``."""
     from kz_stream.verify import Candidate, Problem, Verifier, VerifierConfig
 
     rows: list[dict[str, Any]] = []
-    config = VerifierConfig(oracles=oracles, **(
+    config = VerifierConfig(oracles=oracles, output_handles=output_handles, **(
         {} if slots is None else {"candidates_per_gpu": slots}))
     async with Verifier(config) as v:
         t0 = time.monotonic()
@@ -174,6 +175,9 @@ def main() -> None:
                     help="problems prepared at once (kz eval run's default on a GPU)")
     ap.add_argument("--slots", type=int, default=None,
                     help="candidates in their GPU stage at once (default: the verifier's)")
+    ap.add_argument("--output-handles", action="store_true",
+                    help="workers hand big device outputs over by CUDA IPC handle "
+                         "(VerifierConfig.output_handles)")
     ap.add_argument("--note", default="", help="appended to the result's notes")
     args = ap.parse_args()
     jobs = mix(args.samples, full=not args.small)
@@ -190,7 +194,8 @@ def main() -> None:
     gb = sum(input_bytes(FULL_SIZE_PROBLEMS[n], not args.small) for n in problems) / 2**30
     print(f"{len(problems)} problems ({gb:.1f} GB of inputs), {len(jobs)} candidates",
           flush=True)
-    ours = asyncio.run(verify_mix(jobs, args.time_limit, save, args.oracles, args.slots))
+    ours = asyncio.run(verify_mix(jobs, args.time_limit, save, args.oracles, args.slots,
+                                  args.output_handles))
     save({"verifier": {k: v for k, v in ours.items() if k != "rows"}})
     print(f"verifier: {ours['done']}/{ours['sent']} in {ours['wall_s']:.0f} s = "
           f"{ours['per_min']:.1f}/min; {ours['waits']}", flush=True)
@@ -221,6 +226,7 @@ def write(ours: dict[str, Any], plain: dict[str, Any], args: argparse.Namespace)
              f"verifier {args.time_limit:.0f} s, the plain loop "
              f"{args.plain_time_limit or args.time_limit:.0f} s; {args.oracles} oracles; "
              f"{args.slots or VerifierConfig().candidates_per_gpu} candidate slots; "
+             f"outputs {'by device handle' if args.output_handles else 'through the host'}; "
              f"verifier finished "
              f"{ours['done']} of {ours['sent']}, plain loop {plain['done']}; "
              f"verdicts {dict(statuses)}; {ours['waits']}")
