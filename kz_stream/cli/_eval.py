@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import TYPE_CHECKING, Annotated, Any, get_args
 
 import typer
 from rich.table import Table
@@ -14,6 +15,9 @@ from kz_stream.cli._output import _one_line_errors, _progress_bars, console, err
 from kz_stream.database_url import redact
 from kz_stream.llm import KVCache
 from kz_stream.verify import Backend
+
+if TYPE_CHECKING:
+    from kz_stream.evaluation import SuiteMetrics
 
 eval_app = typer.Typer(help="Evaluate a Coder policy on a KernelBench-format suite.")
 
@@ -169,7 +173,8 @@ def eval_report(
     console.print(f"wrote {', '.join(p.name for p in paths)} to {out}", highlight=False)
 
 
-def _print_report(title: str, doc: dict[str, Any], metrics: Any, throughput: str) -> None:
+def _print_report(title: str, doc: Mapping[str, Any], metrics: Mapping[str, SuiteMetrics],
+                  throughput: str) -> None:
     """The summary table, the statuses and the throughput of a report."""
     from kz_stream.evaluation import table_rows
 

@@ -72,6 +72,7 @@ class EvalReport:
     def as_dict(self) -> dict[str, Any]:
         """The JSON document ``report.json`` holds."""
         started = self.record.started
+        failed = {r.problem_id for r in self.results if r.compile_failed}
         versions = sorted({v.get("verifier_version") or "" for v in self.record.verdicts.values()})
         return {
             "run_id": started.run_id,
@@ -99,8 +100,7 @@ class EvalReport:
                     # With the above, what ``merge_reports`` rebuilds the problem from.
                     "kernelbench_rule": [self._details(pid, i).get("kernelbench_rule")
                                          for i in range(len(row))],
-                    "compile_failed": any(r.compile_failed for r in self.results
-                                          if r.problem_id == pid),
+                    "compile_failed": pid in failed,
                 }
                 for pid, row in self.grid.items()
             ],

@@ -103,34 +103,28 @@ def _dtype(e: Exported) -> torch.dtype:
     return dtype
 
 
-def count_exported(value: Any) -> int:
-    """How many ``Exported`` there are in ``value`` (lists, tuples and dicts in it)."""
-    if isinstance(value, Exported):
-        return 1
-    if isinstance(value, list | tuple):
-        return sum(map(count_exported, value))
-    if isinstance(value, dict):
-        return sum(map(count_exported, value.values()))
-    return 0
-
-
-def opened_copies(value: Any, device: torch.device | str) -> Any:
+def opened_copies(value: Any, device: torch.device | str) -> tuple[Any, int]:
     """``value`` (a reply, with lists, tuples and dicts in it) with each ``Exported``
-    replaced by a copy on ``device`` of the memory it names: opened, copied device to
-    device, closed. The exporter must keep that memory until this returns."""
+    replaced by a copy on ``device`` of the memory it names (opened, copied device to
+    device, closed), and how many there were. The exporter must keep that memory until
+    this returns."""
     if isinstance(value, Exported):
         opened = Opened(value, device)
         try:
             copy = opened.tensor.clone()
             torch.cuda.current_stream(copy.device).synchronize()  # read before it unmaps
-            return copy
+            return copy, 1
         finally:
             opened.close()
+    items: list[tuple[Any, int]]
     if isinstance(value, list | tuple):
-        return type(value)(opened_copies(v, device) for v in value)
+        items = [opened_copies(v, device) for v in value]
+        return type(value)(v for v, _ in items), sum(n for _, n in items)
     if isinstance(value, dict):
-        return {k: opened_copies(v, device) for k, v in value.items()}
-    return value
+        items = [opened_copies(v, device) for v in value.values()]
+        return ({k: v for k, (v, _) in zip(value, items, strict=True)},
+                sum(n for _, n in items))
+    return value, 0
 
 
 class _DeviceBuffer:

@@ -1039,17 +1039,25 @@ class Child:
         reply = self._recv(timeout_s)
         assert isinstance(reply, dict)
         if self.handles_on is not None:
-            from kz_stream.verify._device_ipc import count_exported, opened_copies
+            from kz_stream.verify._device_ipc import DeviceIpcError, opened_copies
 
             try:
-                named = count_exported(reply)
-                reply = opened_copies(reply, self.handles_on)
+                reply, named = opened_copies(reply, self.handles_on)
                 self.handles_copied += named
-            except Exception as e:  # a handle that does not open, or names other bytes
+            except DeviceIpcError as e:
+                if self.proc.poll() is not None:  # it died after replying: its own end
+                    raise ChildDied(f"child exited (code {self.proc.returncode}) before "
+                                    f"its outputs were copied: {e}", self.stderr_tail(),
+                                    self.proc.returncode) from e
+                # The driver would not open a live worker's handle: the verifier's failure.
                 return {"ok": False, "error": "output_handle", **(
                     {"violations": reply["violations"]} if reply.get("violations") else {}),
                     "message": f"an output's device handle could not be read: "
                                f"{error_text(e)}"}
+            except ValueError as e:  # an export no harness writes: a malformed reply
+                self.kill()
+                raise ChildDied(f"the child's reply is unreadable: {e}", self.stderr_tail(),
+                                self.proc.returncode) from e
         return reply
 
     def _recv(self, timeout_s: float) -> Any:

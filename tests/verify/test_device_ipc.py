@@ -12,7 +12,6 @@ import torch
 from kz_stream.verify._device_ipc import (
     Exported,
     Opened,
-    count_exported,
     export,
     opened_copies,
 )
@@ -47,14 +46,14 @@ def test_an_export_crosses_a_replys_unpickler_and_nothing_else_of_its_module() -
     e = Exported(bytes(range(64)), 256, 16, "float32", (2, 2))
     reply = {"ok": True, "outputs": [[e, 3.0]]}
     assert _loads(pickle.dumps(reply, protocol=5), trusted=False) == reply
-    assert count_exported(reply) == 1 and count_exported({"ok": True}) == 0
     with pytest.raises(UnreadableReply, match=r"_device_ipc\.Opened"):
         _loads(pickle.dumps(_device_ipc.Opened), trusted=False)
 
 
 def test_a_reply_without_exports_is_returned_as_it_is() -> None:
     reply = {"ok": True, "outputs": [[torch.ones(2), 1], (2, "x")], "flags": []}
-    copied = opened_copies(reply, "cpu")
+    copied, named = opened_copies(reply, "cpu")
+    assert named == 0 and copied["ok"] is True and copied["flags"] == []
     assert copied["outputs"][1] == (2, "x") and copied["outputs"][0][0] is (
         reply["outputs"][0][0])
 
@@ -89,3 +88,9 @@ def test_a_tensor_exported_by_another_process_opens_here_with_its_values() -> No
             Opened(Exported(e.handle, e.offset + (1 << 40), e.nbytes, e.dtype, e.shape))
     finally:
         child.communicate("", timeout=60)
+
+
+def test_an_export_deep_in_a_reply_is_checked_before_any_copy() -> None:
+    bad = Exported(b"x" * 64, 0, 16, "load", (4,))
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        opened_copies({"ok": True, "outputs": {3: [1.0, (bad,)]}}, "cpu")
