@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU slot of a KernelBench evaluation run in parts (docs/evaluation.md "An evaluation
+# in parts"): evaluates the problems of one level whose file names match GLOB, for at most
+# about T seconds, in the SQLite store STORE (resumed if it exists), then writes the part's
+# report (report.json, report.md, plots) and a gzipped copy of the store to $OUT:
+#
+#   benchmarks/gpu_eval_slot.sh LEVEL GLOB RUN_ID T STORE [kz eval run options...]
+#
+#   benchmarks/gpu_eval_slot.sh 1 '[1-4]*_*' eval-kb-warm-l1a 540 /tmp/kz-eval/l1a.sqlite3 \
+#     --policy kz_stream/data/warmstart/coder --samples 10 --max-new-tokens 1280 --seed 0 \
+#     --device cuda --batch-size 640 --concurrency 64 --kv-cache compiled
+#
+# A part cut short by T resumes from its store: carry $OUT/STORE.gz back (gunzip it to
+# STORE) and run the same line again. Level 1 in two parts: '[1-4]*_*' (1-4, 10-49, 100)
+# and '[5-9]*_*' (5-9, 50-99). Merge the parts' report.json files with kz eval merge.
+# KB (default .kb/KernelBench, git-ignored: the project ships none) is the checkout's
+# KernelBench folder. The run stops with SIGINT, which kz eval run takes as a cut.
+set -uo pipefail
+LEVEL=$1 GLOB=$2 RUN=$3 T=$4 STORE=$5
+shift 5
+KB=${KB:-.kb/KernelBench}
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kz-eval-out}
+mkdir -p "$OUT" "$(dirname "$STORE")"
+export KZ_DATABASE_URL="sqlite+aiosqlite:///$(realpath "$STORE")"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+start=$(date +%s)
+timeout -s INT "$T" python3 -m kz_stream.cli eval run "$KB/level${LEVEL}" --match "$GLOB" \
+  --run-id "$RUN" "$@" > "$OUT/$RUN.txt" 2>&1
+echo "eval rc=$? wall=$(( $(date +%s) - start ))"
+tail -n 3 "$OUT/$RUN.txt"
+python3 -m kz_stream.cli eval report "$RUN" --out "$OUT/$RUN" > "$OUT/$RUN.report.txt" 2>&1
+echo "report rc=$?"
+cat "$OUT/$RUN.report.txt"
+gzip -c "$STORE" > "$OUT/$(basename "$STORE").gz"
+ls -la "$OUT"
