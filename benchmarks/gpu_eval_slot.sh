@@ -22,6 +22,8 @@ KB=${KB:-.kb/KernelBench}
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kz-eval-out}
 mkdir -p "$OUT" "$(dirname "$STORE")"
+# The model converted from its GGUF once per host, kept while the host is.
+export KZ_CACHE_DIR=${KZ_CACHE_DIR:-/tmp/kz-cache}
 export KZ_DATABASE_URL="sqlite+aiosqlite:///$(realpath "$STORE")"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 start=$(date +%s)
