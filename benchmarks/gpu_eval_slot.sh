@@ -24,8 +24,9 @@ OUT=${OUT:-/tmp/kz-eval-out}
 mkdir -p "$OUT" "$(dirname "$STORE")"
 # The model converted from its GGUF once per host, kept while the host is.
 export KZ_CACHE_DIR=${KZ_CACHE_DIR:-/tmp/kz-cache}
+export COLUMNS=${COLUMNS:-200}  # the tables in the logs whole
 export KZ_DATABASE_URL="sqlite+aiosqlite:///$(realpath "$STORE")"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 start=$(date +%s)
 timeout -s INT "$T" python3 -m kz_stream.cli eval run "$KB/level${LEVEL}" --match "$GLOB" \
   --run-id "$RUN" "$@" > "$OUT/$RUN.txt" 2>&1
