@@ -58,6 +58,22 @@ def _symbol(name: str) -> Any:
     return getattr(lib, f"{name}_v2", None) or getattr(lib, name)
 
 
+def _make_current(index: int) -> None:
+    """Makes device ``index``'s primary context (the one torch uses) current on this
+    thread, for the driver calls that follow. Neither ``torch.cuda.device`` (no runtime
+    call when the device is the thread's default already) nor an allocation the caching
+    allocator serves makes it current: on an H100 (2026-12-07) a verifier thread's
+    ``cuIpcOpenMemHandle`` failed with "invalid device context" for that reason."""
+    cu = _cuda()
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), index))
+    _check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+    try:
+        _check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+    finally:  # torch holds the primary context; this call's reference goes
+        _check("cuDevicePrimaryCtxRelease", _symbol("cuDevicePrimaryCtxRelease")(dev))
+
+
 @dataclass(frozen=True)
 class Exported:
     """What the other process needs to open a tensor: the allocation's handle, the
@@ -154,7 +170,7 @@ class Opened:
         dev = torch.device(device)
         self._base = ctypes.c_uint64()
         with torch.cuda.device(dev):
-            torch.empty(1, device=dev)  # this thread's context current for the driver
+            _make_current(dev.index if dev.index is not None else torch.cuda.current_device())
             handle = _Handle.from_buffer_copy(e.handle)
             _check("cuIpcOpenMemHandle", _symbol("cuIpcOpenMemHandle")(
                 ctypes.byref(self._base), handle, ctypes.c_uint(1)))  # lazy peer access

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -86,6 +88,15 @@ def test_a_tensor_exported_by_another_process_opens_here_with_its_values() -> No
         opened.close()  # a second close is a no-op
         with pytest.raises(ValueError, match="past the exported allocation"):
             Opened(Exported(e.handle, e.offset + (1 << 40), e.nbytes, e.dtype, e.shape))
+        # From a thread that has made no CUDA call yet, as the verifier's worker threads
+        # (asyncio.to_thread) are: on an H100 the open failed there with "invalid device
+        # context" before the primary context was made current explicitly.
+        got: list[Any] = []
+        thread = threading.Thread(target=lambda: got.append(opened_copies([e], "cuda")))
+        thread.start()
+        thread.join(60)
+        (copy,), count = got[0]
+        assert count == 1 and torch.equal(copy, want)
     finally:
         child.communicate("", timeout=60)
 
