@@ -86,7 +86,7 @@ async def verify_mix(jobs: list[tuple[str, str, str]], time_limit: float,
                                                           "gpu_wait_s", "room_wait_s",
                                                           "retry_wait_s", "timing_s",
                                                           "prepare_phases", "room_bytes",
-                                                          "stage_s")}})
+                                                          "stage_s", "outputs_by_handle")}})
             print(f"  {name}: {d.status.value} {d.check or ''} {d.speedup} "
                   f"at {rows[-1]['done_s']} s", flush=True)
             save({"verifier_rows": rows})

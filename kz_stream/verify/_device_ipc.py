@@ -58,20 +58,28 @@ def _symbol(name: str) -> Any:
     return getattr(lib, f"{name}_v2", None) or getattr(lib, name)
 
 
+# Device index -> its primary context, retained once for the life of this process.
+_contexts: dict[int, ctypes.c_void_p] = {}
+
+
 def _make_current(index: int) -> None:
     """Makes device ``index``'s primary context (the one torch uses) current on this
-    thread, for the driver calls that follow. Neither ``torch.cuda.device`` (no runtime
-    call when the device is the thread's default already) nor an allocation the caching
-    allocator serves makes it current: on an H100 (2026-12-07) a verifier thread's
-    ``cuIpcOpenMemHandle`` failed with "invalid device context" for that reason."""
+    thread, for the driver calls that follow, creating it if no CUDA call has yet. On an
+    H100 (2026-12-07) ``cuIpcOpenMemHandle`` failed in a verifier thread with "invalid
+    device context": neither ``torch.cuda.device`` (no runtime call when the device is
+    the thread's default already) nor an allocation the caching allocator serves makes it
+    current. The context is retained and never released: released at once, a context
+    this call had created was destroyed ("context is destroyed", the next try)."""
     cu = _cuda()
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-    _check("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), index))
-    _check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-    try:
-        _check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
-    finally:  # torch holds the primary context; this call's reference goes
-        _check("cuDevicePrimaryCtxRelease", _symbol("cuDevicePrimaryCtxRelease")(dev))
+    ctx = _contexts.get(index)
+    if ctx is None:
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        _check("cuInit", cu.cuInit(0))  # a no-op once torch has used the device
+        _check("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), index))
+        _check("cuDevicePrimaryCtxRetain",
+               cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+        _contexts[index] = ctx
+    _check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
 
 
 @dataclass(frozen=True)
