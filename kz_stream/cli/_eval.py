@@ -120,17 +120,30 @@ def eval_run(
         f"evaluation {options.run_id}: {len(loaded.problems)} problems × {samples} samples",
         highlight=False,
     )
-    with _progress_bars(counts=True) as bars:
-        gen = bars.add_task("generated", total=None, detail="")
-        ver = bars.add_task("verified", total=None, detail="")
+    last = EvalProgress()
+    try:
+        with _progress_bars(counts=True) as bars:
+            gen = bars.add_task("generated", total=None, detail="")
+            ver = bars.add_task("verified", total=None, detail="")
 
-        def show(p: EvalProgress) -> None:
-            bars.update(gen, total=p.to_generate, completed=p.generated)
-            bars.update(ver, total=p.to_verify, completed=p.verified,
-                        detail=f"correct {p.correct}" + (f", {p.resumed} stored before"
-                                                         if p.resumed else ""))
+            def show(p: EvalProgress) -> None:
+                nonlocal last
+                last = p
+                bars.update(gen, total=p.to_generate, completed=p.generated)
+                bars.update(ver, total=p.to_verify, completed=p.verified,
+                            detail=f"correct {p.correct}" + (f", {p.resumed} stored before"
+                                                             if p.resumed else ""))
 
-        progress = _run(run_evaluation(settings, loaded, options, on_progress=show))
+            progress = _run(run_evaluation(settings, loaded, options, on_progress=show))
+    except KeyboardInterrupt:
+        # Ctrl-C, or a GPU slot's `timeout -s INT`: what is stored stays, and the same
+        # command with this run id goes on from there.
+        err_console.print(
+            f"evaluation {options.run_id} cut: {last.verified} of {last.to_verify} kernels "
+            f"verified now ({last.correct} correct), {last.resumed} before, all stored; "
+            f"resume with the same command and --run-id {options.run_id}",
+            highlight=False)
+        raise typer.Exit(130) from None
     console.print(
         f"evaluation {options.run_id}: {progress.verified} kernels verified now "
         f"({progress.correct} correct), {progress.resumed} before; "

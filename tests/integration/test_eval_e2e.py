@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -176,3 +178,50 @@ def test_eval_run_resume_and_report(tmp_path: Path) -> None:
     assert "| overall |" in (out / "report.md").read_text()
     for plot in ("pass_at_k.png", "speedups.png", "problems.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_interrupted_eval_run_says_how_far_it_got_and_how_to_resume(tmp_path: Path) -> None:
+    """Ctrl-C (or a GPU slot's ``timeout -s INT``) after the first kernel is stored: exit
+    130, one line with the counts and the run id to resume with, and what was stored kept
+    (the resume itself: ``test_eval_run_resume_and_report``)."""
+    suite_dir = write_suite(tmp_path / "KernelBench")
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    env = {"KZ_DATABASE_URL": url, "KZ_VERIFIER__PREWARM": "0", "COLUMNS": "200"}
+    run = "eval-cut"
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread().ident == main
+    done, sent = threading.Event(), threading.Event()
+
+    def interrupt_after_first_kernel() -> None:
+        # The store is the only outside view of the run's progress: poll it, then press
+        # Ctrl-C in the thread that runs the command.
+        while not done.wait(0.2):
+            try:
+                events = asyncio.run(stored(url))
+            except Exception:  # not created yet, or being written
+                continue
+            if any(r.event.type == "KernelGenerated" for r in events) and not done.is_set():
+                sent.set()
+                signal.pthread_kill(main, signal.SIGINT)
+                return
+
+    poller = threading.Thread(target=interrupt_after_first_kernel, daemon=True)
+    poller.start()
+    try:
+        cut = CliRunner().invoke(app, [
+            "eval", "run", str(suite_dir), "--run-id", run, "--samples", str(SAMPLES),
+            "--max-new-tokens", str(TOKENS), "--seed", "0", "--concurrency", "1",
+            # One problem's samples a generation call: two more calls after the first
+            # kernel is stored, time for the interrupt to land in the middle of the run.
+            "--batch-size", str(SAMPLES)], env=env)
+    finally:
+        done.set()
+        poller.join(30)
+    assert sent.is_set(), cut.output[-3000:]
+    assert cut.exit_code == 130, cut.output[-3000:]
+    assert f"evaluation {run} cut: " in cut.output, cut.output[-3000:]
+    assert f"--run-id {run}" in cut.output and "all stored" in cut.output
+    records = asyncio.run(stored(url))
+    kernels = [r for r in records if r.event.type == "KernelGenerated"]
+    verdicts = [r for r in records if r.event.type == "KernelVerified"]
+    assert kernels and len(verdicts) < len(PROBLEMS) * SAMPLES
