@@ -205,6 +205,9 @@ def test_an_interrupted_eval_run_says_how_far_it_got_and_how_to_resume(tmp_path:
                 signal.pthread_kill(main, signal.SIGINT)
                 return
 
+    # As in a shell's foreground: a command started in the background (``cmd &``, as CI
+    # may run the tests) inherits SIGINT ignored, and Ctrl-C could not reach it at all.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     poller = threading.Thread(target=interrupt_after_first_kernel, daemon=True)
     poller.start()
     try:
@@ -217,6 +220,7 @@ def test_an_interrupted_eval_run_says_how_far_it_got_and_how_to_resume(tmp_path:
     finally:
         done.set()
         poller.join(30)
+        signal.signal(signal.SIGINT, before)
     assert sent.is_set(), cut.output[-3000:]
     assert cut.exit_code == 130, cut.output[-3000:]
     assert f"evaluation {run} cut: " in cut.output, cut.output[-3000:]
