@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU slot of a KernelBench evaluation run in parts (docs/evaluation.md "An evaluation
-# in parts"): evaluates the problems of one level whose file names match GLOB, for at most
+# One GPU slot of a KernelBench evaluation run in parts (docs/evaluation.md, "kz eval
+# merge"): evaluates the problems of one level whose file names match GLOB, for at most
 # about T seconds, in the SQLite store STORE (resumed if it exists), then writes the part's
 # report (report.json, report.md, plots) and a gzipped copy of the store to $OUT:
 #
@@ -8,7 +8,7 @@
 #
 #   benchmarks/gpu_eval_slot.sh 1 '[1-4]*_*' eval-kb-warm-l1a 540 /tmp/kz-eval/l1a.sqlite3 \
 #     --policy kz_stream/data/warmstart/coder --samples 10 --max-new-tokens 1280 --seed 0 \
-#     --device cuda --batch-size 640 --concurrency 64 --kv-cache compiled
+#     --device cuda --batch-size 560 --concurrency 64 --kv-cache compiled
 #
 # A part cut short by T resumes from its store: carry $OUT/STORE.gz back (gunzip it to
 # STORE) and run the same line again. Level 1 in two parts: '[1-4]*_*' (1-4, 10-49, 100)
