@@ -310,6 +310,8 @@ class Stage:
             raise self.reject(Status.OUT_OF_MEMORY, f"{stage}: {message}", stage)
         if kind == "output_handle":  # the verifier's copy failed, not the candidate
             raise self.reject(Status.INFRA_ERROR, f"{stage}: {message}", "output_handle")
+        if kind == "output_copy_oom":  # retried with the device to itself
+            raise self.reject(Status.INFRA_ERROR, f"{stage}: {message}", "device_memory")
         if kind == "compile_error":
             raise self.reject(Status.COMPILE_ERROR, f"{stage}: {message}", "triton_compile")
         if kind == "forbidden":

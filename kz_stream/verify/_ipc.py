@@ -1039,6 +1039,8 @@ class Child:
         reply = self._recv(timeout_s)
         assert isinstance(reply, dict)
         if self.handles_on is not None:
+            import torch
+
             from kz_stream.verify._device_ipc import DeviceIpcError, opened_copies
 
             try:
@@ -1054,6 +1056,11 @@ class Child:
                     {"violations": reply["violations"]} if reply.get("violations") else {}),
                     "message": f"an output's device handle could not be read: "
                                f"{error_text(e)}"}
+            except torch.OutOfMemoryError as e:  # the verifier's copy found no room
+                return {"ok": False, "error": "output_copy_oom", **(
+                    {"violations": reply["violations"]} if reply.get("violations") else {}),
+                    "message": f"the device had no room for the verifier's copy of an "
+                               f"output: {error_text(e)}"}
             except ValueError as e:  # an export no harness writes: a malformed reply
                 self.kill()
                 raise ChildDied(f"the child's reply is unreadable: {e}", self.stderr_tail(),
