@@ -185,3 +185,26 @@ def test_workers_hand_big_outputs_over_by_device_handle() -> None:
           f"stage_s={first.details.get('stage_s')}")
     assert first.status is Status.CORRECT, _show(first)
     assert first.details["outputs_by_handle"] > 0
+
+
+def test_a_verifier_with_no_room_for_an_output_by_handle_says_it_is_its_own_failure() -> None:
+    """When the verifier's process cannot hold its copy of an output that came by handle
+    (here its own allocator is capped under the outer product's 1.6 GB), the verdict is
+    ``infra_error`` / ``device_memory`` (retried, then given up), never the candidate's."""
+    import torch
+
+    from tests.verify.test_verifier_cpu import OUTER, OUTER_TRITON
+
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((1 << 30) / total, 0)
+    v = Verifier(VerifierConfig(output_handles=True))
+    try:
+        r = v.verify_sync(Problem(OUTER), Candidate(OUTER_TRITON, "triton"))
+    finally:
+        v.close_sync()
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    print(f"\nRESULT handle copy without room: {r.status.value} {r.check}: "
+          f"{(r.reason or '')[:200]}")
+    assert (r.status, r.check) == (Status.INFRA_ERROR, "device_memory"), _show(r)
+    assert "verifier's copy" in (r.reason or ""), _show(r)
