@@ -6,13 +6,14 @@
 #
 #   benchmarks/gpu_eval_slot.sh LEVEL GLOB RUN_ID T STORE [kz eval run options...]
 #
-#   benchmarks/gpu_eval_slot.sh 1 '[1-4]*_*' eval-kb-warm-l1a 540 /tmp/kz-eval/l1a.sqlite3 \
+#   benchmarks/gpu_eval_slot.sh 1 '2?_*' eval-kb-warm-l1-2x 480 /tmp/kz-eval/l1-2x.sqlite3 \
 #     --policy kz_stream/data/warmstart/coder --samples 10 --max-new-tokens 1280 --seed 0 \
 #     --device cuda --batch-size 560 --concurrency 64 --kv-cache compiled
 #
 # A part cut short by T resumes from its store: carry $OUT/STORE.gz back (gunzip it to
-# STORE) and run the same line again. Level 1 in two parts: '[1-4]*_*' (1-4, 10-49, 100)
-# and '[5-9]*_*' (5-9, 50-99). Merge the parts' report.json files with kz eval merge.
+# STORE) and run the same line again on that host (a store holds KernelBench's sources: it
+# is not kept in the repository). Level 1 in ten parts of 9-12 problems: '[1-9]_*', '1?_*',
+# '2?_*' ... '9?_*' and '100_*'. Merge the parts' report.json files with kz eval merge.
 # KB (default .kb/KernelBench, git-ignored: the project ships none) is the checkout's
 # KernelBench folder. The run stops with SIGINT, which kz eval run takes as a cut.
 set -uo pipefail
