@@ -73,6 +73,13 @@ from kz_stream.verify._messages import ErrorReply, ReadyReply, Request, StartReq
 from kz_stream.verify._sandbox import Isolation, child_env, isolation, jail_command, kill_group
 
 
+def _copy_failed(reply: dict[str, Any], error: str, message: str) -> dict[str, Any]:
+    """The error reply for outputs the verifier could not copy (its failure, not the
+    candidate's), keeping the violations the worker reported."""
+    kept = {"violations": reply["violations"]} if reply.get("violations") else {}
+    return {"ok": False, "error": error, **kept, "message": message}
+
+
 class ChildTimeout(TimeoutError):
     """The child did not answer in time; it has been killed."""
 
@@ -1052,15 +1059,13 @@ class Child:
                                     f"its outputs were copied: {e}", self.stderr_tail(),
                                     self.proc.returncode) from e
                 # The driver would not open a live worker's handle: the verifier's failure.
-                return {"ok": False, "error": "output_handle", **(
-                    {"violations": reply["violations"]} if reply.get("violations") else {}),
-                    "message": f"an output's device handle could not be read: "
-                               f"{error_text(e)}"}
+                return _copy_failed(reply, "output_handle",
+                                    f"an output's device handle could not be read: "
+                                    f"{error_text(e)}")
             except torch.OutOfMemoryError as e:  # the verifier's copy found no room
-                return {"ok": False, "error": "output_copy_oom", **(
-                    {"violations": reply["violations"]} if reply.get("violations") else {}),
-                    "message": f"the device had no room for the verifier's copy of an "
-                               f"output: {error_text(e)}"}
+                return _copy_failed(reply, "output_copy_oom",
+                                    f"the device had no room for the verifier's copy of an "
+                                    f"output: {error_text(e)}")
             except ValueError as e:  # an export no harness writes: a malformed reply
                 self.kill()
                 raise ChildDied(f"the child's reply is unreadable: {e}", self.stderr_tail(),
