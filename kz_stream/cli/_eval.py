@@ -200,6 +200,17 @@ def _print_report(title: str, doc: Mapping[str, Any], metrics: Mapping[str, Suit
     console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in doc["statuses"].items()),
                   highlight=False)
     console.print(throughput, highlight=False)
+    again = doc.get("verify_again", 0)
+    if again:
+        are = "verdict is" if again == 1 else "verdicts are"
+        console.print(f"[yellow]{again} {are} the verifier's own failure and not "
+                      "counted: run kz eval run again with the same --run-id to verify "
+                      "those kernels again[/]")
+    versions = doc["verifier_versions"]
+    if len(versions) > 1:
+        console.print(f"[yellow]verdicts of {len(versions)} verifier versions "
+                      f"({', '.join(versions)}): one figure wants one version (kz rescore "
+                      "judges the older verdicts' kernels again)[/]")
 
 
 @eval_app.command("merge")

@@ -157,7 +157,7 @@ class SuiteMetrics:
     kernelbench_correct: int = 0  # samples KernelBench's rule accepts
     kernelbench_only: int = 0  # ... that the hardened verdict rejects
     pass_at: dict[int, float | None] = field(default_factory=dict)
-    fast: dict[float, float] = field(default_factory=dict)
+    fast: dict[float, float | None] = field(default_factory=dict)  # None: no problem
     geomean: float | None = None
     geomean_ci: tuple[float, float] | None = None
     # Against the reference under torch.compile (None: no compiled baseline in the run).
@@ -204,7 +204,7 @@ def summarize(
     for k in ks:
         values = [v for r in results if (v := pass_at_k(r.n, r.c, k)) is not None]
         pass_at[k] = sum(values) / len(values) if values else None
-    fast = {p: (sum(fast_p(r, p) for r in results) / len(results) if results else 0.0)
+    fast = {p: (sum(fast_p(r, p) for r in results) / len(results) if results else None)
             for p in ps}
     geo, ci = geomean_speedup(results, seed=seed)
     with_compile = [r for r in results if not r.compile_failed] if compile_baseline else []

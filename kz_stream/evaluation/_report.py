@@ -21,7 +21,7 @@ from kz_stream.evaluation._metrics import (
     summarize,
     summarize_levels,
 )
-from kz_stream.evaluation._run import EvalRecord, kernel_id_of
+from kz_stream.evaluation._run import RETRIED_STATUS, EvalRecord, kernel_id_of
 from kz_stream.evaluation._throughput import Throughput, throughput
 
 __all__ = [
@@ -36,6 +36,10 @@ __all__ = [
     "write_plots",
     "write_report",
 ]
+
+# A grid cell that is not a verdict on its kernel: "pending" (none yet), or the
+# verifier's own failure, which a resumed run verifies again.
+_NOT_VERIFIED = frozenset({"pending", RETRIED_STATUS})
 
 # Grid colours per verdict status; "pending" is a pair without a verdict yet.
 STATUS_COLOURS = {
@@ -67,7 +71,7 @@ class EvalReport:
 
     @property
     def verified(self) -> int:
-        return sum(s != "pending" for row in self.grid.values() for s in row)
+        return _verified(self.grid)
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON document ``report.json`` holds."""
@@ -85,6 +89,7 @@ class EvalReport:
             "verified": self.verified,
             "expected": self.expected,
             "complete": self.verified == self.expected,
+            "verify_again": _verify_again(self.grid),
             "verifier_versions": versions,
             "statuses": self.statuses,
             "throughput": self.throughput.as_dict(),
@@ -117,6 +122,16 @@ class EvalReport:
         return _number(self._details(problem_id, sample).get("speedup_vs_compile"))
 
 
+def _verified(grid: Mapping[str, list[str]]) -> int:
+    """The samples of ``grid`` that have a verdict on their kernel."""
+    return sum(s not in _NOT_VERIFIED for row in grid.values() for s in row)
+
+
+def _verify_again(grid: Mapping[str, list[str]]) -> int:
+    """The samples of ``grid`` whose verdict is the verifier's own failure."""
+    return sum(s == RETRIED_STATUS for row in grid.values() for s in row)
+
+
 def _number(value: Any) -> float | None:
     return float(value) if value is not None else None
 
@@ -132,7 +147,7 @@ def build_report(record: EvalRecord, *, seed: int = 0) -> EvalReport:
             for i in range(started.samples)
         ]
         grid[p.problem_id] = [str(v["status"]) if v else "pending" for v in verdicts]
-        done = [v for v in verdicts if v]
+        done = [v for v in verdicts if v and v["status"] not in _NOT_VERIFIED]
         if done:
             details = [v.get("details") or {} for v in done]
             vs_compile = tuple(_number(d.get("speedup_vs_compile")) for d in details)
@@ -172,7 +187,7 @@ class MergedReport:
 
 def _result_of(row: Mapping[str, Any]) -> ProblemResult | None:
     """A report row's problem as ``build_report`` made it (None: no verdict yet)."""
-    done = [i for i, s in enumerate(row["statuses"]) if s != "pending"]
+    done = [i for i, s in enumerate(row["statuses"]) if s not in _NOT_VERIFIED]
     if not done:
         return None
     return ProblemResult(
@@ -225,7 +240,7 @@ def merge_reports(parts: Sequence[Mapping[str, Any]], *, seed: int = 0) -> Merge
                              minutes["active"] * 60, minutes["generation"] * 60,
                              minutes["preparation"] * 60, minutes["verification"] * 60,
                              minutes["host_wait"] * 60)
-    verified = sum(s != "pending" for row in grid.values() for s in row)
+    verified = _verified(grid)
     expected = len(grid) * int(first["samples_per_problem"])
     doc = {
         "run_id": " + ".join(str(p["run_id"]) for p in parts),
@@ -235,6 +250,7 @@ def merge_reports(parts: Sequence[Mapping[str, Any]], *, seed: int = 0) -> Merge
         "verified": verified,
         "expected": expected,
         "complete": verified == expected,
+        "verify_again": _verify_again(grid),
         "verifier_versions": sorted({v for p in parts for v in p["verifier_versions"]}),
         "statuses": dict(sorted(Counter(s for row in grid.values() for s in row).items())),
         "throughput": throughput_.as_dict(),

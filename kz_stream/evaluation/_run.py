@@ -46,6 +46,7 @@ from kz_stream.events import (
     ModuleProposed,
     ModuleValidation,
     PolicyVersionPublished,
+    VerdictStatus,
     new_event,
     payload_as,
     source_sha256,
@@ -125,6 +126,11 @@ class EvalProgress:
     verified: int = 0
     correct: int = 0
     resumed: int = 0  # pairs whose verdicts were already stored
+
+
+# A verdict that says nothing of the kernel (the verifier's own failure): a resumed run
+# verifies it again, and a report counts it as not yet verified.
+RETRIED_STATUS = VerdictStatus.INFRA_ERROR.value
 
 
 @dataclass
@@ -337,7 +343,7 @@ async def run_evaluation(
         for p in wanted.problems:
             for i in range(options.samples):
                 kid = kernel_id_of(options.run_id, p.problem_id, i)
-                if kid in record.verdicts and record.verdicts[kid]["status"] == "infra_error":
+                if kid in record.verdicts and record.verdicts[kid]["status"] == RETRIED_STATUS:
                     unverified.append(kid)  # the verifier's failure, not the kernel's: again
                 elif kid in record.verdicts:
                     progress.resumed += 1

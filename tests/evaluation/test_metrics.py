@@ -81,7 +81,9 @@ def test_summaries_per_level_and_overall() -> None:
     assert overall.timed == 3
     d = overall.as_dict()
     assert d["pass@1"] == overall.pass_at[1] and d["fast_1.5"] == overall.fast[1.5]
-    assert summarize([]).problems == 0
+    empty = summarize([])  # no problem judged yet: nothing is estimated, nothing is 0
+    assert empty.problems == 0 and set(empty.fast.values()) == {None}
+    assert empty.pass_at[1] is None and empty.geomean is None
 
 
 def test_kernelbench_rule_counts_beside_the_hardened_verdict() -> None:

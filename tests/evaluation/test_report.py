@@ -223,6 +223,36 @@ def test_plots_of_a_whole_suite_draw_without_warnings(tmp_path: Path) -> None:
     assert all(p.stat().st_size for p in paths)
 
 
+def test_the_verifiers_own_failures_are_not_counted_until_verified_again(
+        store_url: str, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kz_stream.cli import app
+
+    record = load(store_url)
+    # A's incorrect sample was the verifier's failure instead: it says nothing of the kernel.
+    kid = kernel_id_of(RUN, "level1/1_A", 1)
+    record.verdicts[kid] = {**record.verdicts[kid], "status": "infra_error"}
+    report = build_report(record)
+    assert report.grid["level1/1_A"] == ["correct", "infra_error", "correct"]
+    assert report.verified == 7 and report.expected == 9
+    a = next(r for r in report.results if r.problem_id == "level1/1_A")
+    assert a.correct == (True, True)  # 2 of 2 judged, not 2 of 3
+    assert report.metrics["level 1"].pass_at[1] == pytest.approx((1 + 0) / 2)
+    doc = report.as_dict()
+    assert not doc["complete"] and doc["verify_again"] == 1
+    # A merge of the parts reads the report rows the same way.
+    merged = merge_reports([_part(doc, "eval-l1", 1), _part(doc, "eval-l2", 2)])
+    assert (merged.doc["verified"], merged.doc["verify_again"]) == (7, 1)
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    result = CliRunner().invoke(app, ["eval", "merge", str(tmp_path / "r.json"),
+                                      "--out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert ("1 verdict is the verifier's own failure and not counted: run kz eval run "
+            "again with the same --run-id") in " ".join(result.output.split())
+    assert merged.metrics["level 1"].as_dict() == report.metrics["level 1"].as_dict()
+
+
 def _part(whole: dict[str, object], run_id: str, level: int) -> dict[str, Any]:
     """The report.json of a run over one level of ``whole``'s problems, read back."""
     doc: dict[str, Any] = json.loads(json.dumps(whole))
@@ -273,6 +303,15 @@ def test_kz_eval_merge_prints_the_table_and_writes_the_report(store_url: str,
                                       "--out", str(tmp_path / "m")])
     assert result.exit_code == 0, result.output
     assert "evaluation of 2 parts (8/9 kernels verified)" in " ".join(result.output.split())
+    assert "verifier versions" not in result.output
+    # A part judged by another verifier version: merged, and said.
+    two = json.loads(files[1].read_text())
+    files[1].write_text(json.dumps({**two, "verifier_versions": ["kzv-newer"]}))
+    result = CliRunner().invoke(app, ["eval", "merge", *map(str, files),
+                                      "--out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert "verdicts of 2 verifier versions (kzv-newer, kzv-test)" in " ".join(
+        result.output.split())
     assert (tmp_path / "m" / "report.md").exists()
     # Two parts that share a problem: one red line, exit 1.
     result = CliRunner().invoke(app, ["eval", "merge", str(files[0]), str(files[0])])
