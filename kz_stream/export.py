@@ -153,6 +153,9 @@ class _Replay:
     # events never count; kernel id -> (module id, newest verdict status, speedup).
     rl_modules: dict[str, _RlModule] = field(default_factory=dict)
     rl_kernels: dict[str, tuple[str, str | None, float | None]] = field(default_factory=dict)
+    # Verdicts stored before their kernels (``RunState.early_verdicts``): (event,
+    # position, recorded at) per kernel id, applied when the kernel comes and is kept.
+    early: dict[str, list[tuple[Any, int, str]]] = field(default_factory=dict)
     position: int = 0
 
     def apply(self, event: Any, position: int, recorded_at: str) -> None:
@@ -166,11 +169,15 @@ class _Replay:
                         p["validation"]["valid"], sorted(p["api_set"]), p["source"])
             return
         if event.type == "KernelGenerated":
+            early = self.early.pop(p["kernel_id"], [])
             if self.flt.keeps_kernel(event.correlation_id, event.occurred_at):
                 self._kernel(event, p, position)
+                for verdict in early:
+                    self.apply(*verdict)
             return
         kernel = self.kernels.get(p["kernel_id"])
         if kernel is None:
+            self.early.setdefault(p["kernel_id"], []).append((event, position, recorded_at))
             return
         texts, kernel.texts = kernel.texts, None  # any verdict ends the wait for the first
         if not self.flt.keeps_version(p):

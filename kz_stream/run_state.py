@@ -153,6 +153,10 @@ class RunState:
     counts: dict[str, int] = field(default_factory=dict)
     # Events this process applied as it stored them (``apply_own``), not yet read back.
     applied_ahead: set[uuid.UUID] = field(default_factory=set)
+    # Verdicts stored before their kernels (the verifier appends a verdict as it judges; the
+    # recorder stores the kernel it judged on its own schedule, later while it lags or is
+    # down): each the newest of its kernel, attached when the kernel comes.
+    early_verdicts: dict[str, KernelVerified] = field(default_factory=dict)
     # When this process began to wait for verdicts (the learner's start): a group's
     # timeout runs from then at the earliest, since a resumed run's verifier has the last
     # session's unverified kernels to judge again.
@@ -188,6 +192,8 @@ class RunState:
             case KernelVerified() as v:
                 if (rec := self.kernels.get(v.kernel_id)) is not None:
                     rec.verdict = v  # the latest verdict wins (re-scoring)
+                else:
+                    self.early_verdicts[v.kernel_id] = v
             case TrainingStepCompleted() as s:
                 self._training_step(s)
             case PolicyVersionPublished() as pv:
@@ -216,7 +222,8 @@ class RunState:
         if k.kernel_id in self.kernels:
             return
         self.kernels[k.kernel_id] = KernelRecord(
-            k.kernel_id, k.module_id, k.group_id, k.policy_version, k, generated_at
+            k.kernel_id, k.module_id, k.group_id, k.policy_version, k, generated_at,
+            self.early_verdicts.pop(k.kernel_id, None),
         )
         g = self.groups.get(k.group_id)
         if g is None:

@@ -140,7 +140,8 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
 
 def more_events() -> list[Event]:
     """Beyond ``events()``: an invalid module, a module only an evaluation proposed, a kernel
-    of a module never proposed, undecided verdicts, and a late re-score."""
+    of a module never proposed, undecided verdicts, a verdict stored before its kernel
+    (k12: the recorder lagged behind the verifier) and a late re-score."""
     out = [new_event(ModuleProposed(module_id="m3", api_set=["torch.sum", "torch.relu"],
                                     source="src m3", validation=ModuleValidation(valid=False)),
                      stream_id="module-m3", stream_version=0, correlation_id="run-a"),
@@ -157,7 +158,7 @@ def more_events() -> list[Event]:
                             source=f"kernel {kid}", prompt=f"prompt {module}"),
             stream_id=f"kernel-{kid}", stream_version=0, correlation_id=run,
             occurred_at=T0 + timedelta(minutes=minute)))
-        out.append(new_event(
+        out.insert(len(out) - (kid == "k12"), new_event(
             KernelVerified(kernel_id=kid, module_id=module, group_id=f"g-{module}",
                            status=VerdictStatus(status), speedup=speedup, verifier_version="v1"),
             stream_id=f"kernel-{kid}", stream_version=1, correlation_id=run))
@@ -202,6 +203,23 @@ def test_a_multi_chunk_export_writes_what_a_one_chunk_export_writes(
 
     asyncio.run(go())
     assert not list(tmp_path.glob("*/*.partial"))
+
+
+def test_a_verdict_stored_before_its_kernel_is_exported(store_url: str) -> None:
+    history = more_events()
+    order = [(e.type, e.payload["kernel_id"]) for e in history if "kernel_id" in e.payload]
+    assert order.index(("KernelVerified", "k12")) < order.index(("KernelGenerated", "k12"))
+
+    async def go() -> None:
+        async with open_store(store_url) as store:
+            await store.append(events() + history)
+            rows, _ = await collect_rows(store, KernelFilter())
+            assert [(r["status"], r["source"]) for r in rows["verdicts"]
+                    if r["kernel_id"] == "k12"] == [("correct", "kernel k12")]
+            assert sorted((r["kernel_id"], r["backend"]) for r in rows["sft"]
+                          if r["module_id"] == "m2") == [("k12", "cuda"), ("k4", "triton")]
+
+    asyncio.run(go())
 
 
 def test_the_rl_set_is_the_learners_view_of_the_store(store_url: str) -> None:

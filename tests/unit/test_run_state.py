@@ -66,6 +66,20 @@ def test_a_group_is_ready_once_every_member_has_a_verdict() -> None:
     assert [g.group_id for g in state.ready_groups(now=1.0)] == ["g"]
 
 
+def test_a_verdict_stored_before_its_kernel_counts_when_the_kernel_comes() -> None:
+    # The verifier appends as it judges; the recorder, lagging or down, stores the kernel later.
+    state = state_of(
+        module("m", ["torch.relu"]),
+        verdict("k1", "m", "g", X),
+        verdict("k1", "m", "g", C, 1.5),  # a second verdict (re-scoring): the newest wins
+        kernel("k1", "m", "g", size=1),
+    )
+    k = state.kernels["k1"]
+    assert k.verdict is not None and k.verdict.status is C and k.decided
+    assert [g.group_id for g in state.ready_groups(now=1.0)] == ["g"]
+    assert state.early_verdicts == {}
+
+
 def test_a_group_missing_some_verdicts_is_ready_after_its_timeout() -> None:
     state = state_of(module("m", ["torch.relu"]), kernel("k1", "m", "g"), kernel("k2", "m", "g"),
                      verdict("k1", "m", "g", C, 1.0))
