@@ -44,6 +44,7 @@ from kz_stream.events import (
     payload_as,
     source_sha256,
 )
+from kz_stream.rescore import rescore_attempt
 from kz_stream.runtime import Service, ServiceContext, StoreOffsets
 from kz_stream.verify import VERIFIER_VERSION, Candidate, Problem, Verifier
 
@@ -275,13 +276,14 @@ class VerifierService(Service):
             self.log.info("kernel_verified", kernel_id=v.payload["kernel_id"], status=status)
 
     async def _rescore_one(self, event: Event) -> Event | None:
-        """The verdict of this version on a stored kernel event, or None when the store
-        holds it already."""
-        verdict_id = verdict_event_id(event.event_id)
+        """The verdict of this version on a stored kernel event, or None when it wants none
+        (``rescore_attempt``: the store holds a decided one, or none at all)."""
         stream = await self.wait_out(lambda: self.ctx.store.read_stream(event.stream_id))
         if not stream:
             raise InfrastructureError(f"rescore job: {event.stream_id} is not in the store")
-        if any(r.event.event_id == verdict_id for r in stream):
+        attempt = rescore_attempt([r.event.payload for r in stream
+                                   if r.event.type == "KernelVerified"])
+        if attempt is None:
             return None
         source = await self._module_source(payload_as(event, KernelGenerated))
         async with self._rescore_slots:
@@ -291,6 +293,7 @@ class VerifierService(Service):
                 return await verdict_event(
                     self.verifier, event, source, producer=self.ctx.producer_id,
                     stream_version=max(r.event.stream_version for r in stream) + 1,
+                    attempt=attempt,
                 )
             finally:
                 self.metrics.in_flight.dec()

@@ -35,6 +35,8 @@ from kz_stream.verify._types import source_sha256  # a kernel names its module's
 __all__ = [
     "EVALUATION_PREFIX",
     "EVENT_TYPES",
+    "RETRIED_STATUS",
+    "UNDECIDED_STATUSES",
     "UPCASTERS",
     "Completion",
     "EvaluationProblem",
@@ -62,6 +64,13 @@ __all__ = [
     "source_sha256",
 ]
 
+
+# Verdicts that say nothing of the kernel's worth (the check could not run here, or the
+# verifier itself failed): they earn no reward, and a figure leaves them out.
+UNDECIDED_STATUSES = frozenset({VerdictStatus.UNCHECKED, VerdictStatus.INFRA_ERROR})
+# The verifier's own failure: an evaluation's resume and ``kz rescore`` judge the kernel
+# again (a verdict with the next attempt number beside it).
+RETRIED_STATUS = VerdictStatus.INFRA_ERROR
 
 # The two roles that generate and train (kz_stream.rl.schedule re-exports it for the learner).
 Role = Literal["coder", "proposer"]

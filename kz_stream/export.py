@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kz_stream.database_url import redact as redact_url
-from kz_stream.events import VerdictStatus, current_payload, is_evaluation
+from kz_stream.events import UNDECIDED_STATUSES, current_payload, is_evaluation
 from kz_stream.run_state import ApiStats
 from kz_stream.store import EventStore
 
@@ -81,8 +81,6 @@ class KernelFilter:
         return not self.statuses or verdict["status"] in self.statuses
 
 
-# Verdicts that say nothing about the Coder's skill: ``run_state.KernelRecord.decided``.
-_UNDECIDED = frozenset({VerdictStatus.UNCHECKED.value, VerdictStatus.INFRA_ERROR.value})
 _TYPES = ("ModuleProposed", "KernelGenerated", "KernelVerified")
 # Rows per parquet row group and per batch of verdict rows held before writing.
 CHUNK_ROWS = 1000
@@ -319,7 +317,7 @@ def _rl_rows(r: _Replay) -> list[_Row]:
     apis: dict[str, ApiStats] = {}
     for module_id, status, speedup in r.rl_kernels.values():
         module = r.rl_modules.get(module_id)
-        if module is None or status is None or status in _UNDECIDED:
+        if module is None or status is None or status in UNDECIDED_STATUSES:
             continue
         correct = status == "correct"
         mine.setdefault(module_id, ApiStats()).add(correct, speedup, 1)

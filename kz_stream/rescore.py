@@ -2,14 +2,20 @@
 their old verdicts, and report the drift.
 
 The new verdicts are written by the verifier service's own function
-(``kz_stream.consumers.verifier.verdict_event``): their ids come from the kernel event and the
-verifier version, so a kernel already judged by this version is skipped, and a rescore
-cut short resumes by running it again. A new verdict takes the next version of its kernel's
-stream (as the replay found it; on the fleet, as the verifier reads it before judging).
-The drift compares each kernel's newest earlier verdict with the new one: verdicts that
-flipped between correct and not, grouped by the check that decided the new one, and the
-training steps (and the policy versions they published) whose rewards used a flipped
-kernel.
+(``kz_stream.consumers.verifier.verdict_event``): their ids come from the kernel event, the
+verifier version and the attempt, so a kernel already judged by this version is skipped
+(unless that verdict was the verifier's own failure, ``infra_error``: judged again, as an
+evaluation's resume does), and a rescore cut short resumes by running it again. A kernel
+with no verdict at all is left to its run's verifier, whose verdict would take the same
+stream version. A new verdict takes the next version of its kernel's stream (as the replay
+found it; on the fleet, as the verifier reads it before judging).
+The drift compares, for every kernel of the plan with a decided verdict of this version
+(judged by this run or an earlier one: a run cut short, or one whose verdicts came late,
+reports the whole drift when run again), its newest earlier decided verdict of another
+version with it: verdicts that flipped between correct and not, grouped by the check that
+decided the new one, and the training steps (and the policy versions they published)
+whose rewards used a flipped kernel. Undecided verdicts (``unchecked``, ``infra_error``)
+earned no reward and decide nothing: they are counted apart.
 
 Two ways to judge: ``rescore`` verifies in this process; ``rescore_on_fleet`` publishes one
 job per kernel on the rescore topic (the stored kernel event, with the verifier version in
@@ -23,12 +29,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kz_stream.bus import Bus
-from kz_stream.events import Event, TrainingStepCompleted, payload_as
+from kz_stream.events import (
+    RETRIED_STATUS,
+    UNDECIDED_STATUSES,
+    Event,
+    TrainingStepCompleted,
+    payload_as,
+)
 from kz_stream.export import KernelFilter
 from kz_stream.runtime import first_error
 from kz_stream.store import EventStore
@@ -42,8 +54,23 @@ __all__ = [
     "plan_rescore",
     "publish_jobs",
     "rescore",
+    "rescore_attempt",
     "rescore_on_fleet",
 ]
+
+
+def rescore_attempt(verdicts: Sequence[Mapping[str, Any]],
+                    version: str = VERIFIER_VERSION) -> int | None:
+    """The attempt number of a new verdict of ``version`` on a kernel with ``verdicts`` (its
+    verdict payloads, in store order), or None when it wants none: it has no verdict yet
+    (its run's verifier gives the first), or its newest verdict of ``version`` is not the
+    verifier's own failure."""
+    if not verdicts:
+        return None
+    mine = [v for v in verdicts if v.get("verifier_version") == version]
+    if mine and mine[-1]["status"] != RETRIED_STATUS:
+        return None
+    return len(mine)
 
 
 @dataclass
@@ -69,12 +96,17 @@ class RescorePlan:
         )
 
     def todo(self, version: str = VERIFIER_VERSION) -> list[str]:
-        """Kernels without a verdict of ``version`` whose module is in the store."""
+        """Kernels whose module is in the store that want a verdict of ``version``
+        (``rescore_attempt``)."""
         return [
             kid for kid, e in self.kernels.items()
             if e.payload["module_id"] in self.modules
-            and all(v.get("verifier_version") != version for v in self.verdicts.get(kid, []))
+            and rescore_attempt(self.verdicts.get(kid, []), version) is not None
         ]
+
+    def unjudged(self) -> list[str]:
+        """Kernels of the plan with no verdict at all (left to their run's verifier)."""
+        return [kid for kid in self.kernels if not self.verdicts.get(kid)]
 
 
 async def plan_rescore(store: EventStore, flt: KernelFilter) -> RescorePlan:
@@ -109,34 +141,49 @@ async def plan_rescore(store: EventStore, flt: KernelFilter) -> RescorePlan:
 class Drift:
     """How the new verdicts differ from the ones before them."""
 
-    rescored: int = 0
-    compared: int = 0  # rescored kernels that had an earlier verdict
+    rescored: int = 0  # verdicts this run wrote (or, on the fleet, saw come)
+    judged: int = 0  # kernels of the plan with a verdict of this version, earlier ones too
+    compared: int = 0  # ... decided, with an earlier decided verdict of another version
+    undecided: int = 0  # ... whose verdict of this version is unchecked or infra_error
     flips: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # old, new, check
     flipped_kernels: list[str] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)  # training steps that used them
     missing: list[str] = field(default_factory=list)  # kernels whose new verdict did not come
+    unjudged: int = 0  # kernels of the plan with no verdict at all (not rescored)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "verifier_version": VERIFIER_VERSION,
             "rescored": self.rescored,
+            "judged": self.judged,
             "compared": self.compared,
+            "undecided": self.undecided,
             "flipped": len(self.flipped_kernels),
             "flips": [{"from": a, "to": b, "check": c, "kernels": n}
                       for (a, b, c), n in self.flips.most_common()],
             "flipped_kernels": self.flipped_kernels,
             "training_steps": self.steps,
             "missing": self.missing,
+            "unjudged": self.unjudged,
         }
 
 
 def drift(plan: RescorePlan, new: dict[str, dict[str, Any]]) -> Drift:
-    """Compares the new verdicts (kernel id -> payload) with each kernel's newest earlier
-    verdict of another version."""
-    d = Drift(rescored=len(new))
-    for kid, v in sorted(new.items()):
+    """Compares each kernel's newest verdict of this version (``new``, kernel id -> payload,
+    those this run got; else the stored one) with its newest earlier decided verdict of
+    another version."""
+    current = {kid: mine[-1] for kid in plan.kernels
+               if (mine := [v for v in plan.verdicts.get(kid, [])
+                            if v.get("verifier_version") == VERIFIER_VERSION])}
+    current.update(new)
+    d = Drift(rescored=len(new), judged=len(current), unjudged=len(plan.unjudged()))
+    for kid, v in sorted(current.items()):
+        if v["status"] in UNDECIDED_STATUSES:
+            d.undecided += 1
+            continue
         before = [o for o in plan.verdicts.get(kid, [])
-                  if o.get("verifier_version") != v.get("verifier_version")]
+                  if o.get("verifier_version") != v.get("verifier_version")
+                  and o["status"] not in UNDECIDED_STATUSES]
         if not before:
             continue
         d.compared += 1
@@ -175,7 +222,8 @@ async def rescore(
         async with gate:
             verdict = await verdict_event(verifier, kernel,
                                           plan.modules[kernel.payload["module_id"]],
-                                          producer=producer, stream_version=plan.next_version(kid))
+                                          producer=producer, stream_version=plan.next_version(kid),
+                                          attempt=rescore_attempt(plan.verdicts[kid]) or 0)
         await store.append([verdict])
         new[kid] = verdict.payload
         if on_verdict is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kz_stream.events import (
     EVENT_TYPES,
+    UNDECIDED_STATUSES,
     Event,
     FrontierUpdated,
     KernelGenerated,
@@ -79,10 +80,6 @@ async def read_unfinished_work(store: EventStore, run_id: str) -> UnfinishedWork
     return work
 
 
-# Verdicts that say nothing about the Coder's skill (the check could not run here).
-_UNDECIDED = {VerdictStatus.UNCHECKED, VerdictStatus.INFRA_ERROR}
-
-
 @dataclass
 class ModuleRecord:
     module_id: str
@@ -104,7 +101,7 @@ class KernelRecord:
 
     @property
     def decided(self) -> bool:
-        return self.verdict is not None and self.verdict.status not in _UNDECIDED
+        return self.verdict is not None and self.verdict.status not in UNDECIDED_STATUSES
 
     @property
     def correct(self) -> bool:

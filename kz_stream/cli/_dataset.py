@@ -173,6 +173,14 @@ def rescore_cmd(
             steps.add_row(s["role"], str(s["step"]), str(s["policy_version"]),
                           str(len(s["flipped_kernels"])))
         console.print(steps)
+    if d.undecided:
+        console.print(f"{d.undecided} of the {d.judged} verdicts of {VERIFIER_VERSION} are "
+                      "undecided (unchecked, or the verifier's own failure): compared with "
+                      "nothing; an infra_error is judged again by the next kz rescore",
+                      highlight=False)
+    if d.unjudged:
+        console.print(f"{d.unjudged} kernels have no verdict yet: their run's verifier gives "
+                      "the first (a run resumed with kz run judges them)", highlight=False)
     if out is not None:
         out.write_text(json.dumps(d.as_dict(), indent=2) + "\n")
         console.print(f"drift written to {out}", highlight=False)

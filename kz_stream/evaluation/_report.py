@@ -21,8 +21,9 @@ from kz_stream.evaluation._metrics import (
     summarize,
     summarize_levels,
 )
-from kz_stream.evaluation._run import RETRIED_STATUS, EvalRecord, kernel_id_of
+from kz_stream.evaluation._run import EvalRecord, kernel_id_of
 from kz_stream.evaluation._throughput import Throughput, throughput
+from kz_stream.events import RETRIED_STATUS
 
 __all__ = [
     "EvalReport",
@@ -39,7 +40,7 @@ __all__ = [
 
 # A grid cell that is not a verdict on its kernel: "pending" (none yet), or the
 # verifier's own failure, which a resumed run verifies again.
-_NOT_VERIFIED = frozenset({"pending", RETRIED_STATUS})
+_NOT_VERIFIED = frozenset({"pending", RETRIED_STATUS.value})
 
 # Grid colours per verdict status; "pending" is a pair without a verdict yet.
 STATUS_COLOURS = {

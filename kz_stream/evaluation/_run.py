@@ -38,6 +38,7 @@ from kz_stream.evaluation._suite import Suite
 from kz_stream.evaluation._throughput import StageTimes
 from kz_stream.events import (
     EVALUATION_PREFIX,
+    RETRIED_STATUS,
     EvaluationProblem,
     EvaluationStarted,
     Event,
@@ -46,7 +47,6 @@ from kz_stream.events import (
     ModuleProposed,
     ModuleValidation,
     PolicyVersionPublished,
-    VerdictStatus,
     new_event,
     payload_as,
     source_sha256,
@@ -126,11 +126,6 @@ class EvalProgress:
     verified: int = 0
     correct: int = 0
     resumed: int = 0  # pairs whose verdicts were already stored
-
-
-# A verdict that says nothing of the kernel (the verifier's own failure): a resumed run
-# verifies it again, and a report counts it as not yet verified.
-RETRIED_STATUS = VerdictStatus.INFRA_ERROR.value
 
 
 @dataclass

@@ -307,3 +307,76 @@ def test_fleet_needs_a_broker(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["rescore", "--fleet"], env=env)
     assert result.exit_code == 1
     assert "the embedded bus (memory://) lives inside one process" in result.stderr
+
+
+def varied_history() -> list[Event]:
+    """Kernels of a broken source (the current verifier fails it at the syntax check) with
+    verdict histories that the drift must read right."""
+    histories: dict[str, list[tuple[str, str]]] = {
+        # judged correct, then this version's verifier failed itself: judged again
+        "retried": [("correct", "kzv-0.9"), ("infra_error", VERIFIER_VERSION)],
+        # correct, then unchecked on a host that could not run it: the flip is from correct
+        "unchecked-before": [("correct", "kzv-0.8"), ("unchecked", "kzv-0.9")],
+        "unjudged": [],  # no verdict yet: its run's verifier gives the first
+    }
+    events = history({})[:1]  # the module
+    for kid, verdicts in histories.items():
+        events.append(new_event(
+            KernelGenerated(kernel_id=kid, module_id="m", group_id="g", backend="triton",
+                            source="class ModelNew(:\n", policy_version=1),
+            stream_id=f"kernel-{kid}", stream_version=0, correlation_id="run-0"))
+        for i, (status, version) in enumerate(verdicts, start=1):
+            events.append(new_event(
+                KernelVerified(kernel_id=kid, module_id="m", group_id="g",
+                               status=VerdictStatus(status), verifier_version=version),
+                event_id=uuid.uuid4(), stream_id=f"kernel-{kid}", stream_version=i,
+                correlation_id="run-0"))
+    return events
+
+
+async def test_rescore_judges_the_verifiers_own_failures_again_and_compares_decided_verdicts(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    await seed(url, varied_history())
+    async with open_store(url) as store:
+        plan = await plan_rescore(store, KernelFilter())
+        assert sorted(plan.todo()) == ["retried", "unchecked-before"]
+        assert plan.unjudged() == ["unjudged"]
+        verifier = CountingVerifier()
+        d = await rescore(store, verifier, plan, producer="test")
+        assert verifier.judged == 2
+        assert (d.rescored, d.judged, d.compared, d.undecided, d.unjudged) == (2, 2, 2, 0, 1)
+        assert {(a, b) for a, b, _ in d.flips} == {("correct", "compile_error")}
+        # Run again: nothing to judge, and the same drift from the stored verdicts.
+        plan = await plan_rescore(store, KernelFilter())
+        assert plan.todo() == []
+        again = await rescore(store, verifier, plan, producer="test")
+        assert verifier.judged == 2
+        assert again.as_dict() == {**d.as_dict(), "rescored": 0}
+    stored = await stored_verdicts(url)
+    assert [(v.verifier_version, v.status.value) for v in stored["retried"]] == [
+        ("kzv-0.9", "correct"), (VERIFIER_VERSION, "infra_error"),
+        (VERIFIER_VERSION, "compile_error")]
+    assert "unjudged" not in stored
+
+
+async def test_a_rescore_job_judges_a_verifier_failure_again_once(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    await seed(url, varied_history())
+    settings = Settings(database_url=url, bus_url=f"memory://{uuid.uuid4().hex}", verifier=CPU)
+    async with open_context(settings) as ctx:
+        async with CountingVerifier() as verifier:
+            service = VerifierService(ctx, verifier)
+            plan = await plan_rescore(ctx.store, KernelFilter())
+            jobs = [BusMessage(settings.topics.rescore, 0, i, None, b"",
+                               {RESCORE_VERSION_HEADER: VERIFIER_VERSION.encode()},
+                               plan.kernels[kid])
+                    for i, kid in enumerate(("retried", "unjudged"))]
+            await service.rescore_batch(jobs)
+            assert verifier.judged == 1  # the kernel with no verdict is the live verifier's
+            await service.rescore_batch(jobs)  # delivered again: its new verdict is decided
+            assert verifier.judged == 1
+    stored = await stored_verdicts(url)
+    assert [v.status.value for v in stored["retried"]] == [
+        "correct", "infra_error", "compile_error"]
