@@ -576,7 +576,9 @@ def _write_card(
         statuses=", ".join(sorted(flt.statuses)) or "all",
         versions=", ".join(sorted(flt.verifier_versions)) or "all",
         window=f"from {flt.since or 'the start'} until {flt.until or 'the export'}",
-        evaluation="included" if flt.include_evaluation or flt.runs else "left out",
+        evaluation=("included" if flt.include_evaluation and not flt.runs
+                    else "included where named" if any(map(is_evaluation, flt.runs))
+                    else "left out"),
         sections="\n\n".join(f"## {n} ({counts[n]} rows)\n\n{_ABOUT[n]}" for n in names),
     )
     (out / "README.md").write_text(card)

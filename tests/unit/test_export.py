@@ -120,6 +120,7 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
     assert verdicts.features["speedup"].dtype == "float64"  # typed though every value is None
     card = (out / "README.md").read_text()
     assert "config_name: sft" in card and "runs run-b" in card
+    assert "evaluation runs left out" in card  # run-b is a training run
     assert "generated from 2026-11-30 12:03:00+00:00" in card  # --since, read as UTC
     # The card's configs make the folder loadable by name.
     sft = load_dataset(str(out), "sft", split="train", cache_dir=str(tmp_path / "hf"))
