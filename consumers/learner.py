@@ -245,16 +245,15 @@ class LearnerService(Service):
             if g.group_id in self._expired:
                 continue  # for good; not worth building its samples again
             samples = []
-            for kid in g.kernel_ids:
-                k = self.state.kernels[kid]
-                if k.verdict is None:
-                    continue  # timed out without a verdict: not evidence either way
+            for k in g.decided_kernels(self.state.kernels):
+                assert k.verdict is not None
                 completion = k.generated.completion
                 prompt_ids = completion.prompt_token_ids if completion else None
                 samples.append(
                     Sample.from_kernel(k.generated, k.verdict, prompt_ids=prompt_ids or None)
                 )
-            out.append(Group(g.group_id, tuple(samples)))
+            if samples:  # else nothing to learn from yet: a later rescore may decide them
+                out.append(Group(g.group_id, tuple(samples)))
         return self._unexpired("coder", out)
 
     def proposer_step_groups(self) -> list[Group]:

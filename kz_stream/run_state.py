@@ -131,6 +131,13 @@ class GroupState:
         oldest = min((kernels[k].generated_at for k in self.kernel_ids), default=now)
         return now - max(oldest, waiting_since) > timeout_s
 
+    def decided_kernels(self, kernels: dict[str, KernelRecord]) -> list[KernelRecord]:
+        """The members whose verdicts say what the kernel is worth: the samples a Coder
+        step trains on. One without a verdict yet (timed out) or with an undecided one (the
+        check could not run here, or the verifier failed itself) is evidence neither way,
+        not a failure."""
+        return [kernels[k] for k in self.kernel_ids if kernels[k].decided]
+
 
 @dataclass
 class RunState:

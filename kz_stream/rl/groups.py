@@ -19,7 +19,13 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kz_stream.events import KernelGenerated, KernelVerified, ModuleProposed, VerdictStatus
+from kz_stream.events import (
+    UNDECIDED_STATUSES,
+    KernelGenerated,
+    KernelVerified,
+    ModuleProposed,
+    VerdictStatus,
+)
 from kz_stream.rl.rewards import filter_stale, proposer_reward, staleness_stats
 
 __all__ = [
@@ -97,7 +103,9 @@ class Sample:
             kernel_id=generated.kernel_id,
             module_id=generated.module_id,
             prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,
-            correct=verified.status == VerdictStatus.CORRECT,
+            # An undecided verdict is unscored (no reward either way), never a failure.
+            correct=(None if verified.status in UNDECIDED_STATUSES
+                     else verified.status == VerdictStatus.CORRECT),
             speedup=verified.speedup,
             speedup_ci=verified.speedup_ci,
         )
@@ -186,8 +194,10 @@ def proposer_step_groups(
     informative: list[Group] = []
     equal: list[Group] = []
     for g in ready:
+        # None: a valid module whose l̄ is unknown (all its verdicts undecided) is unscored,
+        # so it makes no difference to the advantages.
         rewards = {proposer_reward(bool(s.module_valid), s.mean_correctness, invalid_reward)
-                   for s in g.samples}
+                   for s in g.samples} - {None}
         (informative if len(rewards) > 1 else equal).append(g)
     if len(informative) >= n:
         return informative[:n]

@@ -71,6 +71,8 @@ def test_from_kernel_events() -> None:
     assert s.correct is True and s.speedup_ci == (1.2, 1.8)
     wrong = Sample.from_kernel(gen, ver.model_copy(update={"status": VerdictStatus.HACK}))
     assert wrong.correct is False
+    for undecided in (VerdictStatus.UNCHECKED, VerdictStatus.INFRA_ERROR):  # no reward
+        assert Sample.from_kernel(gen, ver.model_copy(update={"status": undecided})).correct is None
     with pytest.raises(ValueError, match="kernel_id"):
         Sample.from_kernel(gen, ver.model_copy(update={"kernel_id": "k2"}))
     bare = Sample.from_kernel(gen.model_copy(update={"completion": None}), ver)
@@ -150,7 +152,10 @@ def test_a_proposer_step_takes_groups_whose_rewards_differ_oldest_first() -> Non
     mixed = _proposals("mixed", (True, 0.0), INVALID)  # rewards 0 and -1
     equally_hard = _proposals("hard", (True, 0.0), (True, 1.0))  # rewards 0 and 0
     frontier = _proposals("frontier", (True, 0.5), (True, 0.0))  # rewards 1 and 0
-    ready = [all_invalid, mixed, equally_hard, frontier]
+    # A valid module whose Coder verdicts were all undecided is unscored: -1 and None are
+    # one reward, not two.
+    unscored = _proposals("unscored", (True, None), INVALID)
+    ready = [all_invalid, unscored, mixed, equally_hard, frontier]
     chosen = proposer_step_groups(ready, 2, invalid_reward=-1.0, waiting=True)
     assert [g.group_id for g in chosen] == ["mixed", "frontier"]
 

@@ -80,6 +80,24 @@ def test_a_verdict_stored_before_its_kernel_counts_when_the_kernel_comes() -> No
     assert state.early_verdicts == {}
 
 
+def test_a_coder_step_trains_on_decided_verdicts_only() -> None:
+    state = state_of(
+        module("m", ["torch.relu"]),
+        *(kernel(k, "m", "g", size=4) for k in ("k1", "k2", "k3", "k4")),
+        verdict("k1", "m", "g", C, 1.2),
+        verdict("k2", "m", "g", X),
+        verdict("k3", "m", "g", VerdictStatus.INFRA_ERROR),  # the verifier failed itself
+        verdict("k4", "m", "g", VerdictStatus.UNCHECKED),  # could not be checked here
+    )
+    [g] = state.ready_groups(now=1.0)
+    assert [k.kernel_id for k in g.decided_kernels(state.kernels)] == ["k1", "k2"]
+    only_undecided = state_of(
+        module("m", ["torch.relu"]), kernel("k1", "m", "g", size=1),
+        verdict("k1", "m", "g", VerdictStatus.INFRA_ERROR))
+    [g] = only_undecided.ready_groups(now=1.0)
+    assert g.decided_kernels(only_undecided.kernels) == []
+
+
 def test_a_group_missing_some_verdicts_is_ready_after_its_timeout() -> None:
     state = state_of(module("m", ["torch.relu"]), kernel("k1", "m", "g"), kernel("k2", "m", "g"),
                      verdict("k1", "m", "g", C, 1.0))
