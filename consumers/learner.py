@@ -73,7 +73,11 @@ class LearnerService(Service):
 
     async def run(self) -> None:
         await self._through_outages(self._replay)
-        self.steps_done = self.state.training_steps
+        # The schedule's place after this learner's roles' latest steps (turns of roles it
+        # does not train were skipped, unstored); the count of steps was wrong for a
+        # learner of one role, whose next step then met a stored stream version.
+        self.steps_done = max((self.state.last_step.get(r, 0) for r in self.config.roles),
+                              default=0)
         self.log.info(
             "learner_replayed",
             position=self.state.position,

@@ -154,6 +154,10 @@ class RunState:
     position: int = 0
     frontier_version: int = 0
     training_steps: int = 0
+    # Per role, the schedule's step of its latest training step (``TrainingStepCompleted.
+    # step``): where a learner resumes the schedule. Not the count: a learner of one role
+    # skips the other's turns without storing anything.
+    last_step: dict[str, int] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     # Events this process applied as it stored them (``apply_own``), not yet read back.
     applied_ahead: set[uuid.UUID] = field(default_factory=set)
@@ -238,6 +242,7 @@ class RunState:
 
     def _training_step(self, s: TrainingStepCompleted) -> None:
         self.training_steps += 1
+        self.last_step[s.role] = max(self.last_step.get(s.role, 0), s.step)
         for gid in s.group_ids:
             if gid in self.groups:
                 self.groups[gid].used = True

@@ -107,7 +107,8 @@ def read(url: str, type_: str) -> list[dict]:  # type: ignore[type-arg]
     return asyncio.run(go())
 
 
-def learner_env(tmp_path: Path, url: str, max_staleness: int) -> dict[str, str]:
+def learner_env(tmp_path: Path, url: str, max_staleness: int,
+                order: str = '["coder"]') -> dict[str, str]:
     model_dir = tmp_path / "tiny"
     tiny_model().save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
@@ -117,7 +118,7 @@ def learner_env(tmp_path: Path, url: str, max_staleness: int) -> dict[str, str]:
         "KZ_BUS_URL": "memory://",
         "KZ_LEARNER__MODEL": str(model_dir),
         "KZ_LEARNER__CHECKPOINT_DIR": str(tmp_path / "policies"),
-        "KZ_LEARNER__ORDER": '["coder"]',
+        "KZ_LEARNER__ORDER": order,
         "KZ_LEARNER__LEARNING_RATE": "0.01",
         "KZ_LEARNER__LORA_R": "4",
         "KZ_LEARNER__MAX_STALENESS": str(max_staleness),
@@ -163,7 +164,9 @@ def test_a_learner_killed_mid_run_resumes_without_losing_or_repeating_groups(
     # Half the groups first: the first learner cannot get through all of them before the
     # kill, however fast its steps are; the rest arrive while it is down.
     group_ids = fill_store(url, range(GROUPS // 2))
-    env = learner_env(tmp_path, url, max_staleness=GROUPS)  # all samples are v0: usable
+    # all samples are v0: usable. The Proposer's turn first: a Coder learner skips it
+    # (its steps are the schedule's GROUPS + 1 ...), and must find its place on restart.
+    env = learner_env(tmp_path, url, max_staleness=GROUPS, order='["proposer", "coder"]')
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     first = start_learner(env, first_log)
     try:
@@ -185,6 +188,7 @@ def test_a_learner_killed_mid_run_resumes_without_losing_or_repeating_groups(
     steps = read(url, "TrainingStepCompleted")
     used = [gid for s in steps for gid in s["group_ids"]]
     assert sorted(used) == sorted(group_ids)  # every group once: none lost, none repeated
+    assert [s["step"] for s in steps] == list(range(GROUPS + 1, 2 * GROUPS + 1))
     assert all(len(s["kernel_ids"]) == 2 for s in steps)
     # Each step says how long it trained and how long the learner had waited for it.
     assert all(s["train_seconds"] > 0 and s["waited_seconds"] >= 0 for s in steps)
