@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, Unpack
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -60,6 +60,10 @@ class StoreOffsets:
 
     async def load_offsets(self, group: str) -> dict[str, int]:
         return await self._store.get_tracking(group)
+
+    async def save_offsets(self, group: str, positions: Mapping[str, int]) -> None:
+        async with self._store.transaction() as tx:
+            await tx.set_tracking(group, positions)
 
 
 # One registry per process: services in one process share metric families and differ by

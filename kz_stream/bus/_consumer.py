@@ -337,6 +337,14 @@ class ConsumerCore(ABC):
                          self.group, partitions)
         return positions, from_start
 
+    async def _save_offsets(self, positions: Mapping[TP, int]) -> None:
+        """Writes ``positions`` to the subscription's offset store, if it has one."""
+        offsets = self._offsets
+        if offsets is None or not positions:
+            return
+        keyed = {f"{t}:{p}": pos for (t, p), pos in positions.items()}
+        await self._wait_out(lambda: offsets.save_offsets(self.group, keyed))
+
     async def _revoke_all(self) -> None:
         """Gives up every partition: drops batches not started, lets the running one
         finish and commit (cancelling it after ``revoke_timeout``)."""
@@ -430,11 +438,16 @@ class ConsumerCore(ABC):
             batch.merge(self._queue.popleft())
 
     async def _process(self, batch: Batch) -> None:
+        dead_before = self.stats.dead_lettered
         for msg, error in batch.rejects:
             await self._dead_letter(msg, error)
         if batch.messages:
             await self._apply(batch.messages)
         if batch.epoch == self._epoch:
+            if self.stats.dead_lettered != dead_before or not batch.messages:
+                # Records no handler wrote an offset for: the store must not stay behind
+                # the group's commit (see save_offsets).
+                await self._save_offsets(batch.positions)
             if await self._wait_out(lambda: self._commit(batch.positions)):
                 self._committed.update(batch.positions)
             self._done.update(batch.positions)

@@ -155,9 +155,9 @@ class _KafkaSubscription(ConsumerCore):
             # Only then can a partition be of a new log (see _start_positions). A committed
             # offset this member may have written as a member of no group (see _commit) is
             # no sign that the group has read this log.
+            group_offsets = await self._wait_out(lambda: self._group_offsets(list(assigned)))
             committed = {
-                tp: off for tp, off in (await self._group_offsets(list(assigned))).items()
-                if self._suspect.get(tp) != off
+                tp: off for tp, off in group_offsets.items() if self._suspect.get(tp) != off
             }
             for tp in tps:
                 self._suspect.pop(tp, None)
@@ -167,9 +167,13 @@ class _KafkaSubscription(ConsumerCore):
             if from_start:
                 # Asked for and sought explicitly: seek_to_beginning() would race aiokafka's
                 # own reset of a new assignment, which can land on the reset policy's end.
-                starts = await consumer.beginning_offsets([tps[tp] for tp in from_start])
+                starts = await self._wait_out(
+                    lambda: consumer.beginning_offsets([tps[tp] for tp in from_start]))
                 for tp_, pos in starts.items():
                     consumer.seek(tp_, pos)
+                # The store's positions were of another log: it holds the new log's now.
+                await self._save_offsets({(t.topic, t.partition): pos
+                                          for t, pos in starts.items()})
         self._settle(frozenset(tps))
         if assigned and log.isEnabledFor(logging.INFO):
             log.info("group %s: reading %s", self.group, self._partition_states())

@@ -158,6 +158,12 @@ class _MemorySubscription(ConsumerCore):
             return
         committed = self._group_state.committed
         seek, from_start = self._start_positions(partitions, committed, stored)
+        try:
+            # The store's positions were of another log: it holds the new log's now.
+            await self._save_offsets(dict.fromkeys(from_start, 0))
+        except Exception as e:
+            self._fail(e)
+            return
         positions: dict[TP, int] = {}
         for tp in partitions:
             if tp in from_start:

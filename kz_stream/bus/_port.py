@@ -101,6 +101,12 @@ class OffsetStore(Protocol):
 
     async def load_offsets(self, group: str) -> dict[str, int]: ...
 
+    async def save_offsets(self, group: str, positions: Mapping[str, int]) -> None:
+        """Writes positions no handler wrote: where a partition of a new log starts, and
+        past records that were dead-lettered or skipped (else the store keeps an older
+        position, of another log perhaps, which the next assignment would trust)."""
+        ...
+
 
 class SubscribeOptions(TypedDict, total=False):
     """How a subscription consumes (see ``Bus.subscribe``); defaults in brackets."""

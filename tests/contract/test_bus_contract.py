@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -289,6 +289,9 @@ class DictOffsets:
         self.loads += 1
         return dict(self.positions)
 
+    async def save_offsets(self, group: str, positions: Mapping[str, int]) -> None:
+        self.positions.update(positions)
+
 
 def recording(
     into: Collector, store: DictOffsets
@@ -369,6 +372,32 @@ async def test_offset_store_positions_in_a_log_the_group_has_no_offsets_of_read_
     assert bus.logs_outlive_the_process is (make_bus.kind == "kafka")  # type: ignore[attr-defined]
     expected = logging.WARNING if bus.logs_outlive_the_process else logging.INFO
     assert said and {r.levelno for r in said} == {expected}
+
+
+async def test_a_new_logs_dead_lettered_start_leaves_no_old_position_in_the_store(
+    make_bus: MakeBus,
+) -> None:
+    """The store held a position of another log; the new log's first record is dead-
+    lettered, so no handler writes an offset. The store must hold the new log's position,
+    or the next assignment, trusting it over the group's commit, skips records."""
+    bus = await make_bus()
+    topic, dlq, group = unique("newlog"), unique("dlq"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=1), TopicSpec(dlq, partitions=1)])
+    await bus.publish_raw(topic, b"not json", key=b"junk")  # offset 0
+    store, got = DictOffsets({f"{topic}:0": 5}), Collector()
+    sub = await bus.subscribe(group, [topic], recording(got, store), offsets=store,
+                              dead_letter_topic=dlq)
+    await wait_for(lambda: sub.stats.dead_lettered == 1, "the dead letter")
+    await sub.stop()
+    assert store.positions == {f"{topic}:0": 1}
+    events = [verdict(i, "kernel-0") for i in range(7)]  # offsets 1..7
+    await bus.publish_many(topic, events)
+    sub = await bus.subscribe(group, [topic], recording(got, store), offsets=store,
+                              dead_letter_topic=dlq)
+    await wait_for(lambda: len(got.messages) >= 7, "every event after the dead letter")
+    await sub.stop()
+    assert got.ids() == [e.event_id for e in events]
+    assert store.positions == {f"{topic}:0": 8}
 
 
 async def test_slow_handler_keeps_partitions_and_gets_each_event_once(

@@ -451,6 +451,15 @@ async def test_tracking_positions_commit_with_the_appended_events(store: SqlEven
     assert await store.get_tracking("someone-else") == {}
 
 
+async def test_a_buss_offset_store_keeps_the_positions_it_is_given(store: SqlEventStore) -> None:
+    from kz_stream.runtime import StoreOffsets
+
+    await store.append([verdict("a", 0)], tracking={"verifier": {"kz.kernels:0": 5, "x:1": 7}})
+    offsets = StoreOffsets(store)
+    await offsets.save_offsets("verifier", {"kz.kernels:0": 1})  # a new log's start
+    assert await offsets.load_offsets("verifier") == {"kz.kernels:0": 1, "x:1": 7}
+
+
 async def test_a_failing_transaction_writes_neither_events_nor_tracking(
     store: SqlEventStore,
 ) -> None:
