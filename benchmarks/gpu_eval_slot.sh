@@ -31,10 +31,20 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --f
 start=$(date +%s)
 timeout -s INT "$T" python3 -m kz_stream.cli eval run "$KB/level${LEVEL}" --match "$GLOB" \
   --run-id "$RUN" "$@" > "$OUT/$RUN.txt" 2>&1
-echo "eval rc=$? wall=$(( $(date +%s) - start ))"
+rc=$?
+echo "eval rc=$rc wall=$(( $(date +%s) - start ))"
 tail -n 3 "$OUT/$RUN.txt"
 python3 -m kz_stream.cli eval report "$RUN" --out "$OUT/$RUN" > "$OUT/$RUN.report.txt" 2>&1
-echo "report rc=$?"
+report_rc=$?
+echo "report rc=$report_rc"
 cat "$OUT/$RUN.report.txt"
-gzip -c "$STORE" > "$OUT/$(basename "$STORE").gz"
+# SQLite's online backup: the store whole, its write-ahead log included.
+python3 -c 'import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))' \
+  "$STORE" "$OUT/$(basename "$STORE")" && gzip -f "$OUT/$(basename "$STORE")"
+copy_rc=$?
 ls -la "$OUT"
+# A cut by T (timeout's 124; kz eval run's own 130 on SIGINT) is the plan, not a failure.
+case $rc in 124|130) rc=0 ;; esac
+[ "$rc" -ne 0 ] && exit "$rc"
+[ "$report_rc" -ne 0 ] && exit "$report_rc"
+exit "$copy_rc"

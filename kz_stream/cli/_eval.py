@@ -150,6 +150,14 @@ def eval_run(
         f"kz eval report {options.run_id}",
         highlight=False,
     )
+    if progress.not_generated:
+        for pid, error in progress.not_generated.items():
+            err_console.print(f"{pid}: no samples: {error}", highlight=False)
+        err_console.print(
+            f"{len(progress.not_generated)} problems got no samples (the policy's backend "
+            f"failed on them; the rest are done): resume with --run-id {options.run_id} to "
+            "try them again", highlight=False)
+        raise typer.Exit(1)
 
 
 @eval_app.command("report")

@@ -51,7 +51,7 @@ from kz_stream.events import (
     payload_as,
     source_sha256,
 )
-from kz_stream.llm import KVCache, LLMBackend, SamplingParams
+from kz_stream.llm import BackendError, KVCache, LLMBackend, SamplingParams
 from kz_stream.logging import configure_logging
 from kz_stream.modules import coder_messages, normalized_hash, prompt_text
 from kz_stream.producers.coder import kernel_event
@@ -126,6 +126,9 @@ class EvalProgress:
     verified: int = 0
     correct: int = 0
     resumed: int = 0  # pairs whose verdicts were already stored
+    # problem id -> why its samples could not be generated (the backend's error); nothing
+    # of it is stored, so a resume tries it again
+    not_generated: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -284,7 +287,10 @@ def _check_resumable(stored: EvaluationStarted, wanted: EvaluationStarted) -> No
                 f"run {wanted.run_id} exists with {name}={getattr(stored, name)!r}; "
                 f"resume it with the same options or choose another --run-id"
             )
-    if [p.module_id for p in stored.problems] != [p.module_id for p in wanted.problems]:
+    # Ids too: kernel ids derive from problem ids, and the same sources under other ids
+    # (another folder name, --level) would sample every problem again, unseen by reports.
+    if ([(p.problem_id, p.module_id) for p in stored.problems]
+            != [(p.problem_id, p.module_id) for p in wanted.problems]):
         raise ValueError(f"run {wanted.run_id} exists with other problems; choose another --run-id")
 
 
@@ -386,7 +392,15 @@ async def run_evaluation(
             return events
 
         async def generate_then_verify(pid: str, indices: list[int]) -> None:
-            events = await generate(pid, indices)
+            try:
+                events = await generate(pid, indices)
+            except BackendError as error:
+                # One problem the backend refuses (an endpoint's 400 for a prompt over the
+                # context, an out-of-memory batch) must not stop the others, nor every
+                # resume at the same problem.
+                progress.not_generated[pid] = str(error)
+                notify()
+                return
             async with asyncio.TaskGroup() as tg:
                 for e in events:
                     tg.create_task(verify(e, pid))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,4 +113,9 @@ def load_suite(
     if not problems:
         why = f" ({len(skipped)} files are not problems: {skipped[0][1]})" if skipped else ""
         raise ValueError(f"no KernelBench-format problems in {root}{why}")
+    # Kernel ids derive from problem ids: two problems of one id would share kernels.
+    twice = sorted(pid for pid, n in Counter(p.problem_id for p in problems).items() if n > 1)
+    if twice:
+        raise ValueError(f"{len(twice)} problem ids stand twice in {root} ({twice[0]}, ...): "
+                         "two folders of one level? name the one to evaluate")
     return Suite(root, tuple(problems), tuple(skipped))

@@ -70,6 +70,11 @@ def test_errors(tmp_path: Path) -> None:
         load_suite(tmp_path / "empty")
     assert problem_interface_error("def (:\n") is not None
     assert problem_interface_error(PROBLEM.format(scale=1)) is None
+    # Two folders of one level under a root: one id twice, which would share kernels.
+    for folder in ("level1", "old_level1"):
+        write(tmp_path / "twice" / folder, "1_A.py", PROBLEM.format(scale=1))
+    with pytest.raises(ValueError, match=r"1 problem ids stand twice .* \(level1/1_A, "):
+        load_suite(tmp_path / "twice")
 
 
 def test_generation_fills_a_local_models_batch() -> None:

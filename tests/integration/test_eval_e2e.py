@@ -229,3 +229,32 @@ def test_an_interrupted_eval_run_says_how_far_it_got_and_how_to_resume(tmp_path:
     kernels = [r for r in records if r.event.type == "KernelGenerated"]
     verdicts = [r for r in records if r.event.type == "KernelVerified"]
     assert kernels and len(verdicts) < len(PROBLEMS) * SAMPLES
+
+
+def test_problems_the_policys_backend_fails_on_are_named_and_left_to_a_resume(
+    tmp_path: Path,
+) -> None:
+    """An endpoint that refuses a problem (here: nothing listens) does not stop the run:
+    every problem is tried, none is stored half, and the command says what to resume.
+    A resume of the run on the same files under other problem ids is refused."""
+    import shutil
+
+    suite_dir = write_suite(tmp_path / "KernelBench")
+    url = f"sqlite+aiosqlite:///{tmp_path}/kz.sqlite3"
+    env = {"KZ_DATABASE_URL": url, "KZ_VERIFIER__PREWARM": "0", "COLUMNS": "200"}
+    cli = CliRunner()
+    args = ["--run-id", RUN, "--samples", str(SAMPLES), "--policy", "http://127.0.0.1:9/",
+            "--max-new-tokens", str(TOKENS)]
+    failed = cli.invoke(app, ["eval", "run", str(suite_dir), *args], env=env)
+    assert failed.exit_code == 1, failed.output[-3000:]
+    said = " ".join(failed.stderr.split())
+    for name in PROBLEMS:
+        assert f"level1/{name[:-3]}: no samples: /v1/" in said
+    assert "3 problems got no samples" in said and f"resume with --run-id {RUN}" in said
+    kinds = [r.event.type for r in asyncio.run(stored(url))]
+    assert "KernelGenerated" not in kinds and kinds.count("EvaluationStarted") == 1
+
+    renamed = tmp_path / "mine"  # no level in its name: the ids are 1_ReluScale, ...
+    shutil.copytree(suite_dir, renamed)
+    other = cli.invoke(app, ["eval", "run", str(renamed), *args], env=env)
+    assert other.exit_code != 0 and "exists with other problems" in other.output, other.output
