@@ -182,6 +182,8 @@ class CoderService(Service):
         # At a stop, give up the calls in flight instead of finishing them (their modules
         # come again at the next start): ``kz run`` does once its schedule is done.
         self.give_up_in_flight = False
+        # (module event id, backend) of groups published by a batch not yet done
+        self._published_groups: set[tuple[uuid.UUID, str]] = set()
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -212,12 +214,23 @@ class CoderService(Service):
         work = [(m.event, module) for m in batch
                 if m.event is not None and m.event.type == "ModuleProposed"
                 and (module := payload_as(m.event, ModuleProposed)).validation.valid]
+        pairs = {(event.event_id, b) for event, _ in work for b in self.config.backends}
         while work:
             await self.wait_for_verifier()
             n = self._modules_with_room(len(work))
             taken, work = work[:n], work[n:]
-            await asyncio.gather(*(self.generate_group(event, module, _backend(b))
-                                   for event, module in taken for b in self.config.backends))
+            # Every group of the call ends before a failure fails the batch (else the
+            # others went on unowned while the bus retried it), and a retry of the batch
+            # skips the groups already published: new ids would make them new groups.
+            results = await asyncio.gather(
+                *(self.generate_group(event, module, _backend(b))
+                  for event, module in taken for b in self.config.backends
+                  if (event.event_id, b) not in self._published_groups),
+                return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        self._published_groups -= pairs  # the batch is done: its retries are over
 
     def _modules_with_room(self, waiting: int) -> int:
         """How many of ``waiting`` modules the next call takes: those whose kernels keep
@@ -320,6 +333,7 @@ class CoderService(Service):
         await self.wait_out(
             lambda: self.ctx.bus.publish_many(self.ctx.settings.topics.kernels, events)
         )
+        self._published_groups.add((cause.event_id, backend))
         if self.config.max_unjudged is not None:
             # Counted now: the store holds them only once the recorder has them, and the
             # next call's check may come first.

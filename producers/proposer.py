@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
-from kz_stream.llm import LLMBackend, Sample
+from kz_stream.llm import BackendError, LLMBackend, Sample
 from kz_stream.modules import (
     ApiSetSampler,
     Frontier,
@@ -107,6 +108,7 @@ class ProposerService(Service):
         self.uncoded = Backlog()
         self._coded = asyncio.Event()
         self._waiting_logged = False
+        self._behind_since: float | None = None  # since when max_ahead holds prompts back
         # At a stop, give up the prompts in flight instead of finishing them: ``kz run``
         # does once its schedule is done (nothing will train on them).
         self.give_up_in_flight = False
@@ -255,7 +257,13 @@ class ProposerService(Service):
         while not self.stopping.is_set() and self._budget_left():
             if await self._coder_is_behind():
                 continue
-            await self.propose_once()
+            try:
+                await self.wait_out(self.propose_once)  # an engine that does not answer too
+            except BackendError as e:
+                # A prompt the engine refused: the next one goes on (this ended the worker,
+                # and with the last one the service and a whole kz run).
+                self.log.warning("proposal_failed", error=str(e))
+                await asyncio.sleep(1.0)
         self.done.set()
 
     async def handle_kernels(self, batch: Sequence[BusMessage]) -> None:
@@ -273,6 +281,18 @@ class ProposerService(Service):
             return False
         self._forget_modules_never_coded()
         if len(self.uncoded) < limit:
+            self._behind_since = None
+            return False
+        now = time.monotonic()
+        if self._behind_since is None:
+            self._behind_since = now
+        elif now - self._behind_since >= self.config.max_ahead_wait_s:
+            # No module coded for the whole wait (the Coder down, or the modules counted
+            # all passed over: nothing newer was coded to show it): one prompt goes ahead
+            # per wait, as the Coder's wait for verdicts is bounded. Else it waited for ever.
+            self.log.warning("coder_wait_over", uncoded=len(self.uncoded), max_ahead=limit,
+                             waited_s=round(now - self._behind_since, 1))
+            self._behind_since = now
             return False
         if not self._waiting_logged:
             self._waiting_logged = True

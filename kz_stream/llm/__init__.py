@@ -16,6 +16,7 @@ from kz_stream._lazy import lazy_exports
 from kz_stream.llm._base import (
     LOGPROB_DEFINITION,
     BackendError,
+    BackendUnavailable,
     ChatMessage,
     KVCache,
     LLMBackend,
@@ -39,6 +40,7 @@ __all__ = [
     "LOGPROB_DEFINITION",
     "BackendError",
     "BackendKind",
+    "BackendUnavailable",
     "ChatMessage",
     "KVCache",
     "LLMBackend",

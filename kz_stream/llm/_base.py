@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 from kz_stream.events import Completion
+from kz_stream.faults import DependencyUnavailable
 
 # What every backend stores in ``Sample.logprobs``; the learner must recompute the same thing.
 LOGPROB_DEFINITION = (
@@ -100,6 +101,15 @@ class Sample:
 
 class BackendError(RuntimeError):
     """The engine failed to serve a request (not a property of the generated text)."""
+
+
+class BackendUnavailable(BackendError, DependencyUnavailable):
+    """The engine did not answer (its server down or restarting, past the client's own
+    retries): an outage, which the services wait out as they do the store's and the
+    broker's, rather than a request it refused."""
+
+    def __init__(self, message: str) -> None:
+        DependencyUnavailable.__init__(self, "llm", message)
 
 
 class LLMBackend(abc.ABC):

@@ -31,6 +31,7 @@ import httpx
 
 from kz_stream.llm._base import (
     BackendError,
+    BackendUnavailable,
     Prompt,
     Sample,
     SamplingParams,
@@ -228,7 +229,7 @@ class VLLMServerBackend(ServingBackend):
                 r = await self._client.post(path, json=body)
             except httpx.TransportError as e:
                 if attempt == self._retries:
-                    raise BackendError(f"{path}: {type(e).__name__}: {e}") from e
+                    raise BackendUnavailable(f"{path}: {type(e).__name__}: {e}") from e
                 await asyncio.sleep(0.5 * 2**attempt)
                 continue
             if r.status_code == 404 and version in self._paths and attempt < self._retries:
@@ -238,6 +239,8 @@ class VLLMServerBackend(ServingBackend):
             if r.status_code >= 500 and attempt < self._retries:
                 await asyncio.sleep(0.5 * 2**attempt)
                 continue
+            if r.status_code >= 500:  # still failing after the retries: the server's fault
+                raise BackendUnavailable(f"{path}: HTTP {r.status_code}: {r.text[:500]}")
             if r.status_code != 200:
                 raise BackendError(f"{path}: HTTP {r.status_code}: {r.text[:500]}")
             return r.json()
@@ -294,7 +297,7 @@ class VLLMServerBackend(ServingBackend):
         try:
             r = await self._client.get(path)
         except httpx.TransportError as e:
-            raise BackendError(f"{path}: {type(e).__name__}: {e}") from e
+            raise BackendUnavailable(f"{path}: {type(e).__name__}: {e}") from e
         if r.status_code != 200:
             raise BackendError(f"{path}: HTTP {r.status_code}: {r.text[:500]}")
         return r.json()

@@ -26,6 +26,8 @@ from kz_stream.events import (
     payload_as,
 )
 from kz_stream.llm import (
+    BackendError,
+    BackendUnavailable,
     LLMBackend,
     TransformersBackend,
     create_backend,
@@ -453,23 +455,16 @@ async def test_the_proposer_waits_while_max_ahead_modules_have_no_kernel(
         assert len(valid(await events_of(ctx, "ModuleProposed"))) == 3
         assert taken.module_id not in proposer.uncoded and len(proposer.uncoded) == 2
 
-        # A Coder that codes nothing holds prompts back however long it takes...
-        proposer.config = proposer.config.model_copy(update={"max_ahead_wait_s": 0.5})
-        await asyncio.sleep(3)
-        assert len(valid(await events_of(ctx, "ModuleProposed"))) == 3
-        # ...but one that codes the newest and passes the older one over (dead-lettered
-        # it, say) no longer holds them back for it.
-        newest = [m for m in valid(await events_of(ctx, "ModuleProposed"))
-                  if m.module_id in proposer.uncoded][-1]
-        await ctx.bus.publish(ctx.settings.topics.kernels, new_event(
-            KernelGenerated(kernel_id="k2", module_id=newest.module_id, group_id="g2",
-                            group_size=1, backend="triton", source="..."),
-            stream_id="kernel-k2", stream_version=0))
+        # A Coder that codes nothing holds prompts back, for max_ahead_wait_s at a time:
+        # then one goes through. (It held them for ever: a Coder whose last modules were
+        # dead-lettered codes nothing newer, so they never counted as passed over; that
+        # rule itself: tests/unit/test_backlog.py.)
+        proposer.config = proposer.config.model_copy(update={"max_ahead_wait_s": 2.0})
         for _ in range(600):
-            if len(valid(await events_of(ctx, "ModuleProposed"))) >= 4:
+            if len(valid(await events_of(ctx, "ModuleProposed"))) >= 5:
                 break
             await asyncio.sleep(0.1)
-        assert len(valid(await events_of(ctx, "ModuleProposed"))) >= 4
+        assert len(valid(await events_of(ctx, "ModuleProposed"))) >= 5
     finally:
         await stop_all(services, tasks)
         await backend.close()
@@ -560,6 +555,62 @@ async def test_a_coder_told_to_give_up_its_calls_stops_without_finishing_them(
         await asyncio.wait_for(tasks[1], 30)
         assert tasks[1].exception() is None
         assert await events_of(ctx, "KernelGenerated") == []
+    finally:
+        await stop_all(services, tasks)
+        await backend.close()
+
+
+class FirstCallFails(TransformersBackend):
+    """The real model, and its first call failing with ``error`` (the fault a test
+    injects; the service's handling of it is what is tested)."""
+
+    error: Exception = BackendUnavailable("/v1/chat/completions: ConnectError: refused")
+    failed = False
+
+    async def generate(self, prompts: Any, n: int = 1, **kw: Any) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise self.error
+        return await super().generate(prompts, n=n, **kw)
+
+
+async def test_a_prompt_the_engine_refuses_does_not_stop_the_proposer(
+    ctx: ServiceContext,
+) -> None:
+    backend = FirstCallFails.from_pretrained(smollm2_dir())
+    backend.error = BackendError("/v1/chat/completions: HTTP 400: too long for the context")
+    proposer = ProposerService(ctx, backend, ProposerSettings(
+        llm=LLMConfig(max_tokens=8, temperature=1.0, seed=0), proposals_per_prompt=1,
+        concurrency=1, max_modules=1))
+    services = [Recorder(ctx), proposer]
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    try:
+        # The next prompt goes on (8 tokens are never valid: a synthesized module follows).
+        await wait_until(ctx, "ModuleProposed", 1, tasks)
+        assert backend.failed
+    finally:
+        await stop_all(services, tasks)
+        await backend.close()
+
+
+async def test_a_failed_call_of_a_batch_codes_none_of_its_other_modules_again(
+    ctx: ServiceContext,
+) -> None:
+    backend = FirstCallFails.from_pretrained(smollm2_dir())
+    coder = CoderService(ctx, backend, CoderSettings(
+        group_size=1, llm=LLMConfig(max_tokens=8, temperature=1.0, seed=0), max_batch=4))
+    modules = ctx.settings.topics.modules
+    # One batch of two modules: its call for the first fails (an outage: waited out, the
+    # batch handled again), the other's group is published the first time already.
+    await ctx.bus.publish_many(modules, [_module_event(f"m{i}", i) for i in (0, 1)])
+    services = [Recorder(ctx), coder]
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    try:
+        kernels = await wait_until(ctx, "KernelGenerated", 2, tasks)
+        await asyncio.sleep(1.0)  # a second group of either would be stored by now
+        kernels = await events_of(ctx, "KernelGenerated")
+        assert backend.failed
+        assert sorted(k.payload["module_id"] for k in kernels) == ["m0", "m1"]
     finally:
         await stop_all(services, tasks)
         await backend.close()
