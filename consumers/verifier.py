@@ -159,6 +159,9 @@ class VerifierService(Service):
         self._live_batches = 0
         self._live_idle = asyncio.Event()
         self._live_idle.set()
+        # Verdicts of kernels whose batch failed (another kernel of it did): its retry, or
+        # the halves the bus splits it into, reuse them rather than judge them again.
+        self._judged: dict[uuid.UUID, Event] = {}
 
     async def run(self) -> None:
         topics = self.ctx.settings.topics
@@ -240,6 +243,8 @@ class VerifierService(Service):
         return source
 
     async def _verify_one(self, event: Event) -> Event:
+        if (judged := self._judged.get(event.event_id)) is not None:
+            return judged
         source = await self._module_source(payload_as(event, KernelGenerated))
         self.metrics.in_flight.inc()
         try:
@@ -260,16 +265,26 @@ class VerifierService(Service):
         self._live_batches += 1
         self._live_idle.clear()
         try:
-            verdicts = await asyncio.gather(*(self._verify_one(e) for e in kernels))
+            # Every verification ends before a failure fails the batch: they went on
+            # unowned while the bus retried it, and judged every kernel again.
+            results = await asyncio.gather(*(self._verify_one(e) for e in kernels),
+                                           return_exceptions=True)
         finally:
             self._live_batches -= 1
             if not self._live_batches:
                 self._live_idle.set()
+        verdicts = [r for r in results if isinstance(r, Event)]
+        if len(verdicts) < len(results):
+            self._judged.update((e.event_id, r) for e, r in zip(kernels, results, strict=True)
+                                if isinstance(r, Event))
+            raise next(r for r in results if isinstance(r, BaseException))
         # An outage is waited out here, not by the bus retrying the handler: that would
         # verify the whole batch again.
         await self.wait_out(
             lambda: self.ctx.store.append(verdicts, tracking={self.group: offsets_after(batch)})
         )
+        for e in kernels:
+            self._judged.pop(e.event_id, None)
         for v in verdicts:
             self.metrics.handled("KernelVerified")
             status = v.payload.get("status", "")

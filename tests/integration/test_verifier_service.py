@@ -186,3 +186,24 @@ async def test_a_module_only_in_the_store_is_read_from_there_and_a_missing_one_f
                 await service.verify_batch([delivered(settings.topics.kernels, 1, missing)])
         verdicts = [r async for b in ctx.store.read_all(0, types=["KernelVerified"]) for r in b]
         assert [r.event.causation_id for r in verdicts] == [stored.event_id]
+
+
+async def test_a_batch_failed_by_one_kernel_judges_the_others_once(tmp_path: Path) -> None:
+    """A kernel whose module is nowhere fails its batch; the bus then retries the batch and
+    splits it. The other kernels' verdicts, judged already, are not judged again."""
+    from tests.integration.test_rescore import CountingVerifier
+
+    settings = embedded(tmp_path)
+    async with open_context(settings) as ctx:
+        await ctx.store.append([relu_module("relu")])
+        honest, orphan = kernel_event("relu", triton_honest.RELU), kernel_event("gone", "x")
+        batch = [delivered(settings.topics.kernels, i, e) for i, e in enumerate((honest, orphan))]
+        async with CountingVerifier() as verifier:
+            service = VerifierService(ctx, verifier, module_wait_s=0.2)
+            with pytest.raises(InfrastructureError, match="not in the store"):
+                await service.verify_batch(batch)
+            assert verifier.judged == 1
+            await service.verify_batch(batch[:1])  # the half the bus tries on its own
+            assert verifier.judged == 1
+        verdicts = [r async for b in ctx.store.read_all(0, types=["KernelVerified"]) for r in b]
+        assert [r.event.causation_id for r in verdicts] == [honest.event_id]
