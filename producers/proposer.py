@@ -33,7 +33,7 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
-from kz_stream.llm import BackendError, LLMBackend, Sample
+from kz_stream.llm import BackendError, BackendLost, BackendUnavailable, LLMBackend, Sample
 from kz_stream.modules import (
     ApiSetSampler,
     Frontier,
@@ -258,13 +258,35 @@ class ProposerService(Service):
             if await self._coder_is_behind():
                 continue
             try:
-                await self.wait_out(self.propose_once)  # an engine that does not answer too
+                await self._propose_through_outages()
+            except BackendLost:
+                raise  # no prompt will succeed again: the service fails, and says why
             except BackendError as e:
                 # A prompt the engine refused: the next one goes on (this ended the worker,
                 # and with the last one the service and a whole kz run).
                 self.log.warning("proposal_failed", error=str(e))
                 await asyncio.sleep(1.0)
         self.done.set()
+
+    async def _propose_through_outages(self) -> None:
+        """``propose_once``, its engine's outages (``BackendUnavailable``) waited out as the
+        store's are, until a stop: then nothing is in flight to finish."""
+        attempt = 0
+        while True:
+            try:
+                await self.propose_once()
+            except BackendUnavailable as e:
+                if self.stopping.is_set():
+                    return
+                delay = self.backoff.delay(attempt)
+                self._on_outage(e, attempt, delay)
+                attempt += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), delay)
+                continue
+            if attempt:
+                self._on_recovered(attempt)
+            return
 
     async def handle_kernels(self, batch: Sequence[BusMessage]) -> None:
         """Notes the modules the Coder has taken up (``config.max_ahead``)."""

@@ -51,7 +51,7 @@ from kz_stream.events import (
     payload_as,
     source_sha256,
 )
-from kz_stream.llm import BackendError, KVCache, LLMBackend, SamplingParams
+from kz_stream.llm import BackendError, BackendLost, KVCache, LLMBackend, SamplingParams
 from kz_stream.logging import configure_logging
 from kz_stream.modules import coder_messages, normalized_hash, prompt_text
 from kz_stream.producers.coder import kernel_event
@@ -394,6 +394,8 @@ async def run_evaluation(
         async def generate_then_verify(pid: str, indices: list[int]) -> None:
             try:
                 events = await generate(pid, indices)
+            except BackendLost:
+                raise  # the engine is gone: no problem will be sampled
             except BackendError as error:
                 # One problem the backend refuses (an endpoint's 400 for a prompt over the
                 # context, an out-of-memory batch) must not stop the others, nor every

@@ -16,6 +16,7 @@ from kz_stream._lazy import lazy_exports
 from kz_stream.llm._base import (
     LOGPROB_DEFINITION,
     BackendError,
+    BackendLost,
     BackendUnavailable,
     ChatMessage,
     KVCache,
@@ -40,6 +41,7 @@ __all__ = [
     "LOGPROB_DEFINITION",
     "BackendError",
     "BackendKind",
+    "BackendLost",
     "BackendUnavailable",
     "ChatMessage",
     "KVCache",

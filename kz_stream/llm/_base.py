@@ -103,6 +103,11 @@ class BackendError(RuntimeError):
     """The engine failed to serve a request (not a property of the generated text)."""
 
 
+class BackendLost(BackendError):
+    """The engine is gone (its process exited, the backend was closed): no request will
+    succeed again, so a service that meets it fails rather than retry."""
+
+
 class BackendUnavailable(BackendError, DependencyUnavailable):
     """The engine did not answer (its server down or restarting, past the client's own
     retries): an outage, which the services wait out as they do the store's and the

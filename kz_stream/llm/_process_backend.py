@@ -20,7 +20,14 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kz_stream.llm._base import BackendError, Prompt, Sample, SamplingParams, ServingBackend
+from kz_stream.llm._base import (
+    BackendError,
+    BackendLost,
+    Prompt,
+    Sample,
+    SamplingParams,
+    ServingBackend,
+)
 
 __all__ = ["ProcessBackend"]
 
@@ -69,7 +76,7 @@ class ProcessBackend(ServingBackend):
 
     async def _call(self, *request: Any) -> Any:
         if self._lost is not None:
-            raise BackendError(self._lost)
+            raise BackendLost(self._lost)
         self._loop = asyncio.get_running_loop()
         call_id = next(self._ids)
         future: asyncio.Future[Any] = self._loop.create_future()
@@ -79,7 +86,7 @@ class ProcessBackend(ServingBackend):
                 self._conn.send((call_id, *request))
         except (OSError, ValueError) as e:
             self._pending.pop(call_id, None)
-            raise BackendError(f"the engine process is gone: {e}") from None
+            raise BackendLost(f"the engine process is gone: {e}") from None
         try:
             return await future
         finally:
@@ -98,7 +105,7 @@ class ProcessBackend(ServingBackend):
         self._reap(5, kill=False)  # a closing child may still be shutting down
         self._lost = f"the engine process exited (exit code {self._process.exitcode})"
         for future in list(self._pending.values()):
-            self._settle_threadsafe(future, False, self._lost)
+            self._settle_threadsafe(future, False, BackendLost(self._lost))
 
     def _settle_threadsafe(self, future: asyncio.Future[Any], ok: bool, value: Any) -> None:
         if self._loop is None:
@@ -145,7 +152,7 @@ def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
     if ok:
         future.set_result(value)
     else:
-        future.set_exception(BackendError(str(value)))
+        future.set_exception(value if isinstance(value, BackendError) else BackendError(str(value)))
 
 
 def _serve(conn: Connection, kind: str, options: dict[str, Any], log_level: str,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from kz_stream.llm._base import (
     BackendError,
+    BackendLost,
     KVCache,
     Prompt,
     Sample,
@@ -258,7 +259,7 @@ class TransformersBackend(ServingBackend):
         while self._queue:
             row = self._queue.popleft()
             if not row.future.done():
-                row.future.set_exception(BackendError("backend closed"))
+                row.future.set_exception(BackendLost("backend closed"))
         self._generation_thread.shutdown(wait=False)
 
     # -- recomputation (tests, learners) ----------------------------------------------
@@ -333,7 +334,7 @@ class TransformersBackend(ServingBackend):
             except asyncio.CancelledError:  # closed mid-batch: its callers get an answer too
                 for row in live:
                     if not row.future.done():
-                        row.future.set_exception(BackendError("backend closed"))
+                        row.future.set_exception(BackendLost("backend closed"))
                 raise
             except Exception as e:
                 log.exception("generation failed")

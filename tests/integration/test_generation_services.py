@@ -614,3 +614,23 @@ async def test_a_failed_call_of_a_batch_codes_none_of_its_other_modules_again(
     finally:
         await stop_all(services, tasks)
         await backend.close()
+
+
+async def test_a_proposer_waits_out_its_engines_outage_and_still_stops_at_once(
+    ctx: ServiceContext,
+) -> None:
+    # A server nobody runs: every call is refused (an outage, not a refused request).
+    backend = create_backend("vllm-server", base_url="http://127.0.0.1:9", model="smollm2")
+    proposer = ProposerService(ctx, backend, ProposerSettings(llm=LLM, concurrency=1))
+    task = asyncio.create_task(proposer.run())
+    try:
+        for _ in range(300):
+            if proposer.outage is not None:
+                break
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.1)
+        assert proposer.outage is not None and proposer.outage.startswith("llm unreachable")
+        proposer.request_stop()
+        await asyncio.wait_for(task, 15)  # nothing in flight to finish: no wait for the engine
+    finally:
+        await backend.close()

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from kz_stream.llm import BackendError, ProcessBackend, SamplingParams, TransformersBackend
+from kz_stream.llm import (
+    BackendError,
+    BackendLost,
+    ProcessBackend,
+    SamplingParams,
+    TransformersBackend,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +70,10 @@ async def test_a_child_that_dies_fails_its_calls_with_a_clear_error(smollm2_path
         await asyncio.sleep(1.0)
         [process] = [p for p in multiprocessing.active_children() if p.name.endswith("-engine")]
         process.kill()
-        with pytest.raises(BackendError, match="engine process exited"):
+        # Lost: a service that meets it fails rather than retry.
+        with pytest.raises(BackendLost, match="engine process exited"):
             await asyncio.wait_for(call, 60)
-        with pytest.raises(BackendError, match="engine process exited"):
+        with pytest.raises(BackendLost, match="engine process exited"):
             await child.generate([PROMPT], n=1, sampling=SEEDED)
     finally:
         await child.close()

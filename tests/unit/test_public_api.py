@@ -23,7 +23,8 @@ PUBLIC = {
         "dead_letter_headers", "event_headers", "offsets_after", "open_bus",
     ],
     "kz_stream.llm": [
-        "LOGPROB_DEFINITION", "BackendError", "BackendKind", "BackendUnavailable", "ChatMessage",
+        "LOGPROB_DEFINITION", "BackendError", "BackendKind", "BackendLost", "BackendUnavailable",
+        "ChatMessage",
         "KVCache",
         "LLMBackend", "ProcessBackend",
         "Prompt", "Sample", "SamplingParams", "ServingBackend", "TransformersBackend",
