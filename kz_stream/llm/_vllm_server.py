@@ -274,24 +274,25 @@ class VLLMServerBackend(ServingBackend):
             log.warning("unload_lora_adapter %s failed: %s", name, e)
 
     async def _reload_weights(self, path: str) -> None:
-        """Reloads full weights in place: drain, reload, drop stale prefix cache, resume."""
-        steps: list[tuple[str, dict[str, Any] | None]] = [
-            ("/pause?mode=wait", None),
-            (
-                "/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": path}},
-            ),
-            ("/reset_prefix_cache", None),
-            ("/resume", None),
-        ]
-        for endpoint, body in steps:
-            r = await self._client.post(endpoint, json=body)
-            if r.status_code == 404:
-                raise BackendError(
-                    f"{endpoint} not found: full-weight reload needs VLLM_SERVER_DEV_MODE=1"
-                )
-            if r.status_code != 200:
-                raise BackendError(f"{endpoint}: HTTP {r.status_code}: {r.text[:500]}")
+        """Reloads full weights in place: drain, reload, drop stale prefix cache, resume.
+        Once paused, the server is resumed whatever fails after (else it scheduled nothing
+        again, and every later request ran to its timeout), as the engine backend does."""
+        await self._post_step("/pause?mode=wait", None)
+        try:
+            await self._post_step(
+                "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+            await self._post_step("/reset_prefix_cache", None)
+        finally:
+            await self._post_step("/resume", None)
+
+    async def _post_step(self, endpoint: str, body: dict[str, Any] | None) -> None:
+        r = await self._client.post(endpoint, json=body)
+        if r.status_code == 404:
+            raise BackendError(
+                f"{endpoint} not found: full-weight reload needs VLLM_SERVER_DEV_MODE=1"
+            )
+        if r.status_code != 200:
+            raise BackendError(f"{endpoint}: HTTP {r.status_code}: {r.text[:500]}")
 
     async def _get_json(self, path: str) -> Any:
         try:
