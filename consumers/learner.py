@@ -256,8 +256,10 @@ class LearnerService(Service):
                 samples.append(
                     Sample.from_kernel(k.generated, k.verdict, prompt_ids=prompt_ids or None)
                 )
-            if samples:  # else nothing to learn from yet: a later rescore may decide them
-                out.append(Group(g.group_id, tuple(samples)))
+            # A group with no decided verdict trains nothing, and a step takes it all the
+            # same (as one too stale): else a run whose kernels cannot be checked on its
+            # host (CUDA kernels on the CPU: unchecked) would wait for ever for a step.
+            out.append(Group(g.group_id, tuple(samples)))
         return self._unexpired("coder", out)
 
     def proposer_step_groups(self) -> list[Group]:
