@@ -154,6 +154,9 @@ class _Replay:
     # Verdicts stored before their kernels (``RunState.early_verdicts``): (event,
     # position, recorded at) per kernel id, applied when the kernel comes and is kept.
     early: dict[str, list[tuple[Any, int, str]]] = field(default_factory=dict)
+    # Every kernel id generated so far, kept or not: a verdict on one the filter left out
+    # is not early, and holding it would grow with every other run's verdicts.
+    generated: set[str] = field(default_factory=set)
     position: int = 0
 
     def apply(self, event: Any, position: int, recorded_at: str) -> None:
@@ -167,6 +170,7 @@ class _Replay:
                         p["validation"]["valid"], sorted(p["api_set"]), p["source"])
             return
         if event.type == "KernelGenerated":
+            self.generated.add(p["kernel_id"])
             early = self.early.pop(p["kernel_id"], [])
             if self.flt.keeps_kernel(event.correlation_id, event.occurred_at):
                 self._kernel(event, p, position)
@@ -175,7 +179,8 @@ class _Replay:
             return
         kernel = self.kernels.get(p["kernel_id"])
         if kernel is None:
-            self.early.setdefault(p["kernel_id"], []).append((event, position, recorded_at))
+            if p["kernel_id"] not in self.generated:
+                self.early.setdefault(p["kernel_id"], []).append((event, position, recorded_at))
             return
         texts, kernel.texts = kernel.texts, None  # any verdict ends the wait for the first
         if not self.flt.keeps_version(p):

@@ -9,6 +9,7 @@ then dead-letter).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -124,11 +125,13 @@ async def wait_out(
     backoff: Backoff,
     on_retry: Callable[[BaseException, int, float], None] | None = None,
     on_recovered: Callable[[int], None] | None = None,
+    wake: asyncio.Event | None = None,
 ) -> T:
     """Runs ``op`` until it returns, retrying outages forever with ``backoff``.
 
     Any other error raises at once. ``on_retry(error, attempt, delay)`` runs before each
     wait, ``on_recovered(attempts)`` once ``op`` succeeds after at least one outage.
+    ``wake`` set ends each wait early (a stop: ``op`` tries once more and decides).
     Cancelling the caller cancels the wait.
     """
     attempt = 0
@@ -142,7 +145,11 @@ async def wait_out(
             if on_retry is not None:
                 on_retry(e, attempt, delay)
             attempt += 1
-            await asyncio.sleep(delay)
+            if wake is None:
+                await asyncio.sleep(delay)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), delay)
         else:
             if attempt and on_recovered is not None:
                 on_recovered(attempt)

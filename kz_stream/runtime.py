@@ -420,12 +420,14 @@ class Service(ABC):
         self.subscriptions.append(sub)
         return sub
 
-    async def wait_out(self, op: Callable[[], Awaitable[T]]) -> T:
-        """Runs ``op`` (a store or bus call), waiting out outages with backoff while the
-        service reports itself unhealthy; other errors raise."""
+    async def wait_out(self, op: Callable[[], Awaitable[T]], *,
+                       wake: asyncio.Event | None = None) -> T:
+        """Runs ``op`` (a store, bus or LLM call), waiting out outages with backoff while
+        the service reports itself unhealthy; other errors raise. ``wake``: see
+        ``faults.wait_out``."""
         return await wait_out(
             op, backoff=self.backoff, on_retry=self._on_outage,
-            on_recovered=self._on_recovered,
+            on_recovered=self._on_recovered, wake=wake,
         )
 
     def _on_outage(self, error: BaseException, attempt: int, delay: float) -> None:

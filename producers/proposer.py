@@ -271,22 +271,15 @@ class ProposerService(Service):
     async def _propose_through_outages(self) -> None:
         """``propose_once``, its engine's outages (``BackendUnavailable``) waited out as the
         store's are, until a stop: then nothing is in flight to finish."""
-        attempt = 0
-        while True:
+
+        async def once() -> None:
             try:
                 await self.propose_once()
-            except BackendUnavailable as e:
-                if self.stopping.is_set():
-                    return
-                delay = self.backoff.delay(attempt)
-                self._on_outage(e, attempt, delay)
-                attempt += 1
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), delay)
-                continue
-            if attempt:
-                self._on_recovered(attempt)
-            return
+            except BackendUnavailable:
+                if not self.stopping.is_set():
+                    raise
+
+        await self.wait_out(once, wake=self.stopping)
 
     async def handle_kernels(self, batch: Sequence[BusMessage]) -> None:
         """Notes the modules the Coder has taken up (``config.max_ahead``)."""

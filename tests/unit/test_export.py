@@ -223,6 +223,18 @@ def test_a_verdict_stored_before_its_kernel_is_exported(store_url: str) -> None:
     asyncio.run(go())
 
 
+def test_verdicts_on_kernels_the_filter_leaves_out_are_not_held() -> None:
+    """Held as early only while their kernel has not come: a verdict on a kernel of a run
+    the filter leaves out would otherwise be held to the end of the replay."""
+    from kz_stream.export import _Replay
+
+    replay = _Replay(KernelFilter(runs={"run-b"}), sets=("sft", "verdicts", "rl"))
+    for position, event in enumerate(events() + more_events(), start=1):
+        replay.apply(event, position, "2026-11-30T12:00:00+00:00")
+    assert replay.early == {}
+    assert {"k1", "k12"} <= replay.generated and "k1" not in replay.kernels
+
+
 def test_the_rl_set_is_the_learners_view_of_the_store(store_url: str) -> None:
     """The rl rows match what ``RunState`` and its capability map (the learner's own read
     of the store) say, evaluation runs, undecided verdicts and re-scores included."""

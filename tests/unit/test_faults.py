@@ -73,3 +73,25 @@ async def test_wait_out_retries_outages_and_raises_anything_else() -> None:
 
     with pytest.raises(ValueError):
         await wait_out(poison, backoff=Backoff(0.001, 0.002))
+
+
+async def test_a_wake_ends_the_wait_between_tries_at_once() -> None:
+    import asyncio
+    import time
+
+    wake = asyncio.Event()
+    calls: list[float] = []
+
+    async def op() -> str:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            wake.set()  # a stop arrives during the outage
+            raise DependencyUnavailable("llm", "refused")
+        return "gave up"  # the try after the wake decides (here: returns)
+
+    assert await wait_out(op, backoff=Backoff(60.0, 60.0), wake=wake) == "gave up"
+    assert len(calls) == 2 and calls[1] - calls[0] < 5  # not the 60 s wait
+    wake.clear()
+    with pytest.raises(TimeoutError):  # unset: the backoff's wait stands
+        calls.clear()
+        await asyncio.wait_for(wait_out(op, backoff=Backoff(60.0, 60.0)), 0.5)
