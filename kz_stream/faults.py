@@ -17,6 +17,7 @@ from typing import TypeVar
 __all__ = [
     "Backoff",
     "DependencyUnavailable",
+    "Unrecoverable",
     "dependency_of",
     "describe_outage",
     "is_transient",
@@ -32,6 +33,13 @@ class DependencyUnavailable(ConnectionError):
     def __init__(self, dependency: str, message: str) -> None:
         super().__init__(message)
         self.dependency = dependency
+
+
+class Unrecoverable(RuntimeError):
+    """The service itself cannot go on (its model engine is gone): neither a retry nor a
+    dead letter helps, and dead-lettering would lose records that are not at fault. A
+    consumer whose handler raises it fails at once, the batch uncommitted, so the records
+    come again when the service is started again."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -357,7 +357,7 @@ class Service(ABC):
     def request_stop(self) -> None:
         self.stopping.set()
 
-    async def run_until_stopped(self, work: Awaitable[None]) -> None:
+    async def run_until_stopped(self, work: Awaitable[object]) -> None:
         """Runs ``work`` (a subscription's ``wait()``, a service's main loop) until it ends
         or a stop is requested; work still running then is cancelled. An error it ended
         with raises here, so the service fails with it (one process, one fate)."""
@@ -365,11 +365,14 @@ class Service(ABC):
         stop = asyncio.create_task(self.stopping.wait())
         try:
             await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            # Before the cancel below: a cancelled ``gather`` ends with CancelledError as
+            # its exception, not as cancelled.
+            ended = task.done()
         finally:
             stop.cancel()
             task.cancel()
             await asyncio.gather(task, stop, return_exceptions=True)
-        if not task.cancelled() and (error := task.exception()) is not None:
+        if ended and not task.cancelled() and (error := task.exception()) is not None:
             raise error
 
     def health(self) -> dict[str, Any]:

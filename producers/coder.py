@@ -199,16 +199,20 @@ class CoderService(Service):
             dead_letter_topic=topics.dead_letter,
         )
         self.log.info("coder_started", replica=self.replica, backends=self.config.backends)
-        await self.stopping.wait()
-        # A call in flight finishes and commits; one waiting for the verifier, or any once
-        # ``give_up_in_flight`` is set, is given up (cancelled, not committed: its modules
-        # come again, from the broker or, on the embedded bus, from the store at the next
-        # start).
-        await sub.stop(grace=0 if self.waiting_for_verifier or self.give_up_in_flight
-                       else None)
-        if self.give_up_in_flight:
-            await self.backend.close()  # the engine stops decoding what nobody awaits now
-        await policy_sub.stop()
+        try:
+            # A subscription ends before a stop only by failing (its handler met
+            # ``Unrecoverable``: the engine is gone): then the service fails with it.
+            await self.run_until_stopped(asyncio.gather(sub.wait(), policy_sub.wait()))
+        finally:
+            # A call in flight finishes and commits; one waiting for the verifier, or any
+            # once ``give_up_in_flight`` is set, is given up (cancelled, not committed: its
+            # modules come again, from the broker or, on the embedded bus, from the store
+            # at the next start).
+            await sub.stop(grace=0 if self.waiting_for_verifier or self.give_up_in_flight
+                           else None)
+            if self.give_up_in_flight:
+                await self.backend.close()  # the engine stops decoding what nobody awaits
+            await policy_sub.stop()
 
     async def handle_modules(self, batch: Sequence[BusMessage]) -> None:
         work = [(m.event, module) for m in batch

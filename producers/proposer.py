@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kz_stream._cpus import usable_cpus
 from kz_stream.bus import BusMessage, Subscription
@@ -142,8 +143,20 @@ class ProposerService(Service):
             await self._publish_seeds()
             workers = [asyncio.create_task(self._worker()) for _ in range(self.config.concurrency)]
             stop = asyncio.create_task(self.stopping.wait())
-            await asyncio.wait([stop, *workers], return_when=asyncio.FIRST_COMPLETED)
+            # A subscription ends before a stop only by failing (its handler met
+            # ``Unrecoverable``): then the service fails with it.
+            failed = asyncio.ensure_future(asyncio.gather(*(s.wait() for s in subs)))
+            waiting: list[asyncio.Future[Any]] = [stop, failed, *workers]
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             stop.cancel()
+            if failed.done() and (error := failed.exception()) is not None:
+                for w in workers:
+                    w.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+                raise error
+            failed.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await failed
             # Finish the prompts in flight (graceful), unless asked to stop twice or to
             # give them up.
             if self.give_up_in_flight:

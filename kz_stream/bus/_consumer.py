@@ -47,7 +47,7 @@ from kz_stream.bus._port import (
     describe_error,
 )
 from kz_stream.events import EventDecodeError, decode_event
-from kz_stream.faults import Backoff, describe_outage, wait_out
+from kz_stream.faults import Backoff, Unrecoverable, describe_outage, wait_out
 
 log = logging.getLogger("kz_stream.bus")
 
@@ -490,11 +490,13 @@ class ConsumerCore(ABC):
 
     async def _attempt(self, msgs: Sequence[BusMessage], retries: int) -> Exception | None:
         """Calls the handler up to 1 + ``retries`` times (outages waited out, not
-        counted); returns the last error."""
+        counted); returns the last error. ``Unrecoverable`` raises at once."""
         error: Exception | None = None
         for attempt in range(retries + 1):
             try:
                 await self._wait_out(lambda: self._handler(msgs))
+            except Unrecoverable:
+                raise  # fails the subscription: not the records' fault (``_fail``)
             except Exception as e:
                 error = e
                 if attempt < retries:

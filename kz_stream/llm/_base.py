@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 from kz_stream.events import Completion
-from kz_stream.faults import DependencyUnavailable
+from kz_stream.faults import DependencyUnavailable, Unrecoverable
 
 # What every backend stores in ``Sample.logprobs``; the learner must recompute the same thing.
 LOGPROB_DEFINITION = (
@@ -103,7 +103,7 @@ class BackendError(RuntimeError):
     """The engine failed to serve a request (not a property of the generated text)."""
 
 
-class BackendLost(BackendError):
+class BackendLost(BackendError, Unrecoverable):
     """The engine is gone (its process exited, the backend was closed): no request will
     succeed again, so a service that meets it fails rather than retry."""
 

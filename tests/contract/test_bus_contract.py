@@ -40,7 +40,7 @@ from kz_stream.bus import (
 )
 from kz_stream.dlq import HEADER_REDRIVEN_FROM, list_dead_letters, redrive
 from kz_stream.events import Event, KernelVerified, encode_event, new_event
-from kz_stream.faults import DependencyUnavailable
+from kz_stream.faults import DependencyUnavailable, Unrecoverable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -566,6 +566,40 @@ async def test_an_outage_is_waited_out_past_max_retries_and_nothing_is_dead_lett
     assert applied.ids() == [e.event_id for e in events]
     assert sub.stats.dead_lettered == 0 and sub.stats.retries == 0
     assert sub.stats.outages == 1 and sub.stats.outage_retries >= 10
+
+
+async def test_an_unrecoverable_handler_fails_the_subscription_and_loses_nothing(
+    make_bus: MakeBus,
+) -> None:
+    """A handler whose own machinery is gone (the model engine of a Coder) is not the
+    records' fault: no retry, no dead letter, nothing committed; the next member of the
+    group gets every record."""
+    bus = await make_bus()
+    topic, dlq, group = unique("unrecoverable"), unique("dlq"), unique("g")
+    await bus.create_topics([TopicSpec(topic, partitions=1), TopicSpec(dlq, partitions=1)])
+    events = [verdict(i, "kernel-0") for i in range(4)]
+    await bus.publish_many(topic, events)
+    calls = 0
+
+    async def engine_gone(batch: Sequence[BusMessage]) -> None:
+        nonlocal calls
+        calls += 1
+        raise Unrecoverable("the engine process is gone")
+
+    sub = await bus.subscribe(group, [topic], engine_gone, max_retries=3, retry_backoff=0.01,
+                              dead_letter_topic=dlq)
+    with pytest.raises(Unrecoverable, match="engine process is gone"):
+        await asyncio.wait_for(sub.wait(), 30)
+    assert calls == 1 and sub.stats.retries == 0 and sub.stats.dead_lettered == 0
+    assert sub.failure == "Unrecoverable: the engine process is gone"
+    await sub.stop()
+
+    again = Collector()
+    sub2 = await bus.subscribe(group, [topic], again)
+    await wait_for(lambda: len(again.messages) >= 4, "all 4 events at the next member")
+    await sub2.stop()
+    assert again.ids() == [e.event_id for e in events]
+    assert await list_dead_letters(bus, dlq) == []
 
 
 async def test_malformed_records_go_to_dead_letter_with_the_field_named(

@@ -16,6 +16,7 @@ from kz_stream.app import open_context, redeliver_unfinished
 from kz_stream.bus import BusMessage
 from kz_stream.config import CoderSettings, LLMConfig, ProposerSettings, Settings, TopicsConfig
 from kz_stream.consumers.recorder import Recorder
+from kz_stream.dlq import list_dead_letters
 from kz_stream.events import (
     KernelGenerated,
     KernelVerified,
@@ -27,6 +28,7 @@ from kz_stream.events import (
 )
 from kz_stream.llm import (
     BackendError,
+    BackendLost,
     BackendUnavailable,
     LLMBackend,
     TransformersBackend,
@@ -611,6 +613,32 @@ async def test_a_failed_call_of_a_batch_codes_none_of_its_other_modules_again(
         kernels = await events_of(ctx, "KernelGenerated")
         assert backend.failed
         assert sorted(k.payload["module_id"] for k in kernels) == ["m0", "m1"]
+    finally:
+        await stop_all(services, tasks)
+        await backend.close()
+
+
+async def test_a_coder_whose_engine_is_gone_fails_and_its_module_waits_for_the_next_start(
+    ctx: ServiceContext,
+) -> None:
+    """An engine that is gone fails every call: the Coder fails with it (it went on idle,
+    dead-lettering each module after its retries), and the module is there for the next
+    start, not in the dead letters."""
+    backend = FirstCallFails.from_pretrained(smollm2_dir())
+    backend.error = BackendLost("the engine process is gone: exit code -9")
+    settings = CoderSettings(group_size=1, llm=LLMConfig(max_tokens=8, temperature=1.0, seed=0))
+    await ctx.bus.publish(ctx.settings.topics.modules, _module_event("m0", 0))
+    services: list[Any] = [Recorder(ctx)]
+    tasks = [asyncio.create_task(services[0].run())]
+    try:
+        with pytest.raises(BackendLost, match="engine process is gone"):
+            await asyncio.wait_for(CoderService(ctx, backend, settings).run(), 120)
+        assert await list_dead_letters(ctx.bus, ctx.settings.topics.dead_letter) == []
+        # The next start (the engine back) codes the module.
+        services.append(CoderService(ctx, backend, settings))
+        tasks.append(asyncio.create_task(services[1].run()))
+        kernels = await wait_until(ctx, "KernelGenerated", 1, tasks)
+        assert [k.payload["module_id"] for k in kernels] == ["m0"]
     finally:
         await stop_all(services, tasks)
         await backend.close()
