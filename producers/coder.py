@@ -30,6 +30,7 @@ from kz_stream.events import (
     payload_as,
     source_sha256,
 )
+from kz_stream.faults import DependencyUnavailable, Unrecoverable
 from kz_stream.llm import LLMBackend, Sample, SamplingParams
 from kz_stream.modules import coder_messages, extract_code, prompt_text
 from kz_stream.producers._backlog import Backlog
@@ -85,6 +86,9 @@ def kernel_event(
     )
 
 
+POLICY_LOAD_ATTEMPTS = 3
+
+
 class PolicyFollower:
     """Tracks the newest published policy of one role, and loads it into an engine."""
 
@@ -118,7 +122,7 @@ class PolicyFollower:
         async with self.changed:
             self.latest_published = max(self.latest_published, newest.version)
             self.changed.notify_all()
-        await self.backend.load_policy(newest.version, newest.uri, kind=newest.kind)
+        await self._load(newest)
         ctx = self.service.ctx
         loaded = new_event(
             PolicyVersionLoaded(role=newest.role, replica=self.replica, version=newest.version),
@@ -137,6 +141,27 @@ class PolicyFollower:
         self.service.log.info("policy_loaded", role=self.role, version=newest.version)
         async with self.changed:
             self.changed.notify_all()
+
+    async def _load(self, policy: PolicyVersionPublished) -> None:
+        """Loads ``policy`` into the engine, a failed load tried again after 1 and 2 s (a
+        checkpoint still arriving on shared storage). One that still fails raises
+        ``Unrecoverable``: the version would be dead-lettered and the service, admitting
+        no call past ``max_staleness``, would wait for it for ever. An engine outage
+        (``DependencyUnavailable``) is the bus's to wait out."""
+        for attempt in range(POLICY_LOAD_ATTEMPTS):
+            try:
+                await self.backend.load_policy(policy.version, policy.uri, kind=policy.kind)
+                return
+            except DependencyUnavailable:
+                raise
+            except Exception as e:
+                if attempt + 1 == POLICY_LOAD_ATTEMPTS:
+                    raise Unrecoverable(
+                        f"{self.role} policy version {policy.version} ({policy.uri}) could "
+                        f"not be loaded: {type(e).__name__}: {e}"[:2000]) from e
+                self.service.log.warning("policy_load_failed", version=policy.version,
+                                         attempt=attempt + 1, error=f"{type(e).__name__}: {e}")
+                await asyncio.sleep(2.0 ** attempt)
 
     def staleness(self) -> int:
         return self.latest_published - self.backend.policy_version

@@ -26,6 +26,7 @@ from kz_stream.events import (
     new_event,
     payload_as,
 )
+from kz_stream.faults import Unrecoverable
 from kz_stream.llm import (
     BackendError,
     BackendLost,
@@ -641,6 +642,26 @@ async def test_a_coder_whose_engine_is_gone_fails_and_its_module_waits_for_the_n
         assert [k.payload["module_id"] for k in kernels] == ["m0"]
     finally:
         await stop_all(services, tasks)
+        await backend.close()
+
+
+async def test_a_coder_that_cannot_load_a_published_policy_fails_and_says_which(
+    ctx: ServiceContext, tmp_path: Path,
+) -> None:
+    """A published version the engine cannot load (its files gone) fails the Coder, naming
+    the version and where it was looked for: dead-lettered, it left the Coder waiting for
+    that version for ever (``max_staleness`` 0 admits no call past it)."""
+    backend = TransformersBackend.from_pretrained(smollm2_dir())
+    missing = (tmp_path / "coder-v1").as_uri()
+    await ctx.bus.publish(ctx.settings.topics.policy, new_event(
+        PolicyVersionPublished(role="coder", version=1, uri=missing, sha256="x", kind="lora"),
+        stream_id="policy-coder", stream_version=1), key="coder")
+    coder = CoderService(ctx, backend, CoderSettings(group_size=1, llm=LLM, max_staleness=0))
+    try:
+        with pytest.raises(Unrecoverable, match=r"coder policy version 1 \(file://.*coder-v1\)"):
+            await asyncio.wait_for(coder.run(), 120)
+        assert await list_dead_letters(ctx.bus, ctx.settings.topics.dead_letter) == []
+    finally:
         await backend.close()
 
 
