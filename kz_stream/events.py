@@ -36,6 +36,8 @@ __all__ = [
     "EVALUATION_PREFIX",
     "EVENT_TYPES",
     "RETRIED_STATUS",
+    "SEED_GROUP_PREFIX",
+    "SYNTHESIZED_GROUP_PREFIX",
     "UNDECIDED_STATUSES",
     "UPCASTERS",
     "Completion",
@@ -64,6 +66,12 @@ __all__ = [
     "source_sha256",
 ]
 
+
+# Where a module that no model wrote came from, by its group id: the run's seeds
+# (hand-written and synthesized, published at its start) and the Proposer's synthesized
+# fallback after a prompt that gave no valid proposal.
+SEED_GROUP_PREFIX = "seed-"
+SYNTHESIZED_GROUP_PREFIX = "synth-"
 
 # Verdicts that say nothing of the kernel's worth (the check could not run here, or the
 # verifier itself failed): they earn no reward, and a figure leaves them out.

@@ -23,6 +23,7 @@ from rich.rule import Rule
 from rich.table import Table
 
 from kz_stream.events import (
+    SYNTHESIZED_GROUP_PREFIX,
     PolicyVersionPublished,
     TrainingStepCompleted,
     VerdictStatus,
@@ -107,7 +108,8 @@ class RunSummary:
     rounds_done: int = 0
     rounds_planned: int | None = None
     modules: int = 0
-    seed_modules: int = 0  # modules not written by the Proposer model
+    seed_modules: int = 0  # the run's seeds: modules no model wrote, published at its start
+    synthesized_modules: int = 0  # the Proposer's fallback after a prompt with none valid
     kernels: int = 0
     verdicts: dict[str, int] = field(default_factory=dict)  # newest verdict per kernel
     unverified: int = 0
@@ -182,7 +184,11 @@ def summarize_run(
         rounds_done=total_steps // per_round if per_round else 0,
         rounds_planned=cfg.rounds if cfg else None,
         modules=len(state.modules),
-        seed_modules=len(state.modules) - sum(len(m) for m in state.proposals.values()),
+        seed_modules=sum(m.event.completion is None
+                         and not m.event.group_id.startswith(SYNTHESIZED_GROUP_PREFIX)
+                         for m in state.modules.values()),
+        synthesized_modules=sum(m.event.group_id.startswith(SYNTHESIZED_GROUP_PREFIX)
+                                for m in state.modules.values()),
         kernels=len(state.kernels),
         verdicts=verdicts,
         unverified=len(state.kernels) - len(statuses),
@@ -382,6 +388,8 @@ def render_summary(summary: RunSummary, commands: Sequence[tuple[str, str]] = ()
     row("kernels", f"{s.kernels} generated: {counts}")
     c, p = s.coder, s.proposer
     seeds = f"; {s.seed_modules} seed module{'s' if s.seed_modules != 1 else ''}"
+    if s.synthesized_modules:
+        seeds += f"; {s.synthesized_modules} synthesized fallback"
     row("Coder", f"pass rate {_pct(c.rate)} ({c.rate_of}/{c.rate_n} judged); "
                  + _training(c, "pass rate"))
     # Valid proposals earn their reward only once the Coder has judged kernels for them:

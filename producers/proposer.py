@@ -26,6 +26,8 @@ from kz_stream._cpus import usable_cpus
 from kz_stream.bus import BusMessage, Subscription
 from kz_stream.config import ProposerSettings
 from kz_stream.events import (
+    SEED_GROUP_PREFIX,
+    SYNTHESIZED_GROUP_PREFIX,
     Event,
     FrontierUpdated,
     ModuleProposed,
@@ -369,7 +371,7 @@ class ProposerService(Service):
                 digest, validation = await checks[i]
                 await self._publish_validated(
                     list(seed.api_set), seed.source, digest, validation, prompt="",
-                    sample=None, group_id=f"seed-{uuid.uuid4().hex}",
+                    sample=None, group_id=f"{SEED_GROUP_PREFIX}{uuid.uuid4().hex}",
                 )
         finally:
             for check in checks.values():
@@ -414,7 +416,7 @@ class ProposerService(Service):
         apis = api_set if feasible(api_set) else self._synthesizer.api_set()
         module = synthesize(apis, self._synthesizer.rng)
         await self._publish(list(module.api_set), module.source, prompt="", sample=None,
-                            group_id=f"synth-{uuid.uuid4().hex}")
+                            group_id=f"{SYNTHESIZED_GROUP_PREFIX}{uuid.uuid4().hex}")
 
     async def _publish(
         self,

@@ -122,6 +122,7 @@ def second_session(t: Trail) -> list[Event]:
         t.step("proposer", 2, -0.5, modules=["p1", "p2"]),
         t.published("proposer", 1, "file:///ckpt/proposer-v1"),
         t.module("p3", group="pg2"), t.module("p4", group="pg2"),
+        t.module("s1", group="synth-1", seed=True),  # the fallback after pg2: no seed
         t.kernel("k5", "g3", version=1), t.kernel("k6", "g3", version=1),
         t.verdict("k5", "g3", "incorrect"), t.verdict("k5", "g3", "correct"),  # re-scored
         t.step("coder", 3, -1.0, kernels=["k3", "k4"]),
@@ -156,7 +157,7 @@ def test_a_finished_run_from_its_stored_events(store_url: str) -> None:
     assert (s.kernels, s.unverified) == (6, 1)
     assert s.verdicts == {"correct": 2, "compile_error": 1, "runtime_error": 1, "hack": 1}
     assert list(s.verdicts) == ["correct", "compile_error", "runtime_error", "hack"]
-    assert (s.modules, s.seed_modules) == (5, 1)
+    assert (s.modules, s.seed_modules, s.synthesized_modules) == (6, 1, 1)
     c, p = s.coder, s.proposer
     assert (c.steps, c.steps_planned, c.mean_rewards) == (2, 2, (0.5, -1.0))
     assert c.step_rates == (0.5, 0.0)  # k1 correct, k2 not; k3, k4 neither
@@ -184,7 +185,8 @@ def test_a_finished_run_from_its_stored_events(store_url: str) -> None:
     assert "6 generated: correct 2, compile_error 1, runtime_error 1, hack 1, unverified 1" in shown
     assert ("Coder     pass rate 40% (2/5 judged); mean reward +0.500 -> -1.000, pass rate "
             "50% -> 0% (first -> last of 2 steps)") in shown
-    assert ("Proposer  valid 75% (3/4 proposals; 1 seed module); mean reward -0.500 -> +1.000, "
+    assert ("Proposer  valid 75% (3/4 proposals; 1 seed module; 1 synthesized fallback); "
+            "mean reward -0.500 -> +1.000, "
             "valid 50% -> 100% (first -> last of 2 steps); 3 valid proposals not yet scored by "
             "the Coder") in shown
     assert ("coder v0 (packaged warm start) -> v1 -> v2, loaded v2; "
