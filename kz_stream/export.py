@@ -1,8 +1,9 @@
 """``kz dataset export``: Hugging Face datasets (parquet and a dataset card) replayed from
 the event store.
 
-- ``sft``: per module and backend, the best correct kernel by its newest verdict (highest
-  measured speedup; the earliest among equals, unmeasured speedups last) with the module,
+- ``sft``: per module and backend, the best correct kernel by its newest decided verdict
+  (of those the newest verifier version judged, the highest measured speedup; the earliest
+  among equals, unmeasured speedups last) with the module,
   the Coder's prompt and the kernel's speedup: supervised fine-tuning pairs.
 - ``verdicts``: one row per verdict, with its kernel, verifier version and the policy
   version that wrote the kernel (a kernel verified again under a new verifier version has
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -123,6 +125,17 @@ class _Candidate:
     speedup: float | None
     verifier_version: str
     kernel: _Kernel
+
+    def rank(self) -> tuple[tuple[int, ...], float, int]:
+        """What ``sft`` takes the highest of: the newest verifier version first (a speedup
+        an older verifier measured is not comparable: a memoising matmul was correct at
+        7.6x under kzv-1.1, 0.63x after), then the speedup, then the earliest."""
+        return _version_order(self.verifier_version), self.speed, -self.seq
+
+
+def _version_order(version: str) -> tuple[int, ...]:
+    """``kzv-1.4`` as (1, 4): its numbers in order; a missing version sorts first."""
+    return tuple(int(n) for n in re.findall(r"\d+", version))
 
 
 @dataclass(slots=True)
@@ -229,7 +242,11 @@ class _Replay:
             self.rl_kernels.setdefault(p["kernel_id"], (p["module_id"], None, None))
 
     def _candidate(self, kernel: _Kernel, p: _Row, texts: tuple[str, str] | None) -> None:
-        """Ranks a kernel by its newest verdict: correct ones are candidates."""
+        """Ranks a kernel by its newest decided verdict: correct ones are candidates. An
+        undecided verdict (the verifier's own failure, a check it could not run there)
+        changes nothing: it says nothing of the kernel."""
+        if p["status"] in UNDECIDED_STATUSES:
+            return
         key = (kernel.row["module_id"], kernel.row["backend"])
         mine = self.candidates.setdefault(key, {})
         kid = kernel.row["kernel_id"]
@@ -242,7 +259,7 @@ class _Replay:
                                       speedup, p.get("verifier_version", ""), kernel)
         held = self.best.get(key)
         rival = mine.get(held[0]) if held is not None else None
-        if texts is not None and (rival is None or cand.speed > rival.speed):
+        if texts is not None and (rival is None or cand.rank() > rival.rank()):
             self.best[key] = (kid, *texts)
 
 
@@ -282,12 +299,13 @@ async def _hand_on(
 
 
 async def _sft_rows(store: EventStore, r: _Replay) -> list[_Row]:
-    """Per module and backend, the correct kernel (by its newest verdict) with the highest
-    measured speedup; the earliest among equals, unmeasured speedups last."""
+    """Per module and backend, the correct kernel (by its newest decided verdict) with the
+    highest measured speedup among those the newest verifier version judged
+    (``_Candidate.rank``); the earliest among equals, unmeasured speedups last."""
     winners: dict[tuple[str, str], _Candidate] = {}
     for key in sorted(r.candidates):
         if r.candidates[key]:
-            winners[key] = max(r.candidates[key].values(), key=lambda c: (c.speed, -c.seq))
+            winners[key] = max(r.candidates[key].values(), key=_Candidate.rank)
     texts: dict[tuple[str, str], tuple[str, str]] = {}
     unread = []
     for key, c in winners.items():
@@ -415,7 +433,8 @@ generated {window}; evaluation runs {evaluation}.
 """
 
 _ABOUT: dict[DatasetName, str] = {
-    "sft": "Per module and backend, the best correct kernel (highest measured speedup) with "
+    "sft": "Per module and backend, the best correct kernel (of those the newest verifier "
+    "version judged, the highest measured speedup) with "
     "the module's source and the Coder's prompt (a JSON chat). Columns: module_id, backend, "
     "module_source, prompt, kernel, speedup, kernel_id, run_id, policy_version, "
     "verifier_version.",

@@ -139,6 +139,38 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
         "double")
 
 
+def test_the_sft_kernel_is_the_newest_verifiers_fastest_and_undecided_verdicts_change_nothing(
+    store_url: str,
+) -> None:
+    """m9: a kernel an old verifier timed at 7.6x (never re-scored; a memoising matmul
+    was once that) does not beat one the current verifier timed at 2.0x. m8: the fastest
+    kernel's re-score was the verifier's own failure; it stays the one taken."""
+    verdicts = {"old": ("m9", [("correct", 7.6, "kzv-1.1")]),
+                "new": ("m9", [("correct", 2.0, "kzv-1.4")]),
+                "b1": ("m8", [("correct", 3.0, "kzv-1.3"), ("infra_error", None, "kzv-1.4")]),
+                "b2": ("m8", [("correct", 1.1, "kzv-1.3"), ("unchecked", None, "kzv-1.4")])}
+    history = []
+    for kid, (module, judged) in verdicts.items():
+        history.append(new_event(
+            KernelGenerated(kernel_id=kid, module_id=module, group_id=f"g-{module}",
+                            backend="triton", source=f"kernel {kid}", prompt=f"prompt {module}"),
+            stream_id=f"kernel-{kid}", stream_version=0, correlation_id="run-a"))
+        history += [new_event(
+            KernelVerified(kernel_id=kid, module_id=module, group_id=f"g-{module}",
+                           status=VerdictStatus(status), speedup=speedup,
+                           verifier_version=version),
+            stream_id=f"kernel-{kid}", stream_version=i, correlation_id="run-a")
+            for i, (status, speedup, version) in enumerate(judged, start=1)]
+
+    async def go() -> list[tuple[str, str]]:
+        async with open_store(store_url) as store:
+            await store.append(history)
+            rows, _ = await collect_rows(store, KernelFilter(), sets=("sft",))
+            return sorted((r["module_id"], r["kernel_id"]) for r in rows["sft"])
+
+    assert asyncio.run(go()) == [("m8", "b1"), ("m9", "new")]
+
+
 def more_events() -> list[Event]:
     """Beyond ``events()``: an invalid module, a module only an evaluation proposed, a kernel
     of a module never proposed, undecided verdicts, a verdict stored before its kernel
