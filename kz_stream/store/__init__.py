@@ -10,6 +10,7 @@ from kz_stream.store._port import (
     ConcurrencyError,
     EventStore,
     RecordedEvent,
+    StoreNotFound,
     StoreTransaction,
 )
 from kz_stream.store._schema import metadata
@@ -22,6 +23,7 @@ __all__ = [
     "RecordedEvent",
     "SqlEventStore",
     "SqlTransaction",
+    "StoreNotFound",
     "StoreTransaction",
     "metadata",
     "open_store",

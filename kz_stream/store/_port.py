@@ -19,6 +19,11 @@ class ConcurrencyError(Exception):
     """(stream_id, stream_version) is already taken by a different event."""
 
 
+class StoreNotFound(LookupError):
+    """A store opened to be read, without creating its schema, that holds none (the
+    database never written, or another ``KZ_DATABASE_URL``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RecordedEvent:
     """An event as stored: the envelope plus its commit-ordered global position."""

@@ -42,12 +42,13 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
 import psycopg
 from psycopg import errors as pg_errors
-from sqlalchemy import Connection, event, func, insert, select, text
+from sqlalchemy import Connection, event, func, insert, inspect, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL
@@ -62,6 +63,7 @@ from kz_stream.store._port import (
     AppendResult,
     ConcurrencyError,
     RecordedEvent,
+    StoreNotFound,
 )
 from kz_stream.store._schema import EVENT_COLUMNS, events, tracking
 
@@ -249,6 +251,8 @@ class SqlEventStore:
     async def start(self) -> None:
         if self._engine is not None:
             return
+        if not self._create_schema:
+            self._require_sqlite_file()
         if self.dialect == "sqlite":
             engine = self._sqlite_engine()
             # Writers take SQLite's write lock up front (BEGIN IMMEDIATE); a deferred BEGIN
@@ -262,6 +266,26 @@ class SqlEventStore:
         if self._create_schema:
             async with writer.begin() as conn:
                 await conn.run_sync(upgrade_connection)
+        else:
+            async with engine.connect() as conn:
+                found = await conn.run_sync(lambda c: inspect(c).has_table(events.name))
+            if not found:
+                await self.close()
+                raise StoreNotFound(f"{self._described()} holds no event store (no "
+                                    f"{events.name} table: never written by a service or kz "
+                                    "run, or another KZ_DATABASE_URL)")
+
+    def _require_sqlite_file(self) -> None:
+        """Raises StoreNotFound for a SQLite file that is not there: opening it would leave
+        an empty file where the user mistyped a path."""
+        database = self._url.database
+        if (self.dialect == "sqlite" and database and database != ":memory:"
+                and not Path(database).exists()):
+            raise StoreNotFound(f"{self._described()}: no such database file (a service or "
+                                "kz run creates it; is KZ_DATABASE_URL the one they use?)")
+
+    def _described(self) -> str:
+        return self._url.render_as_string(hide_password=True)
 
     async def close(self) -> None:
         if self._engine is not None:

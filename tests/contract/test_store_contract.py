@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import uuid
 from collections import Counter
@@ -16,6 +17,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, select
+from sqlalchemy.engine import make_url
 
 from kz_stream.database_url import sync_url
 from kz_stream.events import (
@@ -40,7 +42,9 @@ from kz_stream.store import (
     EventStore,
     RecordedEvent,
     SqlEventStore,
+    StoreNotFound,
     metadata,
+    open_store,
     upgrade,
 )
 
@@ -143,6 +147,21 @@ async def test_an_empty_store_reads_nothing_and_has_position_zero(store: SqlEven
     assert await store.last_position() == 0
     assert await store.read_stream("nothing") == []
     assert (await store.append([])).appended == 0
+
+
+async def test_a_store_opened_to_read_where_none_was_written_says_so(store_url: str) -> None:
+    """A reader (kz dataset export, kz audit) on a mistyped URL: a clear error, and no
+    empty SQLite file left where the path pointed."""
+    with pytest.raises(StoreNotFound, match=r"no such database file|never written"):
+        async with open_store(store_url, create_schema=False):
+            pass
+    database = make_url(store_url).database
+    if store_url.startswith("sqlite") and database:
+        assert not await asyncio.to_thread(os.path.exists, database)
+    async with open_store(store_url) as store:  # a writer creates it
+        await store.append([verdict("a", 0)])
+    async with open_store(store_url, create_schema=False) as store:
+        assert await store.last_position() == 1
 
 
 async def test_a_naive_occurred_at_is_stored_as_utc(store: SqlEventStore) -> None:

@@ -54,7 +54,7 @@ PUBLIC = {
     ],
     "kz_stream.store": [
         "AppendResult", "ConcurrencyError", "EventStore", "RecordedEvent", "SqlEventStore",
-        "SqlTransaction", "StoreTransaction", "metadata", "open_store", "upgrade",
+        "SqlTransaction", "StoreNotFound", "StoreTransaction", "metadata", "open_store", "upgrade",
     ],
 }
 # Benchmarks may import the internals they measure (the store's COPY path, say).
