@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import create_engine, pool
-from sqlalchemy.engine import Connection
+from sqlalchemy import create_engine, event, pool
+from sqlalchemy.engine import Connection, Engine
 
 from kz_stream.database_url import sync_url
 
@@ -25,18 +26,48 @@ def alembic_config(url: str | None = None) -> Config:
     return cfg
 
 
+# One fixed key for the migrating processes' advisory lock ("kz_migr" in ASCII; the
+# appenders' is "kz_event").
+_MIGRATION_LOCK_KEY = int.from_bytes(b"kz_migr", "big")
+
+
 def upgrade_connection(connection: Connection, revision: str = "head") -> None:
-    """Upgrades the database behind an open connection (commits nothing itself)."""
+    """Upgrades the database behind an open connection (commits nothing itself). On
+    PostgreSQL it first takes a lock held to the commit: services starting together on a
+    fresh database each found no ``alembic_version`` and created the tables, and all but
+    one died on a unique violation; after the wait, Alembic finds the schema at head."""
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_KEY})")
     cfg = alembic_config()
     cfg.attributes["connection"] = connection
     command.upgrade(cfg, revision)
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    """Upgrades the database at ``url`` to ``revision``; blocking, safe inside an event loop."""
+    """Upgrades the database at ``url`` to ``revision`` in one transaction; blocking, safe
+    inside an event loop."""
     engine = create_engine(sync_url(url), poolclass=pool.NullPool)
+    if engine.dialect.name == "sqlite":
+        _one_sqlite_transaction(engine)
     try:
         with engine.begin() as conn:
             upgrade_connection(conn, revision)
     finally:
         engine.dispose()
+
+
+def _one_sqlite_transaction(engine: Engine) -> None:
+    """Makes ``engine.begin()`` one SQLite transaction that holds the write lock from its
+    start, as the store's writers do (``SqlEventStore``). The driver otherwise runs DDL
+    outside any transaction: an upgrade cut between ``CREATE TABLE events`` and its
+    version row left a database no later upgrade could mend, and one racing a starting
+    service failed on "table alembic_version already exists"."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # BEGIN is ours, below
+        dbapi_conn.execute("PRAGMA busy_timeout = 60000")  # the store's writers wait 60 s
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")

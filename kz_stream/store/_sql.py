@@ -264,8 +264,12 @@ class SqlEventStore:
             writer = engine
         self._engine, self._writer = engine, writer
         if self._create_schema:
-            async with writer.begin() as conn:
-                await conn.run_sync(upgrade_connection)
+            try:
+                async with writer.begin() as conn:
+                    await conn.run_sync(upgrade_connection)
+            except BaseException:
+                await self.close()  # a next start() migrates again
+                raise
         else:
             async with engine.connect() as conn:
                 found = await conn.run_sync(lambda c: inspect(c).has_table(events.name))

@@ -5,11 +5,14 @@ revision keeps its events through an upgrade, and each revision's downgrade undo
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sqlite3
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -127,3 +130,29 @@ def test_downgrading_to_0001_drops_the_correlation_index(store_url: str) -> None
 
     assert CORRELATION_INDEX not in event_indexes(store_url)
     assert revision(store_url) == "0001"
+
+
+def _upgrade_when_all_are_ready(url: str, ready: Any) -> str:
+    ready.wait()
+    try:
+        upgrade(url)
+    except Exception as e:  # the test shows every process's outcome
+        return f"{type(e).__name__}: {e}"[:300]
+    return "ok"
+
+
+def test_processes_migrating_a_fresh_store_at_once_all_succeed(store_url: str) -> None:
+    """Services (and `kz db upgrade`) starting together on a new database: each waits for
+    the one migrating, then finds the schema at head (the losers died on a unique
+    violation, or on "table already exists")."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(4, mp_context=ctx) as pool:
+        ready = manager.Barrier(4)
+        outcomes = list(pool.map(_upgrade_when_all_are_ready, [store_url] * 4, [ready] * 4))
+    assert outcomes == ["ok"] * 4
+    engine = create_engine(sync_url(store_url))
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM alembic_version")).scalar() == 1
+    finally:
+        engine.dispose()
