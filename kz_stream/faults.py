@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -105,6 +106,8 @@ def dependency_of(error: BaseException) -> str | None:
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        if _sqlite_error_that_stays(e):
+            return None
         if isinstance(e, DependencyUnavailable):
             return e.dependency
         for dependency, classes in _TRANSIENT:
@@ -114,6 +117,22 @@ def dependency_of(error: BaseException) -> str | None:
             return "network"
         e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     return None
+
+
+# SQLite's primary result codes that pass by themselves: busy, locked, I/O error, disk
+# full, cannot open, lock protocol. SQLAlchemy raises every sqlite3.OperationalError as its
+# OperationalError, an outage for the other drivers; a read-only file or a missing table
+# is one too there, and a service waited it out for ever with health saying "store
+# unreachable".
+_SQLITE_PASSING = frozenset({5, 6, 10, 13, 14, 15})
+
+
+def _sqlite_error_that_stays(error: BaseException) -> bool:
+    """True for an SQLite error (or SQLAlchemy's wrapping one) that no retry will pass."""
+    driver = getattr(error, "orig", error)
+    code = getattr(driver, "sqlite_errorcode", None)
+    return isinstance(driver, sqlite3.Error) and code is not None and (
+        code & 0xFF) not in _SQLITE_PASSING
 
 
 def describe_outage(error: BaseException) -> str:

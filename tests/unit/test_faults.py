@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import aiokafka.errors as ke
 import psycopg
 import pytest
@@ -95,3 +98,31 @@ async def test_a_wake_ends_the_wait_between_tries_at_once() -> None:
     with pytest.raises(TimeoutError):  # unset: the backoff's wait stands
         calls.clear()
         await asyncio.wait_for(wait_out(op, backoff=Backoff(60.0, 60.0)), 0.5)
+
+
+def sqlite_error(db: Path, what: str) -> Exception:
+    """The error SQLite raises (as SQLAlchemy wraps it) for a write to a file opened
+    read-only, a missing table, or a write lock another connection holds."""
+    sqlite3.connect(db).execute("CREATE TABLE IF NOT EXISTS t (x)").connection.commit()
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        conn = (sqlite3.connect(f"file:{db}?mode=ro", uri=True) if what == "readonly"
+                else sqlite3.connect(db, timeout=0, isolation_level=None))
+        sql = {"readonly": "INSERT INTO t VALUES (1)", "no table": "SELECT * FROM nope",
+               "locked": "BEGIN IMMEDIATE"}[what]
+        try:
+            conn.execute(sql)
+        except sqlite3.OperationalError as e:
+            return wrapped(e)
+        raise AssertionError(f"{sql} did not fail")
+    finally:
+        holder.rollback()
+
+
+def test_a_sqlite_store_that_is_locked_is_an_outage_and_one_that_cannot_work_is_not(
+    tmp_path: Path,
+) -> None:
+    assert dependency_of(sqlite_error(tmp_path / "a.db", "locked")) == "store"
+    assert dependency_of(sqlite_error(tmp_path / "b.db", "readonly")) is None
+    assert dependency_of(sqlite_error(tmp_path / "c.db", "no table")) is None
