@@ -64,7 +64,7 @@ def mix(samples: int, full: bool, seed: int = 0) -> list[tuple[str, str, str]]:
 
 async def verify_mix(jobs: list[tuple[str, str, str]], time_limit: float,
                      save: Any, oracles: int, slots: int | None = None,
-                     output_handles: bool = False) -> dict[str, Any]:
+                     output_handles: bool = True) -> dict[str, Any]:
     """Sends every candidate to one verifier at once; what it finishes in ``time_limit``."""
     from kz_stream.verify import Candidate, Problem, Verifier, VerifierConfig
 
@@ -175,9 +175,10 @@ def main() -> None:
                     help="problems prepared at once (kz eval run's default on a GPU)")
     ap.add_argument("--slots", type=int, default=None,
                     help="candidates in their GPU stage at once (default: the verifier's)")
-    ap.add_argument("--output-handles", action="store_true",
+    ap.add_argument("--output-handles", action=argparse.BooleanOptionalAction, default=True,
                     help="workers hand big device outputs over by CUDA IPC handle "
-                         "(VerifierConfig.output_handles)")
+                         "(VerifierConfig.output_handles, on by default; "
+                         "--no-output-handles: through the host)")
     ap.add_argument("--note", default="", help="appended to the result's notes")
     args = ap.parse_args()
     jobs = mix(args.samples, full=not args.small)

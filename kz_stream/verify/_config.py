@@ -119,8 +119,10 @@ class VerifierConfig(BaseModel):
     # Workers hand their device outputs of 16 MiB or more to the verifier by CUDA IPC
     # handle (copied device to device, ``_device_ipc``) rather than through the host: on
     # an H100 1.8 ms for 1 GiB against 0.50 s (a sealed file) and 1.03 s (the socket).
-    # Off until measured in verifications on a GPU (docs/verifier.md).
-    output_handles: bool = False
+    # On since 2026-12-08: the GPU tests and the full-size mix judged every candidate
+    # that handed outputs over so correctly on an H100 (docs/verifier.md); a copy that
+    # fails is the verifier's own failure (infra_error), verified again, never a reward.
+    output_handles: bool = True
     # Candidates in their GPU stage at once, per GPU: their checks overlap (one's Triton
     # JIT and host work with another's kernels); timing is exclusive all the same.
     candidates_per_gpu: int = Field(default=3, ge=1)
