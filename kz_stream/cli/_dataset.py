@@ -36,12 +36,24 @@ IncludeEvalOption = Annotated[
 def _kernel_filter(runs: list[str] | None, statuses: list[str] | None, include_eval: bool,
                    since: datetime | None, until: datetime | None,
                    verifier_versions: list[str] | None = None) -> KernelFilter:
-    """The stored kernels the filter options choose (kz dataset export, kz rescore)."""
+    """The stored kernels the filter options choose (kz dataset export, kz rescore); a
+    status that is none, or an empty time window, is refused (it chose nothing, silently)."""
+    from kz_stream.events import VerdictStatus
     from kz_stream.export import KernelFilter
+
+    known = [s.value for s in VerdictStatus]
+    for name in statuses or ():
+        if name not in known:
+            raise typer.BadParameter(f"{name!r} is not a verdict status: {', '.join(known)}",
+                                     param_hint="--status")
+    since, until = _utc(since), _utc(until)
+    if since is not None and until is not None and since >= until:
+        raise typer.BadParameter(f"--since {since} is not before --until {until}: no kernel "
+                                 "is in that window")
 
     return KernelFilter(runs=set(runs or ()), statuses=set(statuses or ()),
                         verifier_versions=set(verifier_versions or ()),
-                        include_evaluation=include_eval, since=_utc(since), until=_utc(until))
+                        include_evaluation=include_eval, since=since, until=until)
 
 
 def _utc(moment: datetime | None) -> datetime | None:
@@ -96,6 +108,10 @@ def dataset_export(
         + f" (store position {position:,}) written to {out}",
         highlight=False,
     )
+    if not any(counts.values()) and (run or verifier_version or status or since or until):
+        err_console.print("warning: the filters matched nothing in this store (is each --run "
+                          "and --verifier-version one it holds?)",
+                          highlight=False)
 
 
 @_one_line_errors

@@ -131,6 +131,16 @@ def test_sets_and_filters(store_url: str, tmp_path: Path) -> None:
     empty = CliRunner().invoke(app, ["dataset", "export", str(tmp_path / "none"), "--set",
                                      "sft", "--run", "run-z"], env={"KZ_DATABASE_URL": url})
     assert empty.exit_code == 0, empty.output
+    assert "the filters matched nothing in this store" in empty.stderr
+    # A status that is none, or an empty window, is refused (it chose nothing, silently).
+    typo = CliRunner().invoke(app, ["dataset", "export", str(tmp_path / "typo"), "--status",
+                                    "Correct"], env={"KZ_DATABASE_URL": url})
+    assert typo.exit_code == 1 and "'Correct' is not a verdict status" in typo.output
+    window = CliRunner().invoke(app, ["dataset", "export", str(tmp_path / "w"), "--since",
+                                      "2027-01-01", "--until", "2026-01-01"],
+                                env={"KZ_DATABASE_URL": url})
+    assert window.exit_code == 1 and "is not before --until" in window.output
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "w").exists()
     # An empty set keeps its typed columns (datasets itself will not load 0 rows).
     import pyarrow.parquet as pq
 
