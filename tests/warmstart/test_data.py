@@ -20,6 +20,7 @@ from kz_stream.warmstart.data import (
     PROPOSER_SFT,
     SftSets,
     teacher_run_id,
+    twins_in_training,
 )
 
 pytestmark = pytest.mark.slow
@@ -142,3 +143,16 @@ def test_teacher_kernels_the_host_could_not_judge_are_named_with_what_to_do() ->
     assert "on a GPU" in line and "left out of the Coder set" in line
     judged = SftSets(coder=2, proposer=2, teacher_verdicts={"correct": 2, "compile_error": 1})
     assert judged.describe() == "teacher kernels: 2 correct, 1 compile_error"
+
+
+def test_a_held_out_module_that_differs_from_a_training_one_only_in_sizes_is_its_twin() -> None:
+    """The split by source hash puts such twins on both sides; measurement needs to know."""
+    import random
+
+    from kz_stream.warmstart.synth import synthesize
+
+    relu = [synthesize(["torch.relu"], random.Random(seed)).source for seed in (1, 2)]
+    softmax = synthesize(["torch.softmax"], random.Random(3)).source
+    assert relu[0] != relu[1]  # other sizes
+    assert twins_in_training([relu[1], softmax], train=[relu[0]]) == [True, False]
+    assert twins_in_training([relu[1]], train=[softmax]) == [False]
