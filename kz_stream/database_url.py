@@ -23,15 +23,18 @@ def async_url(url: str | URL) -> URL:
     ``postgresql://`` URLs. Raises ValueError for another database or an in-memory SQLite."""
     u = parse(url)
     backend, driver = u.get_backend_name(), u.get_driver_name()
+    if backend not in ("sqlite", "postgresql"):
+        raise ValueError(f"unsupported event store URL {u!r}: use sqlite or postgresql")
+    if backend == "sqlite" and (u.database in (None, "", ":memory:")
+                                or u.query.get("mode") == "memory"):
+        # Checked for every driver (a plain sqlite:// got past it): each pooled connection
+        # would see its own empty database, or all share one, and the events go with the
+        # process.
+        raise ValueError("the SQLite event store needs a file path, not an in-memory database")
     if backend == "sqlite" and driver != "aiosqlite":
         return u.set(drivername="sqlite+aiosqlite")
     if backend == "postgresql" and driver not in ("psycopg", "psycopg_async"):
         return u.set(drivername="postgresql+psycopg")
-    if backend not in ("sqlite", "postgresql"):
-        raise ValueError(f"unsupported event store URL {u!r}: use sqlite or postgresql")
-    if backend == "sqlite" and u.database in (None, "", ":memory:"):
-        # Each pooled connection would see its own empty database, or all share one.
-        raise ValueError("the SQLite event store needs a file path, not an in-memory database")
     return u
 
 
