@@ -91,11 +91,23 @@ def twins_in_training(held_out: Sequence[str], train: Sequence[str]) -> list[boo
     return [twin(src) for src in held_out]
 
 
+TEACHER_RUN_FILE = "teacher_run_id"
+
+
 def teacher_run_id(out: Path) -> str:
-    """The teacher's evaluation run id for a data folder (stable, so a rerun resumes it)."""
+    """The teacher's evaluation run id for a data folder, kept in the folder
+    (``TEACHER_RUN_FILE``) once made, so a rerun resumes it wherever the folder has moved
+    (a new id at another path judged every teacher kernel again, and the SFT sets read
+    only the new run). A folder without the file gets the id its path gave until then."""
     import hashlib
 
-    return "eval-teacher-" + hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:10]
+    kept = out / TEACHER_RUN_FILE
+    if kept.exists():
+        return kept.read_text().strip()
+    run_id = "eval-teacher-" + hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:10]
+    out.mkdir(parents=True, exist_ok=True)
+    kept.write_text(run_id + "\n")
+    return run_id
 
 
 def _file_name(index: int, module: SynthModule) -> str:

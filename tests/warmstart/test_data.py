@@ -156,3 +156,10 @@ def test_a_held_out_module_that_differs_from_a_training_one_only_in_sizes_is_its
     assert relu[0] != relu[1]  # other sizes
     assert twins_in_training([relu[1], softmax], train=[relu[0]]) == [True, False]
     assert twins_in_training([relu[1]], train=[softmax]) == [False]
+
+
+def test_a_data_folder_keeps_its_teacher_run_id_when_moved(tmp_path: Path) -> None:
+    first = teacher_run_id(tmp_path / "ws")
+    (tmp_path / "ws").rename(tmp_path / "moved")
+    assert teacher_run_id(tmp_path / "moved") == first
+    assert teacher_run_id(tmp_path / "other") != first
