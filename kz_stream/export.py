@@ -95,7 +95,7 @@ def _payload_fields(sets: Collection[DatasetName]) -> list[str]:
     """The payload keys the ``sets`` read: the store may drop the rest (completions with
     their token ids, verdict details) before sending them."""
     fields = {"module_id", "kernel_id", "group_id", "backend", "policy_version", "status",
-              "speedup", "verifier_version", "source"}
+              "speedup", "verifier_version", "source", "normalized_hash"}
     if "rl" in sets:
         fields |= {"api_set", "validation"}
     if "sft" in sets or "verdicts" in sets:
@@ -170,11 +170,25 @@ class _Replay:
     # Every kernel id generated so far, kept or not: a verdict on one the filter left out
     # is not early, and holding it would grow with every other run's verdicts.
     generated: set[str] = field(default_factory=set)
+    # Decontamination: the normalized hashes of the store's evaluation problems, and of
+    # each training module; ``sft`` and ``rl`` leave out a training module whose hash is
+    # an evaluation problem's, whichever came first (a Proposer started before the
+    # evaluation was stored, or without ``decontaminate``, let such modules through).
+    evaluation_hashes: set[str] = field(default_factory=set)
+    module_hashes: dict[str, str] = field(default_factory=dict)
     position: int = 0
+
+    def contaminated(self, module_id: str) -> bool:
+        return self.module_hashes.get(module_id, "") in self.evaluation_hashes
 
     def apply(self, event: Any, position: int, recorded_at: str) -> None:
         p = current_payload(event)
         if event.type == "ModuleProposed":
+            if digest := p.get("normalized_hash"):
+                if is_evaluation(event.correlation_id):
+                    self.evaluation_hashes.add(digest)
+                else:
+                    self.module_hashes.setdefault(p["module_id"], digest)
             if "sft" in self.sets:
                 self.modules.setdefault(p["module_id"], p["source"])
             if "rl" in self.sets and not is_evaluation(event.correlation_id):
@@ -304,7 +318,7 @@ async def _sft_rows(store: EventStore, r: _Replay) -> list[_Row]:
     (``_Candidate.rank``); the earliest among equals, unmeasured speedups last."""
     winners: dict[tuple[str, str], _Candidate] = {}
     for key in sorted(r.candidates):
-        if r.candidates[key]:
+        if r.candidates[key] and not r.contaminated(key[0]):
             winners[key] = max(r.candidates[key].values(), key=_Candidate.rank)
     texts: dict[tuple[str, str], tuple[str, str]] = {}
     unread = []
@@ -349,7 +363,7 @@ def _rl_rows(r: _Replay) -> list[_Row]:
     rows = []
     for module_id in sorted(r.rl_modules):
         m, own = r.rl_modules[module_id], mine.get(module_id)
-        if not m.valid or own is None:
+        if not m.valid or own is None or r.contaminated(module_id):
             continue
         stats = [apis.get(api) for api in m.api_set]
         rows.append({
@@ -375,10 +389,11 @@ async def _replay_sets(
     sets: Collection[DatasetName] = DATASETS,
     chunk_rows: int = CHUNK_ROWS,
     on_batch: Callable[[int, int], object] | None = None,
-) -> tuple[list[_Row], list[_Row], int]:
+) -> tuple[list[_Row], list[_Row], int, int]:
     """Replays the store to the end it had when called, handing the ``verdicts`` rows to
     ``on_verdicts`` in chunks of ``chunk_rows`` as they come; returns the ``sft`` and
-    ``rl`` rows (one per module: the reductions) and the last position read.
+    ``rl`` rows (one per module: the reductions), the last position read and the count of
+    training modules left out as evaluation problems.
     ``on_batch(position, end)`` follows it."""
     end = await store.last_position()
     r = _Replay(flt, sets)
@@ -397,7 +412,8 @@ async def _replay_sets(
     if r.verdicts:
         await _hand_on(store, r, on_verdicts)
     sft = await _sft_rows(store, r) if "sft" in sets else []
-    return sft, _rl_rows(r) if "rl" in sets else [], r.position
+    left_out = sum(map(r.contaminated, r.module_hashes))
+    return sft, _rl_rows(r) if "rl" in sets else [], r.position, left_out
 
 
 async def collect_rows(
@@ -411,8 +427,8 @@ async def collect_rows(
     (others empty), all in memory, and the last position read. ``on_batch(position,
     end)`` follows it. ``export_datasets`` writes them without holding them."""
     verdicts: list[_Row] = []
-    sft, rl, position = await _replay_sets(store, flt, verdicts.extend, sets=sets,
-                                           on_batch=on_batch)
+    sft, rl, position, _ = await _replay_sets(store, flt, verdicts.extend, sets=sets,
+                                              on_batch=on_batch)
     return {"sft": sft, "verdicts": verdicts, "rl": rl}, position
 
 
@@ -427,7 +443,7 @@ configs:
 Replayed from the event store `{store}` up to global position {position}.
 
 Filters: runs {runs}; statuses {statuses}; verifier versions {versions}; kernels
-generated {window}; evaluation runs {evaluation}.
+generated {window}; evaluation runs {evaluation}.{decontamination}
 
 {sections}
 """
@@ -557,7 +573,7 @@ async def export_datasets(
     set and the last store position read."""
     verdicts = _open_verdicts(out, names)
     try:
-        sft, rl, position = await _replay_sets(
+        sft, rl, position, left_out = await _replay_sets(
             store, flt, verdicts.write if verdicts else lambda rows: None, sets=names,
             chunk_rows=chunk_rows, on_batch=on_batch)
     except BaseException:
@@ -572,7 +588,8 @@ async def export_datasets(
         else:
             counts[name] = write_dataset(name, made[name], out / f"{name}.parquet",
                                          chunk_rows=chunk_rows)
-    _write_card(out, names, counts, flt=flt, store_url=store_url, position=position)
+    _write_card(out, names, counts, flt=flt, store_url=store_url, position=position,
+                contaminated=left_out)
     return counts, position
 
 
@@ -590,6 +607,7 @@ def _write_card(
     flt: KernelFilter,
     store_url: str,
     position: int,
+    contaminated: int | None = None,
 ) -> None:
     """The dataset card: its ``configs`` make ``load_dataset(out, name)`` work."""
     card = _CARD.format(
@@ -603,6 +621,9 @@ def _write_card(
         evaluation=("included" if flt.include_evaluation and not flt.runs
                     else "included where named" if any(map(is_evaluation, flt.runs))
                     else "left out"),
+        decontamination="" if contaminated is None else (
+            f" Left out of `sft` and `rl`: {contaminated} training module(s) whose "
+            "normalized source is an evaluation problem's in this store."),
         sections="\n\n".join(f"## {n} ({counts[n]} rows)\n\n{_ABOUT[n]}" for n in names),
     )
     (out / "README.md").write_text(card)

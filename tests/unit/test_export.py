@@ -181,6 +181,46 @@ def test_the_sft_kernel_is_the_newest_verifiers_fastest_and_undecided_verdicts_c
     assert asyncio.run(go()) == [("m8", "b1"), ("m9", "new")]
 
 
+def test_a_training_module_that_is_an_evaluation_problem_is_left_out_of_sft_and_rl(
+    store_url: str, tmp_path: Path,
+) -> None:
+    """The export's own decontamination: m7 has the normalized source of a problem that an
+    evaluation stored after it (a Proposer started before the evaluation let it through);
+    its correct kernel would have taught the evaluation's answer."""
+    history = [
+        new_event(ModuleProposed(module_id=m, api_set=["torch.relu"], source=f"src {m}",
+                                 normalized_hash=h, validation=ModuleValidation(valid=True)),
+                  stream_id=f"module-{m}", stream_version=0, correlation_id="run-a")
+        for m, h in (("m6", "h-own"), ("m7", "h-kb19"))]
+    for kid, module in (("k60", "m6"), ("k70", "m7")):
+        history += [
+            new_event(KernelGenerated(kernel_id=kid, module_id=module, group_id=f"g-{module}",
+                                      backend="triton", source=f"kernel {kid}"),
+                      stream_id=f"kernel-{kid}", stream_version=0, correlation_id="run-a"),
+            new_event(KernelVerified(kernel_id=kid, module_id=module, group_id=f"g-{module}",
+                                     status=VerdictStatus("correct"), speedup=1.5),
+                      stream_id=f"kernel-{kid}", stream_version=1, correlation_id="run-a")]
+    history.append(new_event(
+        ModuleProposed(module_id="kb-19", api_set=["torch.relu"], source="src 19_ReLU",
+                       normalized_hash="h-kb19", validation=ModuleValidation(valid=True)),
+        stream_id="module-kb-19", stream_version=0, correlation_id="eval-kb"))
+
+    async def go() -> None:
+        async with open_store(store_url) as store:
+            await store.append(history)
+            counts, _ = await export_datasets(store, tmp_path, DATASETS, flt=KernelFilter(),
+                                              store_url=store_url)
+            assert counts == {"sft": 1, "verdicts": 2, "rl": 1}
+
+    asyncio.run(go())
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(tmp_path / "sft.parquet")["module_id"].to_pylist() == ["m6"]
+    assert pq.read_table(tmp_path / "rl.parquet")["module_id"].to_pylist() == ["m6"]
+    assert "Left out of `sft` and `rl`: 1 training module(s)" in (
+        tmp_path / "README.md").read_text()
+
+
 def more_events() -> list[Event]:
     """Beyond ``events()``: an invalid module, a module only an evaluation proposed, a kernel
     of a module never proposed, undecided verdicts, a verdict stored before its kernel
