@@ -355,7 +355,9 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL of the event store (sqlite+aiosqlite or postgresql+psycopg).",
     )
     bus_url: str = Field(default="memory://", description="memory:// or kafka://host:port[,...]")
-    run_id: str = Field(default="run-0", description="Correlation id stamped on every event.")
+    run_id: str = Field(default="run-0", min_length=1, max_length=200,
+                        description="Correlation id stamped on every event (the store's "
+                                    "correlation_id column holds 200 characters).")
     topics: TopicsConfig = Field(default_factory=TopicsConfig)
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=0, description="Health and /metrics port; 0 picks a free one.")

@@ -381,13 +381,15 @@ class Event(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     event_id: uuid.UUID
-    type: str
+    # The store's column widths (``store._schema``): PostgreSQL refuses a longer value
+    # (SQLite would keep it), and a refused event was dead-lettered with all its run's.
+    type: str = Field(max_length=100)
     schema_version: int = Field(ge=1)
     stream_id: str = Field(min_length=1, max_length=200)
     stream_version: int = Field(ge=0)
     occurred_at: datetime
-    producer: str = ""
-    correlation_id: str | None = None
+    producer: str = Field(default="", max_length=200)
+    correlation_id: str | None = Field(default=None, max_length=200)
     causation_id: uuid.UUID | None = None
     payload: dict[str, Any]
 

@@ -281,3 +281,14 @@ def test_a_kl_anchor_reaches_the_trainer_and_needs_lora(tmp_path: Path) -> None:
     assert settings.learner.trainer_options()["kl_beta"] == 0.04
     msg = error_of(toml(tmp_path, "[learner]\nkl_beta = 0.04\nfull_finetune = true\n"))
     assert "kl_beta needs LoRA" in msg
+
+
+def test_a_run_id_longer_than_the_stores_column_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL refuses a correlation id over 200 characters (SQLite keeps it): caught
+    in the settings, not as every event of the run dead-lettered."""
+    monkeypatch.setenv("KZ_RUN_ID", "r" * 201)
+    msg = error_of(toml(tmp_path, ""))
+    assert msg.startswith("run_id = 'rrr") and msg.endswith(
+        "(environment variable KZ_RUN_ID): string should have at most 200 characters")

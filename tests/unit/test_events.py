@@ -223,3 +223,9 @@ def test_nul_characters_from_a_model_are_replaced_so_every_store_accepts_them() 
     payload = kernel_generated().model_copy(update={"source": "a\x00b"})
     event = new_event(payload, stream_id="s", stream_version=0)
     assert event.payload["source"] == "a\ufffdb"
+
+
+def test_an_envelope_wider_than_the_stores_columns_is_refused() -> None:
+    with pytest.raises(ValueError, match="at most 200 characters"):
+        new_event(kernel_generated(), stream_id="kernel-k", stream_version=0,
+                  correlation_id="r" * 201)
