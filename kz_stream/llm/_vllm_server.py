@@ -423,9 +423,9 @@ class VLLMServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise BackendError(
-                    f"vLLM server exited with {self._proc.returncode}:\n{self.log_tail()}"
-                )
+                code = self._proc.returncode
+                self.stop()  # its engine-core children, in its session, may live on
+                raise BackendError(f"vLLM server exited with {code}:\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
                     return self
@@ -444,10 +444,13 @@ class VLLMServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         """Ends the server's process group: SIGTERM, then SIGKILL after ``timeout_s``."""
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
+        # The group too when the server itself has exited: its engine-core children may not.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is not None:
+            return
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
