@@ -152,8 +152,8 @@ class PolicyFollower:
             try:
                 await self.backend.load_policy(policy.version, policy.uri, kind=policy.kind)
                 return
-            except DependencyUnavailable:
-                raise
+            except (DependencyUnavailable, Unrecoverable):
+                raise  # an outage, or an engine that is gone: no retry here helps
             except Exception as e:
                 if attempt + 1 == POLICY_LOAD_ATTEMPTS:
                     raise Unrecoverable(
