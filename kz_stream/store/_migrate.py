@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import create_engine, event, pool
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy import create_engine, pool
+from sqlalchemy.engine import Connection
 
-from kz_stream.database_url import sync_url
+from kz_stream.database_url import parse, sync_url
+from kz_stream.store._sqlite import WRITE_LOCK_WAIT_S, WRITE_OPTION, sqlite_hooks
 
 __all__ = ["alembic_config", "upgrade", "upgrade_connection"]
 
@@ -46,28 +46,20 @@ def upgrade_connection(connection: Connection, revision: str = "head") -> None:
 def upgrade(url: str, revision: str = "head") -> None:
     """Upgrades the database at ``url`` to ``revision`` in one transaction; blocking, safe
     inside an event loop."""
-    engine = create_engine(sync_url(url), poolclass=pool.NullPool)
-    if engine.dialect.name == "sqlite":
-        _one_sqlite_transaction(engine)
+    if parse(url).get_backend_name() == "sqlite":
+        # The store's connections (``sqlite_hooks``): one BEGIN IMMEDIATE transaction.
+        # The driver ran the DDL outside any until 2026-12-08: an upgrade cut between
+        # ``CREATE TABLE events`` and its version row left a database no later upgrade
+        # could mend, and one racing a starting service failed on "table alembic_version
+        # already exists".
+        engine = create_engine(sync_url(url), poolclass=pool.NullPool,
+                               connect_args={"timeout": WRITE_LOCK_WAIT_S},
+                               execution_options={WRITE_OPTION: True})
+        sqlite_hooks(engine)
+    else:
+        engine = create_engine(sync_url(url), poolclass=pool.NullPool)
     try:
         with engine.begin() as conn:
             upgrade_connection(conn, revision)
     finally:
         engine.dispose()
-
-
-def _one_sqlite_transaction(engine: Engine) -> None:
-    """Makes ``engine.begin()`` one SQLite transaction that holds the write lock from its
-    start, as the store's writers do (``SqlEventStore``). The driver otherwise runs DDL
-    outside any transaction: an upgrade cut between ``CREATE TABLE events`` and its
-    version row left a database no later upgrade could mend, and one racing a starting
-    service failed on "table alembic_version already exists"."""
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        dbapi_conn.isolation_level = None  # BEGIN is ours, below
-        dbapi_conn.execute("PRAGMA busy_timeout = 60000")  # the store's writers wait 60 s
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import orjson
 import psycopg
 from psycopg import errors as pg_errors
-from sqlalchemy import Connection, event, func, insert, inspect, select, text
+from sqlalchemy import Connection, func, insert, inspect, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import URL
@@ -66,6 +66,7 @@ from kz_stream.store._port import (
     StoreNotFound,
 )
 from kz_stream.store._schema import EVENT_COLUMNS, events, tracking
+from kz_stream.store._sqlite import WRITE_LOCK_WAIT_S, WRITE_OPTION, sqlite_hooks
 
 __all__ = ["NOTIFY_CHANNEL", "SqlEventStore", "open_store"]
 
@@ -257,7 +258,7 @@ class SqlEventStore:
             engine = self._sqlite_engine()
             # Writers take SQLite's write lock up front (BEGIN IMMEDIATE); a deferred BEGIN
             # that upgrades later can fail with SQLITE_BUSY instead of waiting.
-            writer = engine.execution_options(kz_write=True)
+            writer = engine.execution_options(**{WRITE_OPTION: True})
             self._sqlite_writers = asyncio.Lock()
         else:
             engine = self._postgres_engine()
@@ -308,24 +309,9 @@ class SqlEventStore:
             self._url,
             json_serializer=lambda obj: orjson.dumps(obj).decode(),
             json_deserializer=orjson.loads,
-            connect_args={"timeout": 60},  # seconds a writer waits for the write lock
+            connect_args={"timeout": WRITE_LOCK_WAIT_S},
         )
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-            # Let us emit BEGIN ourselves (the driver's implicit BEGIN is always deferred).
-            dbapi_conn.isolation_level = None
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
-            # A power cut may lose the last commits but never corrupts the file (WAL).
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.close()
-
-        @event.listens_for(engine.sync_engine, "begin")
-        def _on_begin(conn: Connection) -> None:
-            immediate = conn.get_execution_options().get("kz_write", False)
-            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
-
+        sqlite_hooks(engine.sync_engine)
         return engine
 
     def _postgres_engine(self) -> AsyncEngine:
